@@ -1,0 +1,227 @@
+"""Build: emit a layer for every step (the source module itself where it fits) and assemble the Sequential."""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ..layer import Attr, Layer, Op, Ref
+from ..sequential import OpaqueInfo, Sequential, SkipInfo, _Unused
+from ..signature import OutputSpec
+from ..skip.namespace import Namespace
+from ..trace import Traced, value_of
+from .kinds import CONST, TENSOR
+from .linearize import Plan, Step
+
+__all__ = ["build", "RESERVED"]
+
+#: Names a layer may not take: attributes of seqify.Sequential.
+RESERVED = set(dir(Sequential)) | {
+    "input_spec", "entry", "output_spec", "namespace", "skips", "opaque", "guards", "converted_training",
+    "mode_dependent", "source",
+}
+_LAYER_RESERVED = set(dir(Layer)) | {"inputs", "ops", "outputs", "pops", "stashes", "namespaces", "code"}
+
+
+class Tensors(nn.Module):
+    """Buffers and constants a traced forward reads directly, shared by every layer that reads them."""
+
+
+def _safe(name: str, taken: set[str]) -> str:
+    name = re.sub(r"\W", "_", name) or "attr"
+    if name[0].isdigit():
+        name = f"a{name}"
+    base, i = name, 0
+    while name in taken or name in _LAYER_RESERVED:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
+
+
+def _map(a: Any, fn: Any) -> Any:
+    """Apply ``fn`` to the nodes inside an fx argument, rebuilding plain tuples, lists, dicts and slices."""
+    if isinstance(a, fx.Node):
+        return fn(a)
+    if isinstance(a, tuple):
+        items = [_map(x, fn) for x in a]
+        return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
+    if isinstance(a, list):
+        return [_map(x, fn) for x in a]
+    if isinstance(a, dict):
+        return {k: _map(v, fn) for k, v in a.items()}
+    if isinstance(a, slice):
+        return slice(_map(a.start, fn), _map(a.stop, fn), _map(a.step, fn))
+    return a
+
+
+class _Builder:
+    def __init__(self, traced: Traced, plan: Plan) -> None:
+        self.traced = traced
+        self.plan = plan
+        self.namespace = Namespace()
+        self.holders: dict[str, Tensors] = {}
+        self.holder_names: dict[int, tuple[str, str]] = {}
+
+    def holder_attr(self, target: str, tensor: torch.Tensor) -> tuple[Tensors, str]:
+        owner, _, attr = target.rpartition(".")
+        holder = self.holders.get(owner)
+        if holder is None:
+            holder = self.holders[owner] = Tensors()
+        if attr not in holder._buffers:
+            persistent = False
+            if target not in self.traced.constants:
+                module = self.traced.model.get_submodule(owner)
+                persistent = attr in module._buffers and attr not in module._non_persistent_buffers_set
+            holder.register_buffer(attr, tensor, persistent=persistent)
+        return holder, attr
+
+    def layer(self, step: Step) -> nn.Module:
+        bare = self.bare(step)
+        if bare is not None:
+            return bare
+        modules: dict[str, nn.Module] = {}
+        params: dict[str, nn.Parameter] = {}
+        taken: set[str] = set()
+        by_target: dict[str, Attr] = {}
+
+        def attr(node: fx.Node) -> Attr:
+            target = str(node.target)
+            if target in by_target:
+                return by_target[target]
+            obj = self.traced.attribute(target)
+            local = target.rpartition(".")[2].lstrip("_") or "attr"
+            if isinstance(obj, nn.Parameter):
+                name = _safe(local, taken)
+                params[name] = obj
+                ref = Attr(name)
+            elif isinstance(obj, torch.Tensor):
+                holder, name = self.holder_attr(target, obj)
+                hname = next((k for k, m in modules.items() if m is holder), None)
+                if hname is None:
+                    hname = _safe((target.rpartition(".")[0].replace(".", "_") or "root") + "_tensors", taken)
+                    modules[hname] = holder
+                ref = Attr(f"{hname}.{name}")
+            elif isinstance(obj, nn.Module):
+                name = _safe(local, taken)
+                modules[name] = obj
+                ref = Attr(name)
+            else:
+                raise TypeError(f"get_attr {target!r} is a {type(obj).__name__}")
+            by_target[target] = ref
+            return ref
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                return attr(a) if self.plan.kinds[a] == CONST else Ref(a.name)
+            return a
+
+        ops: list[Op] = []
+        module_names: dict[str, str] = {}
+        for node in step.nodes:
+            args = tuple(_map(node.args, arg))
+            kwargs = {k: _map(v, arg) for k, v in node.kwargs.items()}
+            if node.op == "call_module":
+                target = module_names.get(node.target)
+                if target is None:
+                    target = module_names[node.target] = _safe(node.target.rpartition(".")[2], taken)
+                    modules[target] = self.traced.model.get_submodule(node.target)
+                ops.append(Op(node.name, "call_module", target, args, kwargs))
+            else:
+                ops.append(Op(node.name, node.op, node.target, args, kwargs))
+        return Layer(
+            inputs=[n.name for n in step.carried_in],
+            ops=ops,
+            outputs=[n.name for n in step.carried_out],
+            pops=[((self.namespace, name), v.name) for name, v in step.pops],
+            stashes=[((self.namespace, name), v.name) for name, v in step.stashes],
+            modules=modules,
+            parameters=params,
+        )
+
+    def bare(self, step: Step) -> nn.Module | None:
+        """The source module itself, when a step is exactly one call of it on the carried tensor."""
+        h = step.head
+        if (
+            step.role == "op" and h is not None and h.op == "call_module" and step.nodes == [h]
+            and not step.pops and not step.stashes and not h.kwargs
+            and len(h.args) == 1 and step.carried_in == [h.args[0]] and step.carried_out == [h]
+            and self.plan.kinds[h] == TENSOR
+        ):
+            return self.traced.model.get_submodule(h.target)
+        return None
+
+
+def _skip_info(plan: Plan) -> list[SkipInfo]:
+    out = []
+    for name, value, a, b in plan.skips:
+        val = value_of(value)
+        if isinstance(val, torch.Tensor):
+            out.append(SkipInfo(name, a, b, tuple(val.shape), val.dtype, "tensor"))
+        else:
+            out.append(SkipInfo(name, a, b, None, None, plan.kinds[value]))
+    return out
+
+
+def _output_spec(plan: Plan) -> OutputSpec:
+    leaves, spec = pytree.tree_flatten(plan.output)
+    slots = {n: i for i, n in enumerate(plan.final)}
+    return OutputSpec(spec, [(True, slots[x]) if isinstance(x, fx.Node) else (False, x) for x in leaves])
+
+
+def _state_map(model: nn.Module, seq: nn.Module, unused: _Unused) -> OrderedDict[str, tuple[str, str]]:
+    where: dict[int, tuple[str, str]] = {}
+    for path, module in seq.named_modules(remove_duplicate=False):
+        for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is not None and id(t) not in where:
+                where[id(t)] = (path, name)
+    mapping: OrderedDict[str, tuple[str, str]] = OrderedDict()
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) in where:
+            mapping[key] = where[id(t)]
+            continue
+        local = re.sub(r"\W", "_", key)
+        if isinstance(t, nn.Parameter):
+            unused.register_parameter(local, t)
+        else:
+            unused.register_buffer(local, t)
+        where[id(t)] = ("<unused>", local)
+        mapping[key] = where[id(t)]
+    return mapping
+
+
+def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False) -> Sequential:
+    builder = _Builder(traced, plan)
+    layers: OrderedDict[str, nn.Module] = OrderedDict((s.name, builder.layer(s)) for s in plan.steps)
+    opaque_paths = {o.path: o for o in traced.opaque}
+    opaque = []
+    for step in plan.steps:
+        for node in step.nodes:
+            if node.op == "call_module" and node.target in opaque_paths:
+                o = opaque_paths[node.target]
+                opaque.append(OpaqueInfo(step.name, o.path, o.type, o.reason))
+    unused = _Unused()
+    holder = nn.Module()
+    holder._modules.update(layers)
+    seq = Sequential(
+        layers,
+        inputs=traced.inputs,
+        entry=plan.entry,
+        outputs=_output_spec(plan),
+        namespace=builder.namespace,
+        skips=_skip_info(plan),
+        opaque=opaque,
+        guards=traced.guards,
+        state_map=_state_map(traced.model, holder, unused),
+        unused=unused,
+        training=traced.training,
+        mode_dependent=mode_dependent,
+        source=type(traced.model).__name__,
+    )
+    return seq

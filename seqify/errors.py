@@ -1,0 +1,61 @@
+"""SeqifyError and its subclasses: every failure a user can cause, each saying what to do."""
+
+from __future__ import annotations
+
+__all__ = [
+    "SeqifyError",
+    "UntraceableError",
+    "ConversionError",
+    "ExampleInputError",
+    "HookError",
+    "EmptyModelError",
+    "InputError",
+    "SpecializationError",
+    "ModeError",
+    "StateDictError",
+    "SkipError",
+]
+
+
+class SeqifyError(Exception):
+    """Base class of every error seqify raises on bad input or misuse."""
+
+
+class UntraceableError(SeqifyError):
+    """The top level of a model cannot be traced, even with example inputs."""
+
+
+class ConversionError(SeqifyError):
+    """A traced graph could not be turned into pipeline-ready layers."""
+
+
+class ExampleInputError(SeqifyError):
+    """``example_inputs`` do not fit the model's forward signature or shapes."""
+
+
+class HookError(SeqifyError):
+    """A hook would be dropped by conversion."""
+
+
+class EmptyModelError(SeqifyError):
+    """The model computes nothing, so there is nothing to convert or pipeline."""
+
+
+class InputError(SeqifyError):
+    """A converted model was called with arguments its conversion does not cover."""
+
+
+class SpecializationError(InputError):
+    """An input leaves the shapes a shape-specialised conversion is valid for."""
+
+
+class ModeError(SeqifyError):
+    """A model whose graph depends on ``training`` runs in the mode it was not converted in."""
+
+
+class StateDictError(SeqifyError):
+    """A checkpoint does not match the source model's keys or shapes."""
+
+
+class SkipError(SeqifyError):
+    """Skip connections are stashed or popped in an invalid order or number."""

@@ -1,0 +1,598 @@
+"""Tracing: torch.fx with a leaf policy, example shapes riding on proxies, and an opaque fallback."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import linecache
+import math
+import operator
+import os
+import traceback
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.fx._symbolic_trace import PH
+from torch.fx.proxy import Scope, ScopeContextManager
+
+from .errors import ExampleInputError, HookError, SeqifyError, UntraceableError
+from .guard import Guard, check_bool, check_equal
+from .signature import EMPTY, InputSpec, Param
+
+__all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved"]
+
+
+class _Unknown:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+#: The value of a node whose example value could not be computed (or when there were no example inputs).
+UNKNOWN: Any = _Unknown()
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+_ALL_HOOK_DICTS = _HOOK_DICTS + (
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """A submodule kept whole as one layer, and why."""
+
+    path: str
+    type: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.type}): {self.reason}"
+
+
+@dataclass
+class Traced:
+    """A traced model: its graph (nodes carry ``meta['val']`` when example inputs were given) and what tracing learnt."""
+
+    model: nn.Module
+    graph: fx.Graph
+    constants: dict[str, torch.Tensor]
+    opaque: list[Opaque]
+    inputs: InputSpec
+    training: bool
+    has_values: bool
+    guards: list[Guard] = field(default_factory=list)
+
+    def attribute(self, target: str) -> Any:
+        """The object a ``get_attr`` node refers to."""
+        if target in self.constants:
+            return self.constants[target]
+        obj: Any = self.model
+        for atom in target.split("."):
+            obj = getattr(obj, atom)
+        return obj
+
+
+def value_of(node: fx.Node) -> Any:
+    """The example value of ``node``, or :data:`UNKNOWN`."""
+    return node.meta.get("val", UNKNOWN)
+
+
+def _user_frame() -> str:
+    frame = inspect.currentframe()
+    while frame is not None:
+        file = os.path.abspath(frame.f_code.co_filename)
+        if not file.startswith(_TORCH) and not file.startswith(_HERE) and not file.startswith("<"):
+            line = linecache.getline(file, frame.f_lineno).strip()
+            return f"{os.path.basename(file)}:{frame.f_lineno} ({line})" if line else f"{os.path.basename(file)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown location>"
+
+
+def _error_site(error: BaseException) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    for fs in reversed(frames):
+        file = os.path.abspath(fs.filename)
+        if not file.startswith(_TORCH) and not file.startswith(_HERE) and not file.startswith("<"):
+            code = f" ({fs.line.strip()})" if fs.line else ""
+            return f"{os.path.basename(file)}:{fs.lineno} in {fs.name}{code}"
+    return "<unknown location>"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".strip()
+
+
+_SYMBOLS = {
+    operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
+    operator.floordiv: "//", operator.mod: "%", operator.eq: "==", operator.ne: "!=",
+    operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">=",
+    operator.and_: "&", operator.or_: "|",
+}
+
+
+def _expr(a: Any, depth: int = 0) -> str:
+    if not isinstance(a, fx.Node):
+        return repr(a)
+    if depth > 6:
+        return a.name
+    if a.op == "placeholder":
+        return a.name
+    if a.op == "call_function":
+        if a.target is getattr:
+            return f"{_expr(a.args[0], depth + 1)}.{a.args[1]}"
+        if a.target is operator.getitem:
+            return f"{_expr(a.args[0], depth + 1)}[{_expr(a.args[1], depth + 1)}]"
+        if a.target in _SYMBOLS and len(a.args) == 2:
+            return f"({_expr(a.args[0], depth + 1)} {_SYMBOLS[a.target]} {_expr(a.args[1], depth + 1)})"
+        if a.target is len:
+            return f"len({_expr(a.args[0], depth + 1)})"
+    if a.op == "call_method" and a.target in ("size", "dim", "numel") and not a.kwargs:
+        rest = ", ".join(_expr(x, depth + 1) for x in a.args[1:])
+        return f"{_expr(a.args[0], depth + 1)}.{a.target}({rest})"
+    return a.name
+
+
+class _Proxy(fx.Proxy):
+    """A proxy that asks the tracer for concrete values where Python needs them."""
+
+    tracer: _Tracer
+
+    def __getattr__(self, k: str) -> _Attribute:
+        return _Attribute(self, k)
+
+    def __len__(self) -> int:
+        return self.tracer.concrete_len(self)
+
+    def __int__(self) -> int:
+        return self.tracer.concrete(self, int)
+
+    def __index__(self) -> int:
+        return self.tracer.concrete(self, int)
+
+    def __float__(self) -> float:
+        return self.tracer.concrete(self, float)
+
+
+class _Attribute(_Proxy):
+    def __init__(self, root: _Proxy, attr: str) -> None:
+        self.root = root
+        self.attr = attr
+        self.tracer = root.tracer
+        self._node: fx.Node | None = None
+
+    @property
+    def node(self) -> fx.Node:  # type: ignore[override]
+        if self._node is None:
+            self._node = self.tracer.create_proxy("call_function", getattr, (self.root, self.attr), {}).node
+        return self._node
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tracer.create_proxy("call_method", self.attr, (self.root,) + args, kwargs)
+
+
+class _Tracer(fx.Tracer):
+    def __init__(
+        self,
+        *,
+        leaf_types: tuple[type, ...],
+        leaf_paths: frozenset[str],
+        depth: int | None,
+        fake_mode: Any,
+        placeholders: list[Any],
+    ) -> None:
+        super().__init__(autowrap_modules=(math,), param_shapes_constant=True)
+        self.leaf_types = leaf_types
+        self.leaf_paths = leaf_paths
+        self.depth = depth
+        self.fake_mode = fake_mode
+        self.placeholder_plan = iter(placeholders)
+        self.opaque: dict[str, Opaque] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+        self._constant_names: dict[int, str] = {}
+        self._clones: dict[int, nn.Module] = {}
+        self._param_cache: dict[str, fx.Proxy] | None = None
+        self._known_tensors: set[int] | None = None
+
+    # -- proxies ---------------------------------------------------------------------------------
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
+    def create_proxy(  # type: ignore[override]
+        self,
+        kind: str,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None = None,
+        type_expr: Any = None,
+        proxy_factory_fn: Any = None,
+    ) -> fx.Proxy:
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        node = proxy.node
+        if kind == "placeholder":
+            planned = next(self.placeholder_plan, ("baked", None))
+            node.meta["seqify_baked"] = planned[0] == "baked"
+            if planned[0] == "value" and planned[1] is not UNKNOWN:
+                node.meta["val"] = planned[1]
+        elif kind != "output" and self.fake_mode is not None:
+            self._infer(node)
+        return proxy
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
+            if self._known_tensors is None:
+                self._known_tensors = {id(t) for t in self.root.buffers()} | {id(t) for t in self.tensor_attrs}
+            if id(a) not in self._known_tensors:
+                name = self._constant_names.get(id(a))
+                if name is None:
+                    name = self._constant_names[id(a)] = f"_seqify_constant{len(self.constants)}"
+                    self.constants[name] = a
+                return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
+        self._param_cache = parameter_proxy_cache
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    # -- example values --------------------------------------------------------------------------
+
+    def _fake(self, t: torch.Tensor) -> torch.Tensor:
+        return self.fake_mode.from_tensor(t)
+
+    def _fake_module(self, m: nn.Module) -> nn.Module:
+        clone = self._clones.get(id(m))
+        if clone is None:
+            clone = copy.copy(m)
+            clone.__dict__["_parameters"] = {k: None if v is None else self._fake(v) for k, v in m._parameters.items()}
+            clone.__dict__["_buffers"] = {k: None if v is None else self._fake(v) for k, v in m._buffers.items()}
+            clone.__dict__["_modules"] = {k: None if v is None else self._fake_module(v) for k, v in m._modules.items()}
+            for hooks in _ALL_HOOK_DICTS:
+                if hooks in clone.__dict__:
+                    clone.__dict__[hooks] = OrderedDict()
+            if isinstance(clone, nn.RNNBase):
+                clone._init_flat_weights()
+            self._clones[id(m)] = clone
+        return clone
+
+    def _infer(self, node: fx.Node) -> None:
+        if node.target in (check_bool, check_equal):
+            node.meta["val"] = None
+            return
+        unknown = False
+
+        def val(n: fx.Node) -> Any:
+            nonlocal unknown
+            v = n.meta.get("val", UNKNOWN)
+            if v is UNKNOWN:
+                unknown = True
+            return v
+
+        try:
+            if node.op == "get_attr":
+                obj = self.constants[node.target] if node.target in self.constants else self._attr(node.target)
+                node.meta["val"] = self._fake(obj) if isinstance(obj, torch.Tensor) else obj
+                return
+            args = fx.node.map_arg(node.args, val)
+            kwargs = fx.node.map_arg(node.kwargs, val)
+            if unknown:
+                return
+            with self.fake_mode:
+                if node.op == "call_function":
+                    result = node.target(*args, **kwargs)
+                elif node.op == "call_method":
+                    result = getattr(args[0], node.target)(*args[1:], **kwargs)
+                elif node.op == "call_module":
+                    result = self._fake_module(self.root.get_submodule(node.target)).forward(*args, **kwargs)
+                else:
+                    return
+            node.meta["val"] = result
+        except Exception as e:  # unknown value: later steps fall back to rules
+            node.meta["val_error"] = _first_line(e)
+
+    def _attr(self, target: str) -> Any:
+        obj: Any = self.root
+        for atom in target.split("."):
+            obj = getattr(obj, atom)
+        return obj
+
+    # -- concrete values where Python needs them ---------------------------------------------------
+
+    def _value(self, obj: fx.Proxy, what: str) -> Any:
+        node = obj.node
+        v = node.meta.get("val", UNKNOWN)
+        if v is UNKNOWN:
+            hint = (
+                "pass example_inputs to seqify.convert so shape-dependent code can be resolved"
+                if self.fake_mode is None
+                else f"its example value is unknown ({node.meta.get('val_error', 'no example value')})"
+            )
+            raise fx.proxy.TraceError(f"{what} of traced value {_expr(node)!r} needs a concrete value; {hint}")
+        if isinstance(v, torch.Tensor):
+            raise fx.proxy.TraceError(
+                f"{what} of tensor {_expr(node)!r} depends on the tensor's data, not its shape "
+                "(data-dependent control flow)"
+            )
+        return v
+
+    def _where(self) -> str:
+        path = next(reversed(self.module_stack.values()))[0] if self.module_stack else ""
+        return f"{path or '<model>'}: {_user_frame()}"
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        result = bool(self._value(obj, "bool()"))
+        self.create_proxy("call_function", check_bool, (obj, result, _expr(obj.node), self._where()), {})
+        return result
+
+    def concrete(self, obj: fx.Proxy, kind: type) -> Any:
+        value = self._value(obj, f"{kind.__name__}()")
+        self.create_proxy("call_function", check_equal, (obj, value, _expr(obj.node), self._where()), {})
+        return kind(value)
+
+    def concrete_len(self, obj: fx.Proxy) -> int:
+        value = self._value(obj, "len()") if not isinstance(obj.node.meta.get("val"), torch.Tensor) else obj.node.meta["val"]
+        n = len(value)
+        length = self.create_proxy("call_function", len, (obj,), {})
+        self.create_proxy("call_function", check_equal, (length, n, _expr(length.node), self._where()), {})
+        return n
+
+    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        n = self.concrete_len(obj)
+        return iter([obj[i] for i in range(n)])
+
+    def keys(self, obj: fx.Proxy) -> Any:
+        value = self._value(obj, "keys()")
+        return list(value.keys())
+
+    # -- leaves and the opaque fallback ------------------------------------------------------------
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        path = module_qualified_name
+        if path in self.opaque:
+            return True
+        if path and any(getattr(m, h, None) for h in _HOOK_DICTS):
+            self.opaque[path] = Opaque(path, type(m).__name__, "has hooks, kept whole so they still run")
+            return True
+        if isinstance(m, self.leaf_types) or path in self.leaf_paths:
+            return True
+        if self.depth is not None and path and path.count(".") + 1 >= self.depth:
+            return True
+        return super().is_leaf_module(m, path)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        path = self.path_of_module(m)
+        with ScopeContextManager(self.scope, Scope(path, type(m))) as scope:
+            calls = self.num_calls.get(path, 0)
+            key = f"{scope.module_path}@{calls}" if calls > 0 else scope.module_path
+            self.module_stack[key] = (path, scope.module_type)
+            self.num_calls[path] = calls + 1
+            try:
+                if self.is_leaf_module(m, path):
+                    return self.create_proxy("call_module", path, args, kwargs)
+                mark = next(iter(reversed(self.graph.nodes)), None)
+                try:
+                    return forward(*args, **kwargs)
+                except SeqifyError:
+                    raise
+                except Exception as e:
+                    self._rollback(mark)
+                    self.opaque[path] = Opaque(path, type(m).__name__, f"{_first_line(e)} at {_error_site(e)}")
+                    return self.create_proxy("call_module", path, args, kwargs)
+            finally:
+                self.module_stack.pop(key, None)
+
+    def _rollback(self, mark: fx.Node | None) -> None:
+        nodes = list(self.graph.nodes)
+        start = 0 if mark is None else nodes.index(mark) + 1
+        doomed = nodes[start:]
+        gone = set(doomed)
+        for node in reversed(doomed):
+            self.graph.erase_node(node)
+        if self._param_cache:
+            for name in [n for n, p in self._param_cache.items() if p.node in gone]:
+                del self._param_cache[name]
+
+
+@contextmanager
+def preserved(model: nn.Module) -> Iterator[None]:
+    """Restore every module's attributes, parameters, buffers, children and flags on exit."""
+    saved = [
+        (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
+        for m in model.modules()
+    ]
+    try:
+        yield
+    finally:
+        for m, attrs, params, buffers, children in saved:
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            m._modules.clear()
+            m._modules.update(children)
+
+
+def _has_tensor(x: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(x))
+
+
+def _bind_examples(
+    model: nn.Module, example_inputs: Any
+) -> tuple[list[Param], dict[str, Any], list[tuple[str, Any]]]:
+    """Decide which forward parameters carry tensors; return params, fx concrete_args and the placeholder plan."""
+    name = type(model).__name__
+    sig = inspect.signature(model.forward)
+    given: dict[str, Any] = {}
+    if example_inputs is not None:
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        try:
+            if isinstance(example_inputs, dict):
+                given = dict(sig.bind_partial(**example_inputs).arguments)
+            elif isinstance(example_inputs, (tuple, list)):
+                given = dict(sig.bind_partial(*example_inputs).arguments)
+            else:
+                raise TypeError(f"example_inputs must be a tensor, a tuple of arguments or a dict, not {type(example_inputs).__name__}")
+        except TypeError as e:
+            raise ExampleInputError(f"example_inputs do not fit {name}.forward{sig}: {e}") from None
+    params: list[Param] = []
+    concrete: dict[str, Any] = {}
+    plan: list[tuple[str, Any]] = []
+    for p in sig.parameters.values():
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            if p.name in given and given[p.name]:
+                raise ExampleInputError(
+                    f"{name}.forward takes *{p.name}/**{p.name}; seqify converts forwards with named "
+                    "parameters: wrap the model in a module whose forward names its inputs"
+                )
+            continue
+        default = EMPTY if p.default is inspect.Parameter.empty else p.default
+        if p.name in given:
+            value = given[p.name]
+        elif default is EMPTY:
+            if example_inputs is not None:
+                raise ExampleInputError(f"example_inputs miss the required argument {p.name!r} of {name}.forward")
+            params.append(Param(p.name, int(p.kind), default, dynamic=True))
+            plan.append(("value", UNKNOWN))
+            continue
+        else:
+            value = default
+        if isinstance(value, torch.Tensor):
+            params.append(Param(p.name, int(p.kind), default, dynamic=True))
+            plan.append(("value", value))
+        elif _has_tensor(value):
+            leaves, spec = pytree.tree_flatten(value)
+            if not all(isinstance(x, torch.Tensor) for x in leaves):
+                raise ExampleInputError(
+                    f"argument {p.name!r} of {name}.forward mixes tensors with other values; pass "
+                    "the non-tensor values as separate arguments"
+                )
+            params.append(
+                Param(p.name, int(p.kind), default, dynamic=True, spec=spec,
+                      baked=tuple(None for _ in leaves), tensor_leaves=tuple(True for _ in leaves))
+            )
+            concrete[p.name] = pytree.tree_unflatten([PH] * len(leaves), spec)
+            plan.extend(("value", x) for x in leaves)
+        else:
+            params.append(Param(p.name, int(p.kind), default, dynamic=False, baked=(value,)))
+            concrete[p.name] = value
+            plan.append(("baked", None))
+    return params, concrete, plan
+
+
+def _strip_baked(graph: fx.Graph) -> None:
+    """Remove the placeholders fx makes for baked arguments, and the checks on them (the binder checks)."""
+    for ph in [n for n in graph.nodes if n.op == "placeholder" and n.meta.get("seqify_baked")]:
+        doomed: list[fx.Node] = []
+        frontier = [ph]
+        while frontier:
+            n = frontier.pop()
+            if n not in doomed:
+                doomed.append(n)
+                frontier.extend(n.users)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for n in sorted(doomed, key=order.__getitem__, reverse=True):
+            graph.erase_node(n)
+
+
+def _restore_output(graph: fx.Graph) -> None:
+    codegen = graph._codegen
+    info = getattr(codegen, "pytree_info", None)
+    if info is None:
+        return
+    out = next(n for n in graph.nodes if n.op == "output")
+    if info.out_spec is not None:
+        out.args = (pytree.tree_unflatten(list(out.args[0]), info.out_spec),)
+    graph._codegen = fx.graph.CodeGen()
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    leaf_types: Sequence[type] = (),
+    leaf_paths: Sequence[str] = (),
+    depth: int | None = None,
+) -> Traced:
+    """Trace ``model`` into a torch.fx graph without changing it.
+
+    Leaves are torch.nn modules, ``leaf_types``, ``leaf_paths`` and modules deeper than ``depth``. A
+    submodule whose forward cannot be traced is kept whole (opaque). With ``example_inputs`` every node
+    carries its example value in ``meta['val']`` (fake tensors: no data, no compute), Python control flow
+    on shapes is resolved, and each decision becomes a run-time guard node.
+    """
+    name = type(model).__name__
+    hooked = [h for h in _HOOK_DICTS if getattr(model, h, None)]
+    if hooked:
+        raise HookError(
+            f"{name} itself has {', '.join(h.strip('_').replace('_', ' ') for h in hooked)}; a converted "
+            "model cannot run hooks of the module it flattens. Remove them before converting (hooks on "
+            "submodules are fine: those submodules are kept whole so their hooks still run)."
+        )
+    params, concrete, plan = _bind_examples(model, example_inputs)
+    fake_mode = None
+    if example_inputs is not None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        plan = [(kind, fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for kind, v in plan]
+    tracer = _Tracer(
+        leaf_types=tuple(leaf_types),
+        leaf_paths=frozenset(leaf_paths),
+        depth=depth,
+        fake_mode=fake_mode,
+        placeholders=plan,
+    )
+    with preserved(model), torch.random.fork_rng(devices=[]):
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        except SeqifyError:
+            raise
+        except Exception as e:
+            site = _error_site(e)
+            raise UntraceableError(
+                f"{name}.forward cannot be traced: {_first_line(e)}\n  at {site}\n"
+                "What to do: pass example_inputs=... to seqify.convert so shape-dependent branches are "
+                "resolved from example shapes; move data-dependent code (branches on tensor values, "
+                "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
+                "or list that submodule in leaf_paths=[...]."
+            ) from e
+    _strip_baked(graph)
+    _restore_output(graph)
+    used = {n.target for n in graph.nodes if n.op == "get_attr"}
+    constants = {k: v for k, v in tracer.constants.items() if k in used}
+    called = {n.target for n in graph.nodes if n.op == "call_module"}
+    opaque = [o for p, o in tracer.opaque.items() if p in called]
+    guards = [
+        Guard(n.args[2], n.args[1], n.args[3])
+        for n in graph.nodes
+        if n.op == "call_function" and n.target in (check_bool, check_equal)
+    ]
+    return Traced(
+        model=model,
+        graph=graph,
+        constants=constants,
+        opaque=opaque,
+        inputs=InputSpec(name, params),
+        training=model.training,
+        has_values=fake_mode is not None,
+        guards=guards,
+    )

@@ -1,5 +1,7 @@
 """seqify: any PyTorch net becomes an exact, pipeline-ready nn.Sequential that runs across GPUs."""
 
+from typing import Any
+
 from . import skip
 from .convert import convert
 from .errors import *  # noqa: F403
@@ -10,4 +12,12 @@ from .sequential import OpaqueInfo, Sequential, SkipInfo
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", *_errors]
+__all__ = ["convert", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", *_errors]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "zoo":  # imported on first use: the zoo builds on everything else
+        import importlib
+
+        return importlib.import_module(".zoo", __name__)
+    raise AttributeError(f"module 'seqify' has no attribute {name!r}")

@@ -31,13 +31,13 @@ def _fail(guard: Guard, got: Any) -> SpecializationError:
     )
 
 
-def check_bool(value: Any, guard: Guard) -> None:
+def check_bool(value: Any, expected: bool, expr: str, where: str) -> None:
     """Raise SpecializationError unless ``bool(value)`` is what the trace saw."""
-    if bool(value) is not guard.expected:
-        raise _fail(guard, bool(value))
+    if bool(value) is not expected:
+        raise _fail(Guard(expr, expected, where), bool(value))
 
 
-def check_equal(value: Any, guard: Guard) -> None:
+def check_equal(value: Any, expected: Any, expr: str, where: str) -> None:
     """Raise SpecializationError unless ``value`` equals what the trace saw."""
-    if value != guard.expected:
-        raise _fail(guard, value)
+    if value != expected:
+        raise _fail(Guard(expr, expected, where), value)

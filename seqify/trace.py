@@ -76,6 +76,7 @@ class Traced:
     training: bool
     has_values: bool
     guards: list[Guard] = field(default_factory=list)
+    output: Any = None  # the output structure, with nodes as leaves
 
     def attribute(self, target: str) -> Any:
         """The object a ``get_attr`` node refers to."""
@@ -110,7 +111,7 @@ def _error_site(error: BaseException) -> str:
         if not file.startswith(_TORCH) and not file.startswith(_HERE) and not file.startswith("<"):
             code = f" ({fs.line.strip()})" if fs.line else ""
             return f"{os.path.basename(file)}:{fs.lineno} in {fs.name}{code}"
-    return "<unknown location>"
+    return ""
 
 
 def _first_line(error: BaseException) -> str:
@@ -208,6 +209,9 @@ class _Tracer(fx.Tracer):
         self._clones: dict[int, nn.Module] = {}
         self._param_cache: dict[str, fx.Proxy] | None = None
         self._known_tensors: set[int] | None = None
+        self._depth = 0
+        self._raw: Any = None
+        self.raw_output: Any = None
 
     # -- proxies ---------------------------------------------------------------------------------
 
@@ -235,7 +239,21 @@ class _Tracer(fx.Tracer):
             self._infer(node)
         return proxy
 
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None, type_expr: Any = None) -> fx.Node:
+        if kind == "output":
+            self.raw_output = self._raw
+        return super().create_node(kind, target, args, kwargs, name, type_expr)
+
     def create_arg(self, a: Any) -> Any:
+        if self._depth == 0:
+            self._raw = a
+        self._depth += 1
+        try:
+            return self._create_arg(a)
+        finally:
+            self._depth -= 1
+
+    def _create_arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
             if self._known_tensors is None:
                 self._known_tensors = {id(t) for t in self.root.buffers()} | {id(t) for t in self.tensor_attrs}
@@ -323,11 +341,13 @@ class _Tracer(fx.Tracer):
                 if self.fake_mode is None
                 else f"its example value is unknown ({node.meta.get('val_error', 'no example value')})"
             )
-            raise fx.proxy.TraceError(f"{what} of traced value {_expr(node)!r} needs a concrete value; {hint}")
+            raise fx.proxy.TraceError(
+                f"Python control flow ({what}) on the traced value `{_expr(node)}` needs a concrete value; {hint}"
+            )
         if isinstance(v, torch.Tensor):
             raise fx.proxy.TraceError(
-                f"{what} of tensor {_expr(node)!r} depends on the tensor's data, not its shape "
-                "(data-dependent control flow)"
+                f"Python control flow ({what}) on tensor `{_expr(node)}` depends on the tensor's data, not "
+                "its shape (data-dependent control flow)"
             )
         return v
 
@@ -392,7 +412,9 @@ class _Tracer(fx.Tracer):
                     raise
                 except Exception as e:
                     self._rollback(mark)
-                    self.opaque[path] = Opaque(path, type(m).__name__, f"{_first_line(e)} at {_error_site(e)}")
+                    site = _error_site(e)
+                    reason = f"{_first_line(e)} at {site}" if site else _first_line(e)
+                    self.opaque[path] = Opaque(path, type(m).__name__, reason)
                     return self.create_proxy("call_module", path, args, kwargs)
             finally:
                 self.module_stack.pop(key, None)
@@ -513,15 +535,21 @@ def _strip_baked(graph: fx.Graph) -> None:
             graph.erase_node(n)
 
 
-def _restore_output(graph: fx.Graph) -> None:
-    codegen = graph._codegen
-    info = getattr(codegen, "pytree_info", None)
-    if info is None:
-        return
+def _output_structure(graph: fx.Graph, raw: Any) -> Any:
+    """The source's own output structure, nodes as leaves (fx's node args turn dicts into immutable dicts)."""
     out = next(n for n in graph.nodes if n.op == "output")
-    if info.out_spec is not None:
-        out.args = (pytree.tree_unflatten(list(out.args[0]), info.out_spec),)
-    graph._codegen = fx.graph.CodeGen()
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is not None:
+        graph._codegen = fx.graph.CodeGen()
+        if info.out_spec is not None:
+            structure = pytree.tree_unflatten(list(out.args[0]), info.out_spec)
+            out.args = (structure,)
+            return structure
+        return out.args[0]
+    leaves, spec = pytree.tree_flatten(raw)
+    if any(isinstance(x, (dict, list, tuple)) for x in leaves):
+        return out.args[0]
+    return pytree.tree_unflatten([x.node if isinstance(x, fx.Proxy) else x for x in leaves], spec)
 
 
 def trace(
@@ -569,14 +597,15 @@ def trace(
         except Exception as e:
             site = _error_site(e)
             raise UntraceableError(
-                f"{name}.forward cannot be traced: {_first_line(e)}\n  at {site}\n"
-                "What to do: pass example_inputs=... to seqify.convert so shape-dependent branches are "
+                f"{name}.forward cannot be traced: {_first_line(e)}\n"
+                + (f"  at {site}\n" if site else "")
+                + "What to do: pass example_inputs=... to seqify.convert so shape-dependent branches are "
                 "resolved from example shapes; move data-dependent code (branches on tensor values, "
                 "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
                 "or list that submodule in leaf_paths=[...]."
             ) from e
     _strip_baked(graph)
-    _restore_output(graph)
+    output = _output_structure(graph, tracer.raw_output)
     used = {n.target for n in graph.nodes if n.op == "get_attr"}
     constants = {k: v for k, v in tracer.constants.items() if k in used}
     called = {n.target for n in graph.nodes if n.op == "call_module"}
@@ -595,4 +624,5 @@ def trace(
         training=model.training,
         has_values=fake_mode is not None,
         guards=guards,
+        output=output,
     )

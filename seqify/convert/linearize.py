@@ -63,7 +63,7 @@ def _inputs(node: fx.Node) -> list[fx.Node]:
     return list(dict.fromkeys(found))
 
 
-def _expand_outputs(graph: fx.Graph, output: fx.Node, kinds: dict[fx.Node, str]) -> Any:
+def _expand_outputs(graph: fx.Graph, output: fx.Node, structure: Any, kinds: dict[fx.Node, str]) -> Any:
     """Replace containers in the output by their elements, so the last layer returns tensors."""
 
     def expand(node: fx.Node) -> Any:
@@ -85,7 +85,7 @@ def _expand_outputs(graph: fx.Graph, output: fx.Node, kinds: dict[fx.Node, str])
             picked.append(current)
         return pytree.tree_unflatten(picked, spec)
 
-    return pytree.tree_map(lambda x: expand(x) if isinstance(x, fx.Node) else x, output.args[0])
+    return pytree.tree_map(lambda x: expand(x) if isinstance(x, fx.Node) else x, structure)
 
 
 def _step_name(node: fx.Node) -> str:
@@ -98,7 +98,7 @@ def _step_name(node: fx.Node) -> str:
         op = str(target).strip("_") or "op"
         base = f"{scope}.{op}" if scope else op
     name = re.sub(r"\W", "_", base.replace(".", "_"))
-    return name if name and not name[0].isdigit() else f"l{name}"
+    return name or "op"
 
 
 def _unique(names: Iterable[str], reserved: set[str]) -> list[str]:
@@ -119,7 +119,7 @@ def linearize(traced: Traced, reserved: set[str] = frozenset()) -> Plan:  # type
     graph = traced.graph
     kinds = classify(graph, traced.model)
     output_node = next(n for n in graph.nodes if n.op == "output")
-    structure = _expand_outputs(graph, output_node, kinds)
+    structure = _expand_outputs(graph, output_node, traced.output, kinds)
     order = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
 

@@ -1,0 +1,110 @@
+"""Shared checks: a converted model against its source, and that conversion leaves the source alone."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import seqify
+
+__all__ = ["snapshot", "assert_unchanged", "assert_exact", "leaves", "loss_of"]
+
+
+def leaves(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """A scalar that depends on every floating output."""
+    parts = [t.float().pow(2).mean() * (i + 1) for i, t in enumerate(leaves(out)) if t.is_floating_point()]
+    return torch.stack(parts).sum()
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    """What conversion must not change: tree, attributes, flags, hooks and state values."""
+    return {
+        "modules": [(n, id(m), type(m)) for n, m in model.named_modules()],
+        "dicts": {n: {k: id(v) for k, v in m.__dict__.items()} for n, m in model.named_modules()},
+        "training": [m.training for m in model.modules()],
+        "hooks": [
+            (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()
+        ],
+        "state": {k: (id(v), v.detach().clone()) for k, v in model.state_dict(keep_vars=True).items()},
+        "forward": [type(m).forward for m in model.modules()],
+    }
+
+
+def assert_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
+    after = snapshot(model)
+    assert after["modules"] == before["modules"], "module tree changed"
+    assert after["dicts"] == before["dicts"], "module attributes changed"
+    assert after["training"] == before["training"], "training flags changed"
+    assert after["hooks"] == before["hooks"], "hooks changed"
+    assert after["forward"] == before["forward"], "forward changed"
+    assert before["state"].keys() == after["state"].keys()
+    for k, (ident, value) in before["state"].items():
+        assert after["state"][k][0] == ident, f"{k} was replaced"
+        assert torch.equal(after["state"][k][1], value), f"{k} changed value"
+
+
+def assert_exact(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    *,
+    train: bool,
+    convert: Callable[[nn.Module], seqify.Sequential] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    backward: bool = True,
+    seed: int = 0,
+) -> seqify.Sequential:
+    """Convert ``model`` and check it against an untouched deep copy of the source.
+
+    Forward outputs must be bit-equal (same structure), gradients allclose(1e-5), buffers (BatchNorm
+    statistics) equal, and the conversion must leave the source unchanged.
+    """
+    kwargs = kwargs or {}
+    model.train(train)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    seq = (convert or seqify.convert)(model)
+    assert_unchanged(model, before)
+    assert isinstance(seq, seqify.Sequential)
+
+    def run(fn: Callable[..., Any]) -> Any:
+        # Fresh copies of the inputs: a model may modify its inputs in place.
+        a, k = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        torch.manual_seed(seed)
+        if backward:
+            out = fn(*a, **k)
+            loss_of(out).backward()
+            return out
+        with torch.no_grad():
+            return fn(*a, **k)
+
+    expected = run(reference)
+    got = run(seq)
+    assert pytree.tree_structure(expected) == pytree.tree_structure(got), "output structure differs"
+    for a, b in zip(pytree.tree_leaves(expected), pytree.tree_leaves(got)):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a, b), "outputs are not bit-equal"
+        else:
+            assert a == b
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        q = ref_params[name]
+        if q.grad is None:
+            assert p.grad is None, f"{name} got a gradient the source does not give"
+        else:
+            assert p.grad is not None, f"{name} has no gradient"
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=f"gradient of {name}")
+    ref_buffers = dict(reference.named_buffers())
+    for name, b in model.named_buffers():
+        assert torch.equal(b, ref_buffers[name]), f"buffer {name} differs (BatchNorm statistics?)"
+    model.zero_grad(set_to_none=True)
+    return seq

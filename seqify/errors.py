@@ -14,6 +14,11 @@ __all__ = [
     "ModeError",
     "StateDictError",
     "SkipError",
+    "BalanceError",
+    "DeviceError",
+    "SharedParameterError",
+    "BoundaryError",
+    "StageError",
 ]
 
 
@@ -59,3 +64,23 @@ class StateDictError(SeqifyError):
 
 class SkipError(SeqifyError):
     """Skip connections are stashed or popped in an invalid order or number."""
+
+
+class BalanceError(SeqifyError):
+    """A balance does not split the layers into non-empty partitions."""
+
+
+class DeviceError(SeqifyError):
+    """A device that does not exist, or fewer devices than partitions."""
+
+
+class SharedParameterError(SeqifyError):
+    """A parameter is used by layers that land in different partitions."""
+
+
+class BoundaryError(SeqifyError):
+    """A value that cannot cross a partition boundary (not a tensor or tuple of tensors)."""
+
+
+class StageError(SeqifyError):
+    """An exception inside a pipeline stage, re-raised with the partition and layer (Python < 3.11)."""

@@ -49,9 +49,11 @@ def round_trip(seq: seqify.Sequential, model: torch.nn.Module, other: torch.nn.M
     assert list(sd) == list(source)
     for k, v in source.items():
         assert torch.equal(sd[k], v), k
-    seq.load_original_state_dict(other.state_dict())
-    for k, v in other.state_dict().items():
-        assert torch.equal(model.state_dict()[k], v), f"{k} not loaded into the shared source tensor"
+    wanted = other.state_dict()
+    seq.load_original_state_dict(wanted)
+    loaded = model.state_dict()
+    for k, v in wanted.items():
+        assert torch.equal(loaded[k], v), f"{k} not loaded into the shared source tensor"
 
 
 @pytest.mark.parametrize("name", CLASSIFICATION)

@@ -1,0 +1,82 @@
+"""Checkpointing: recompute a stage's forward during backward, with RNG and BatchNorm state intact."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+__all__ = ["is_checkpointing", "is_recomputing", "checkpointed", "norms_of"]
+
+_local = threading.local()
+
+
+def is_checkpointing() -> bool:
+    """True while a checkpointed stage runs its first (forward) pass."""
+    return getattr(_local, "checkpointing", False)
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed stage recomputes its forward during backward.
+
+    A layer with side effects (a counter, a running statistic) should skip them when this is true.
+    """
+    return getattr(_local, "recomputing", False)
+
+
+@contextmanager
+def _flag(name: str) -> Iterator[None]:
+    previous = getattr(_local, name, False)
+    setattr(_local, name, True)
+    try:
+        yield
+    finally:
+        setattr(_local, name, previous)
+
+
+def norms_of(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """BatchNorm modules whose running statistics a recomputation would update a second time."""
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+
+@contextmanager
+def _scratch_statistics(norms: Sequence[nn.modules.batchnorm._BatchNorm]) -> Iterator[None]:
+    """Let BatchNorm update throw-away copies of its running statistics (same shapes, so the
+    tensors autograd saves match the forward pass), then put the real ones back untouched."""
+    saved = []
+    for m in norms:
+        if m.training:
+            saved.append((m, dict(m._buffers)))
+            for k, v in m._buffers.items():
+                if v is not None:
+                    m._buffers[k] = v.clone()
+    try:
+        yield
+    finally:
+        for m, buffers in saved:
+            m._buffers.update(buffers)
+
+
+def checkpointed(fn: Callable[..., Any], *args: Any, norms: Sequence[nn.modules.batchnorm._BatchNorm] = ()) -> Any:
+    """``fn(*args)``, keeping no activations for backward: they are recomputed when needed.
+
+    The recomputation sees the same RNG and autocast state as the forward pass (torch's
+    non-reentrant checkpoint) and leaves BatchNorm statistics as the forward pass left them.
+    """
+    first = True
+
+    def run(*inner: Any) -> Any:
+        nonlocal first
+        if first:
+            first = False
+            with _flag("checkpointing"):
+                return fn(*inner)
+        with _flag("recomputing"), _scratch_statistics(norms):
+            return fn(*inner)
+
+    return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -1,0 +1,312 @@
+"""Pipeline: a GPipe executor that runs a Sequential's partitions on their devices over micro-batches."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import BalanceError, BoundaryError, DeviceError, SharedParameterError
+from ..sequential import Sequential
+from ..skip.layout import routes
+from ..skip.namespace import SkipKey
+from .batchnorm import DeferredBatchNorm, defer_batch_norm
+from .checkpoint import checkpointed, norms_of
+from .microbatch import gather, is_tensors, scatter
+from .schedule import clock_cycles
+from .stage import Stage, annotate
+from .transfer import Transfer
+
+__all__ = ["Pipeline", "pipeline", "resolve_devices"]
+
+CHECKPOINT = ("always", "except_last", "never")
+STRATEGIES = ("time", "memory", "flops", "params")
+
+
+def resolve_devices(gpus: int | None, devices: Sequence[Any] | None, partitions: int | None) -> list[torch.device]:
+    """The device of every partition, from ``devices``, ``gpus`` or what the machine has."""
+    if devices is not None and gpus is not None:
+        raise DeviceError("pass either gpus=N or devices=[...], not both")
+    if devices is not None:
+        if not devices:
+            raise DeviceError("devices=[] names no device; give one device per partition")
+        out = []
+        for d in devices:
+            device = torch.device(f"cuda:{d}" if isinstance(d, int) else d)
+            if device.type == "cuda":
+                if not torch.cuda.is_available():
+                    raise DeviceError(f"device {device} does not exist: CUDA is not available here; use devices=['cpu', ...]")
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                if index >= torch.cuda.device_count():
+                    raise DeviceError(
+                        f"device {device} does not exist: this machine has {torch.cuda.device_count()} GPUs "
+                        f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+                    )
+                device = torch.device("cuda", index)
+            elif device.type not in ("cpu",):
+                raise DeviceError(f"device {device} is not supported: use CUDA devices or 'cpu'")
+            out.append(device)
+        return out
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus is not None:
+        if gpus < 1:
+            raise DeviceError(f"gpus={gpus}: ask for at least one GPU")
+        if gpus > available:
+            raise DeviceError(
+                f"gpus={gpus} but this machine has {available} GPU{'s' if available != 1 else ''}; "
+                "use fewer, or devices=['cpu', 'cpu'] to pipeline on the CPU"
+            )
+        return [torch.device("cuda", i) for i in range(gpus)]
+    if available:
+        return [torch.device("cuda", i) for i in range(partitions or available)][:available]
+    if partitions:
+        return [torch.device("cpu")] * partitions
+    raise DeviceError("no GPU here: pass devices=['cpu', 'cpu'] (or a balance list) to pipeline on the CPU")
+
+
+def _layer_names(model: nn.Sequential) -> list[str]:
+    return list(model._modules)
+
+
+def _check_balance(balance: Sequence[int], layers: int) -> list[int]:
+    balance = [int(b) for b in balance]
+    if any(b < 1 for b in balance):
+        raise BalanceError(f"balance {balance} has an empty partition; every partition needs at least one layer")
+    if sum(balance) != layers:
+        raise BalanceError(
+            f"balance {balance} sums to {sum(balance)} but the model has {layers} layers; "
+            "make the counts add up to the number of layers (or pass a strategy such as balance='params')"
+        )
+    return balance
+
+
+def _check_shared(parts: list[nn.Sequential]) -> None:
+    owner: dict[int, tuple[int, str, str]] = {}
+    for j, part in enumerate(parts):
+        for layer_name, layer in part.named_children():
+            for pname, p in layer.named_parameters():
+                seen = owner.get(id(p))
+                if seen is None:
+                    owner[id(p)] = (j, layer_name, pname)
+                elif seen[0] != j:
+                    raise SharedParameterError(
+                        f"parameter {seen[1]}.{seen[2]} is shared by layer {seen[1]!r} (partition {seen[0]}) and "
+                        f"layer {layer_name!r} (partition {j}); a parameter lives on one device. Change the balance "
+                        f"so both layers land in one partition, or untie the weights."
+                    )
+
+
+class Pipeline(nn.Module):
+    """A model split into partitions on devices, run as a GPipe pipeline over micro-batches.
+
+    Call it like the model: inputs go to the first device (moved there if needed), outputs come back
+    on the last device with the structure the source model returns. Training uses autograd as usual:
+    ``loss = f(pipe(x)); loss.backward()``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: Sequence[int],
+        devices: Sequence[torch.device],
+        *,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+        plan: Any = None,
+    ) -> None:
+        super().__init__()
+        if checkpoint not in CHECKPOINT:
+            raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
+        if chunks < 1:
+            raise BalanceError(f"chunks={chunks}: need at least one micro-batch")
+        names = _layer_names(model)
+        balance = _check_balance(balance, len(names))
+        if len(devices) != len(balance):
+            raise DeviceError(
+                f"{len(balance)} partitions but {len(devices)} devices {list(map(str, devices))}; "
+                "give one device per partition (repeat a device to put several partitions on it)"
+            )
+        found = routes(model)
+        layers = list(model._modules.values())
+        parts: list[nn.Sequential] = []
+        start = 0
+        for count in balance:
+            parts.append(nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count]))))
+            start += count
+        _check_shared(parts)
+        part_of = [j for j, count in enumerate(balance) for _ in range(count)]
+        for part, device in zip(parts, devices):
+            part.to(device)
+        if deferred_batch_norm:
+            parts = [defer_batch_norm(p, chunks) for p in parts]  # type: ignore[misc]
+        pops: list[list[SkipKey]] = [[] for _ in parts]
+        stashes: list[list[SkipKey]] = [[] for _ in parts]
+        self.skip_partitions: dict[SkipKey, tuple[int, int]] = {}
+        for r in found:
+            a, b = part_of[r.stash], part_of[r.pop]
+            if a != b:
+                stashes[a].append(r.key)
+                pops[b].append(r.key)
+                self.skip_partitions[r.key] = (a, b)
+        self.partitions = nn.ModuleList(parts)
+        object.__setattr__(self, "model", model)
+        self.devices = list(devices)
+        self.balance = balance
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.plan = plan
+        self.stages = [Stage(j, p, d, tuple(pops[j]), tuple(stashes[j])) for j, (p, d) in enumerate(zip(parts, devices))]
+        self._norms = [norms_of(p) for p in parts]
+        self._deferred = [m for p in parts for m in p.modules() if isinstance(m, DeferredBatchNorm)]
+        self._transfer = Transfer()
+        self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
+        self.training = model.training
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.devices[0]
+
+    @property
+    def output_device(self) -> torch.device:
+        return self.devices[-1]
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{b} on {d}" for b, d in zip(self.balance, self.devices))
+        return f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r})"
+
+    def train(self, mode: bool = True) -> Pipeline:
+        super().train(mode)
+        self.model.train(mode)
+        return self
+
+    def _checkpoint_stop(self, micro_batches: int) -> int:
+        if not torch.is_grad_enabled():
+            return 0
+        return {"always": micro_batches, "except_last": micro_batches - 1, "never": 0}[self.checkpoint]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        if isinstance(model, Sequential):
+            carried = model.flatten_inputs(*args, **kwargs)
+        elif len(args) == 1 and not kwargs:
+            carried = args[0]
+        else:
+            raise BoundaryError("a plain nn.Sequential pipeline takes one argument: a tensor or a tuple of tensors")
+        carried = self._transfer(carried, self.devices[0])
+        batches = scatter(carried, self.chunks)
+        outputs = self._run(batches)
+        out = gather(outputs)
+        return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
+
+    def _run(self, values: list[Any]) -> list[Any]:
+        m, n = len(values), len(self.stages)
+        stop = self._checkpoint_stop(m)
+        for bn in self._deferred:
+            bn.chunks = m
+            bn._reset_tracking()
+        pending: list[dict[SkipKey, Any]] = [{} for _ in range(m)]
+        transfer = self._transfer
+        observe = self.on_transfer
+        try:
+            for cycle in clock_cycles(m, n):
+                for i, j in cycle:
+                    stage = self.stages[j]
+                    x = values[i]
+                    if j > 0:
+                        if not is_tensors(x):
+                            prev = self.stages[j - 1]
+                            raise BoundaryError(
+                                f"layer {prev.names[-1]!r}, the last of partition {j - 1}, returns "
+                                f"{type(x).__name__}; only a tensor or a tuple of tensors can cross to partition {j}. "
+                                "Move the cut (balance) so this value stays inside one partition, or convert with "
+                                "example_inputs so seqify knows which values are tensors."
+                            )
+                        x = transfer(x, stage.device)
+                        if observe is not None:
+                            observe("carry", "", j - 1, j, i)
+                    skips = {}
+                    for key in stage.pops:
+                        skips[key] = transfer(pending[i].pop(key), stage.device)
+                        if observe is not None:
+                            observe("skip", key[1], self.skip_partitions[key][0], j, i)
+                    if i < stop:
+                        y, out = checkpointed(stage.fresh, x, skips, norms=self._norms[j])
+                    else:
+                        y, out = stage(x, skips)
+                    pending[i].update(out)
+                    values[i] = y
+        except BaseException:
+            for bn in self._deferred:
+                bn._reset_tracking()
+            raise
+        left = [k[1] for p in pending for k in p]
+        if left:
+            raise BoundaryError(f"skips {sorted(set(left))} were stashed but no later partition popped them")
+        return values
+
+
+def pipeline(
+    model: nn.Module,
+    *,
+    gpus: int | None = None,
+    devices: Sequence[Any] | None = None,
+    chunks: int = 1,
+    balance: Sequence[int] | str | None = None,
+    checkpoint: str = "except_last",
+    deferred_batch_norm: bool = False,
+    example_inputs: Any = None,
+    sample: Any = None,
+    **convert_options: Any,
+) -> Pipeline:
+    """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
+
+    Args:
+        model: a seqify.Sequential, any nn.Sequential (hand-written skippable layers included), or any
+            other module, which is converted first (``example_inputs`` and ``convert_options`` are passed
+            to :func:`seqify.convert`).
+        gpus / devices: ``gpus=N`` takes cuda:0..N-1; ``devices=[...]`` names one device per partition
+            (CUDA or CPU; repeat a device to put several partitions on it). Default: every GPU, else
+            one CPU device per partition of a ``balance`` list.
+        chunks: micro-batches per mini-batch. A batch that does not divide evenly gets micro-batches
+            whose sizes differ by one; more chunks than samples are clamped to the batch size.
+        balance: layers per partition, or a strategy: 'time', 'memory', 'flops' or 'params' (see
+            :func:`seqify.balance`). Default 'params'.
+        checkpoint: 'except_last' (default), 'always' or 'never': which micro-batches recompute their
+            activations in backward instead of keeping them. Only while gradients are enabled.
+        deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from all of its
+            micro-batches, as training on one device would.
+        sample: an input batch (or micro-batch) for the 'time', 'memory' and 'flops' strategies;
+            defaults to ``example_inputs``.
+
+    Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
+    the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
+    """
+    if not isinstance(model, nn.Sequential):
+        from ..convert import convert
+
+        model = convert(model, example_inputs, **convert_options)
+    elif convert_options:
+        raise BalanceError(f"options {sorted(convert_options)} apply to conversion, but the model is already a Sequential")
+    layers = len(model)
+    if isinstance(balance, str) or balance is None:
+        strategy = balance or "params"
+        if strategy not in STRATEGIES:
+            raise BalanceError(f"balance={strategy!r}: use a list of layer counts or one of {STRATEGIES}")
+        placed = resolve_devices(gpus, devices, None)
+        if len(placed) > layers:
+            raise BalanceError(f"{len(placed)} partitions but the model has only {layers} layers; use fewer devices")
+        from ..partition import balance as make_plan
+
+        probe = sample if sample is not None else example_inputs
+        plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
+        return Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
+                        deferred_batch_norm=deferred_batch_norm, plan=plan)
+    counts = list(balance)
+    if len(counts) > layers:
+        raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
+    placed = resolve_devices(gpus, devices, len(counts))
+    return Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=deferred_batch_norm)

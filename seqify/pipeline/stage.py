@@ -1,0 +1,75 @@
+"""Stage: how one partition runs one micro-batch, behind one small interface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import StageError
+from ..skip.namespace import SkipKey
+from ..skip.tracker import SkipTracker, use_tracker
+
+__all__ = ["Stage", "annotate"]
+
+
+def annotate(error: BaseException, where: str) -> BaseException | None:
+    """Say where a stage failed: a note on the original exception (Python >= 3.11; returns None, so
+    the caller re-raises it unchanged), else a StageError to raise from it."""
+    if hasattr(error, "add_note"):
+        error.add_note(where)
+        return None
+    return StageError(f"{where}: {type(error).__name__}: {error}")
+
+
+class Stage:
+    """Runs a partition's layers on one micro-batch: ``stage(x, skips) -> (y, skips_out)``.
+
+    ``skips`` are the values this partition pops that earlier partitions stashed, already on this
+    stage's device; ``skips_out`` are the values it stashes for later partitions. Skips that stay
+    inside the partition never leave it. Anything with this call signature (a captured CUDA graph, a
+    compiled callable) can stand in for the eager loop.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        layers: nn.Sequential,
+        device: torch.device,
+        pops: tuple[SkipKey, ...],
+        stashes: tuple[SkipKey, ...],
+    ) -> None:
+        self.index = index
+        self.layers = layers
+        self.device = device
+        self.pops = pops
+        self.stashes = stashes
+        self.names = list(layers._modules)
+        self.modules = list(layers._modules.values())
+
+    def __repr__(self) -> str:
+        return f"Stage({self.index}, {self.device}, {len(self.modules)} layers)"
+
+    def __call__(self, x: Any, skips: dict[SkipKey, Any]) -> tuple[Any, dict[SkipKey, Any]]:
+        tracker = SkipTracker()
+        tracker.values.update(skips)
+        i = 0
+        try:
+            with use_tracker(tracker):
+                for i, layer in enumerate(self.modules):
+                    x = layer(x)
+        except Exception as e:
+            wrapped = annotate(e, f"in pipeline partition {self.index} ({self.device}), layer {self.names[i]!r}")
+            if wrapped is None:
+                raise
+            raise wrapped from e
+        values = tracker.values
+        return x, {key: values.pop(key) for key in self.stashes}
+
+    def fresh(self, x: Any, skips: dict[SkipKey, Any]) -> tuple[Any, dict[SkipKey, Any]]:
+        """Run on copies of the inputs, for checkpointing: a layer that modifies its input in place
+        (``ReLU(inplace=True)``, ``out += identity``) must not change what the recomputation starts from."""
+        x = x.clone() if isinstance(x, torch.Tensor) else tuple(t.clone() for t in x)
+        skips = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in skips.items()}
+        return self(x, skips)

@@ -513,3 +513,15 @@ def test_resnet_is_pipeline_ready() -> None:
     assert_pipeline_ready(seq, x)
     assert len(seq.skips) == 16 + 4  # one per bottleneck, one more where a downsample runs after the main path
     assert leaves(seq(x))
+
+
+def test_zoo_unet_has_one_skip_per_level() -> None:
+    for depth in (2, 4):
+        model = seqify.zoo.unet(depth=depth, blocks=2, channels=4)
+        seq = seqify.convert(model)
+        assert len(seq.skips) == depth
+        assert all(s.pop.startswith("cat") for s in seq.skips)
+        x = torch.randn(2, 3, 2**depth * 2, 2**depth * 2)
+        model.eval()
+        with torch.no_grad():
+            assert torch.equal(seq(x), model(x))

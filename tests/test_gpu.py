@@ -1,0 +1,82 @@
+"""GPU checks (marked gpu; skipped without CUDA): a converted ResNet-101 over 2 GPUs matches one GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torchvision
+
+import seqify
+from exactness import loss_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    pytest.mark.timeout(600),
+]
+
+
+@pytest.fixture(autouse=True)
+def strict_fp32() -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_resnet101_two_gpus_matches_one_gpu(checkpoint: str) -> None:
+    torch.manual_seed(0)
+    source = torchvision.models.resnet101().train()
+    reference = copy.deepcopy(source).cuda(0)
+    pipe = seqify.pipeline(source, gpus=2, balance="flops", sample=torch.randn(1, 3, 224, 224),
+                           chunks=4, checkpoint=checkpoint)
+    assert [str(d) for d in pipe.devices] == ["cuda:0", "cuda:1"]
+    x = torch.randn(32, 3, 224, 224, device="cuda:0")
+    out = pipe(x)
+    assert out.device == torch.device("cuda:1")
+    loss_of(out).backward()
+    outs = [reference(c) for c in x.tensor_split(4)]
+    expected = torch.cat(outs)
+    loss_of(expected).backward()
+    torch.testing.assert_close(out.cuda(0), expected, rtol=1e-4, atol=1e-4)
+    grads = dict(reference.named_parameters())
+    for name, p in source.named_parameters():
+        torch.testing.assert_close(p.grad.cuda(0), grads[name].grad, rtol=1e-3, atol=1e-4, msg=name)
+    for (name, b), r in zip(source.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b.cuda(0), r, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_resnet101_trains_over_two_gpus() -> None:
+    torch.manual_seed(0)
+    pipe = seqify.pipeline(torchvision.models.resnet101(num_classes=10), gpus=2, chunks=4, balance="params")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(32, 3, 64, 64, device=pipe.input_device)
+    y = torch.randint(0, 10, (32,), device=pipe.output_device)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(pipe(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.5, losses
+
+
+def test_skip_tensors_cross_gpus_directly_and_autocast_holds() -> None:
+    seq = seqify.convert(seqify.zoo.unet(depth=3, blocks=1, channels=8))
+    n = len(seq)
+    pipe = seqify.pipeline(seq, devices=["cuda:0", "cuda:1", "cuda:0", "cuda:1"],
+                           balance=[n // 4, n // 4, n // 4, n - 3 * (n // 4)], chunks=2)
+    seen = []
+    pipe.on_transfer = lambda *e: seen.append(e)
+    x = torch.randn(4, 3, 32, 32, device="cuda:0")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = pipe(x)
+    assert out.dtype == torch.bfloat16 and out.device == torch.device("cuda:1")
+    out.float().sum().backward()
+    for kind, name, a, b, _ in seen:
+        if kind == "skip":
+            assert b > a

@@ -1,0 +1,422 @@
+"""Distributed: one pipeline stage per process under torchrun; skips go point-to-point, stash rank to pop rank."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import BalanceError, BoundaryError, DeviceError
+from .pipeline.checkpoint import checkpointed, norms_of
+from .pipeline.microbatch import gather, scatter
+from .pipeline.pipe import CHECKPOINT, _check_balance
+from .pipeline.stage import Stage
+from .sequential import Sequential
+from .skip.layout import routes
+
+__all__ = ["DistributedStage", "stage", "init"]
+
+_DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool,
+]
+_MAX_TENSORS = 16
+_MAX_DIMS = 8
+_SLOT = 2 + _MAX_DIMS
+_HEADER = 2 + _MAX_TENSORS * _SLOT
+
+
+def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
+    """``init_process_group`` from torchrun's environment: NCCL when CUDA is here, else gloo.
+
+    The timeout bounds how long a rank waits for a peer that died, so no job hangs forever.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@dataclass(frozen=True)
+class _Route:
+    index: int
+    name: str
+    src: int  # stage that stashes
+    dst: int  # stage that pops
+
+
+class _Link:
+    """Sends and receives tensors, tuples of tensors or None, with a small header so receivers need
+    no shapes in advance."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pending: list[Any] = []
+
+    def send(self, value: Any, dst: int) -> list[torch.Tensor]:
+        if value is None:
+            tensors: tuple[torch.Tensor, ...] = ()
+            kind = 2
+        elif isinstance(value, torch.Tensor):
+            tensors, kind = (value,), 0
+        elif type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value):
+            tensors, kind = value, 1
+        else:
+            raise BoundaryError(
+                f"a {type(value).__name__} must cross to rank {dst}; only tensors, tuples of tensors and None "
+                "travel between processes (move the cut so Python values stay inside one stage)"
+            )
+        if len(tensors) > _MAX_TENSORS or any(t.dim() > _MAX_DIMS for t in tensors):
+            raise BoundaryError(f"at most {_MAX_TENSORS} tensors of at most {_MAX_DIMS} dims cross ranks at once")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = kind, len(tensors)
+        for k, t in enumerate(tensors):
+            base = 2 + k * _SLOT
+            header[base] = _DTYPES.index(t.dtype)
+            header[base + 1] = t.dim()
+            header[base + 2:base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        sent = [header.to(self.device)] + [t.detach().contiguous() for t in tensors]
+        for t in sent:
+            self.pending.append((dist.isend(t, dst), t))
+        return list(tensors)
+
+    def recv(self, src: int) -> Any:
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        dist.irecv(header, src).wait()
+        header = header.cpu()
+        kind, n = int(header[0]), int(header[1])
+        tensors = []
+        for k in range(n):
+            base = 2 + k * _SLOT
+            dtype = _DTYPES[int(header[base])]
+            shape = [int(d) for d in header[base + 2:base + 2 + int(header[base + 1])]]
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.irecv(t, src).wait()
+            tensors.append(t)
+        if kind == 2:
+            return None
+        return tensors[0] if kind == 0 else tuple(tensors)
+
+    def send_grads(self, tensors: Sequence[torch.Tensor], dst: int) -> None:
+        for t in tensors:
+            if t.is_floating_point():
+                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                g = g.contiguous()
+                self.pending.append((dist.isend(g, dst), g))
+
+    def recv_grads(self, like: Sequence[torch.Tensor], src: int) -> list[torch.Tensor | None]:
+        grads: list[torch.Tensor | None] = []
+        for t in like:
+            if t.is_floating_point():
+                g = torch.empty_like(t)
+                dist.irecv(g, src).wait()
+                grads.append(g)
+            else:
+                grads.append(None)
+        return grads
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def _requiring_grad(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Received tensors as leaves that collect gradients, and clones of them for the stage to use (a
+    first layer may work in place, which autograd forbids on a leaf)."""
+    if value is None:
+        return None, []
+    tensors = [value] if isinstance(value, torch.Tensor) else list(value)
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+    used = [t.clone() if t.requires_grad else t for t in leaves]
+    return (used[0] if isinstance(value, torch.Tensor) else tuple(used)), leaves
+
+
+class DistributedStage(nn.Module):
+    """This process's partition of a pipeline that spans processes (one stage per rank).
+
+    ``step(inputs, target, loss_fn)`` runs one mini-batch through a GPipe schedule: every micro-batch
+    forward, then every micro-batch backward in reverse, exchanging activations with the neighbouring
+    stages and skips directly with the stage that pops (or stashed) them. It returns the mini-batch
+    loss on the last stage and ``None`` elsewhere; gradients are left in this stage's parameters (and
+    averaged over data-parallel replicas), ready for ``optimizer.step()``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: Sequence[int],
+        *,
+        index: int,
+        replica: int = 0,
+        replicas: int = 1,
+        device: torch.device,
+        chunks: int = 1,
+        checkpoint: str = "never",
+    ) -> None:
+        super().__init__()
+        if checkpoint not in CHECKPOINT:
+            raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
+        names = list(model._modules)
+        balance = _check_balance(balance, len(names))
+        starts = [sum(balance[:j]) for j in range(len(balance))]
+        part_of = [j for j, count in enumerate(balance) for _ in range(count)]
+        layers = list(model._modules.values())
+        start, count = starts[index], balance[index]
+        part = nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count]))).to(device)
+        found = routes(model)
+        keys = {r.key: r for r in found}
+        self.routes = [
+            _Route(i, r.key[1], part_of[r.stash], part_of[r.pop])
+            for i, r in enumerate(found)
+            if part_of[r.stash] != part_of[r.pop]
+        ]
+        self._key = {rt.index: found[rt.index].key for rt in self.routes}
+        del keys
+        self.partition = part
+        object.__setattr__(self, "model", model)
+        self.balance = list(balance)
+        self.index = index
+        self.stages = len(balance)
+        self.replica = replica
+        self.replicas = replicas
+        self.device = device
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        pops = tuple(self._key[r.index] for r in self.routes if r.dst == index)
+        stashes = tuple(self._key[r.index] for r in self.routes if r.src == index)
+        self.runner = Stage(index, part, device, pops, stashes)
+        self._norms = norms_of(part)
+        self._dp_group: Any = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.stages - 1
+
+    def rank_of(self, stage_index: int) -> int:
+        return self.replica * self.stages + stage_index
+
+    def __repr__(self) -> str:
+        return (f"DistributedStage({self.index + 1}/{self.stages}, replica {self.replica + 1}/{self.replicas}, "
+                f"{len(self.partition)} layers on {self.device}, chunks={self.chunks})")
+
+    def _micro_inputs(self, inputs: Any) -> list[Any]:
+        model = self.model
+        if isinstance(inputs, tuple) and isinstance(model, Sequential):
+            carried = model.flatten_inputs(*inputs)
+        elif isinstance(model, Sequential) and not isinstance(inputs, tuple):
+            carried = model.flatten_inputs(inputs)
+        else:
+            carried = inputs
+        if isinstance(carried, torch.Tensor):
+            carried = carried.to(self.device)
+        else:
+            carried = tuple(t.to(self.device) for t in carried)
+        return scatter(carried, self.chunks)
+
+    def _forward(self, x: Any, skips: dict[Any, Any], checkpoint: bool) -> tuple[Any, dict[Any, Any]]:
+        if checkpoint:
+            return checkpointed(self.runner.fresh, x, skips, norms=self._norms)
+        return self.runner(x, skips)
+
+    def _count(self, inputs: Any) -> int:
+        """Every stage learns how many micro-batches the first stage made."""
+        n = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.is_first:
+            n[0] = len(inputs)
+        src = self.rank_of(0)
+        if self.stages > 1:
+            if self.is_first:
+                for j in range(1, self.stages):
+                    dist.send(n, self.rank_of(j))
+            else:
+                dist.recv(n, src)
+        return int(n[0])
+
+    def step(
+        self,
+        inputs: Any = None,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
+        """Forward and backward of one mini-batch. ``inputs`` on the first stage, ``target`` and
+        ``loss_fn(output, target) -> mean loss of a micro-batch`` on the last."""
+        if self.is_last and loss_fn is None:
+            raise BoundaryError("the last stage needs loss_fn(output, target) to run backward")
+        micro = self._micro_inputs(inputs) if self.is_first else []
+        m = self._count(micro)
+        targets = scatter(target.to(self.device), m) if self.is_last and target is not None else [None] * m
+        link = _Link(self.device)
+        stop = 0 if not torch.is_grad_enabled() else {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        saved: list[tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], Any, dict[int, list[torch.Tensor]]]] = []
+        total: torch.Tensor | None = None
+        sizes: list[int] = []
+        try:
+            for i in range(m):
+                x_leaves: list[torch.Tensor] = []
+                if self.is_first:
+                    x = micro[i]
+                else:
+                    x, x_leaves = _requiring_grad(link.recv(self.rank_of(self.index - 1)))
+                skips_in: dict[Any, Any] = {}
+                received: dict[int, list[torch.Tensor]] = {}
+                for r in self.routes:
+                    if r.dst == self.index:
+                        value, received[r.index] = _requiring_grad(link.recv(self.rank_of(r.src)))
+                        skips_in[self._key[r.index]] = value
+                y, skips_out = self._forward(x, skips_in, i < stop)
+                sent: dict[int, list[torch.Tensor]] = {}
+                if not self.is_last:
+                    link.send(y, self.rank_of(self.index + 1))
+                for r in self.routes:
+                    if r.src == self.index:
+                        sent[r.index] = link.send(skips_out[self._key[r.index]], self.rank_of(r.dst))
+                if self.is_last:
+                    out = self.model.unflatten_outputs(y) if isinstance(self.model, Sequential) else y
+                    assert loss_fn is not None
+                    size = _leaves(y)[0].size(0)
+                    sizes.append(size)
+                    y = loss_fn(out, targets[i])
+                saved.append((x_leaves, received, y, sent))
+            if self.is_last:
+                batch = sum(sizes)
+                for i in range(m):
+                    saved[i] = (saved[i][0], saved[i][1], saved[i][2] * (sizes[i] / batch), saved[i][3])
+                total = sum(s[2].detach() for s in saved)  # type: ignore[assignment]
+            if torch.is_grad_enabled():
+                for i in reversed(range(m)):
+                    x_leaves, received, y, sent = saved[i]
+                    outputs: list[torch.Tensor] = []
+                    grads: list[torch.Tensor | None] = []
+                    if self.is_last:
+                        outputs.append(y)
+                        grads.append(None)
+                    else:
+                        ys = _leaves(y)
+                        outputs += ys
+                        grads += link.recv_grads(ys, self.rank_of(self.index + 1))
+                    for r in self.routes:
+                        if r.src == self.index:
+                            outputs += sent[r.index]
+                            grads += link.recv_grads(sent[r.index], self.rank_of(r.dst))
+                    pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and (g is not None or self.is_last)]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    if not self.is_first:
+                        link.send_grads(x_leaves, self.rank_of(self.index - 1))
+                    for r in self.routes:
+                        if r.dst == self.index:
+                            link.send_grads(received[r.index], self.rank_of(r.src))
+                    saved[i] = ([], {}, None, {})
+                self._all_reduce_grads()
+            link.flush()
+        finally:
+            saved.clear()
+        return total
+
+    def _all_reduce_grads(self) -> None:
+        if self.replicas == 1 or self._dp_group is None:
+            return
+        grads = [p.grad for p in self.partition.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self._dp_group)
+        flat /= self.replicas
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+    @torch.no_grad()
+    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+        """Inference over the pipeline: the output (source structure) on the last stage, None elsewhere."""
+        micro = self._micro_inputs(inputs if len(inputs) != 1 else inputs[0]) if self.is_first else []
+        m = self._count(micro)
+        link = _Link(self.device)
+        outs = []
+        for i in range(m):
+            x = micro[i] if self.is_first else link.recv(self.rank_of(self.index - 1))
+            skips_in = {self._key[r.index]: link.recv(self.rank_of(r.src)) for r in self.routes if r.dst == self.index}
+            y, skips_out = self.runner(x, skips_in)
+            if not self.is_last:
+                link.send(y, self.rank_of(self.index + 1))
+            for r in self.routes:
+                if r.src == self.index:
+                    link.send(skips_out[self._key[r.index]], self.rank_of(r.dst))
+            outs.append(y)
+        link.flush()
+        if not self.is_last:
+            return None
+        out = gather(outs)
+        return self.model.unflatten_outputs(out) if isinstance(self.model, Sequential) else out
+
+
+def stage(
+    model: nn.Module,
+    *,
+    balance: Sequence[int] | str | None = None,
+    chunks: int = 1,
+    checkpoint: str = "never",
+    device: torch.device | str | None = None,
+    sample: Any = None,
+    example_inputs: Any = None,
+) -> DistributedStage:
+    """This process's stage of a pipeline over all processes of the job (call under torchrun).
+
+    With ``world_size = stages * replicas``, rank ``r`` runs stage ``r % stages`` of replica
+    ``r // stages``; ``balance`` fixes the number of stages (a list of layer counts), or a strategy name
+    ('params', 'flops', 'time', 'memory') splits the model into ``world_size`` stages. Rank 0 decides
+    the balance and broadcasts it, so every rank agrees. Every rank must build the same model (seed it).
+    """
+    if not dist.is_initialized():
+        init()
+    if not isinstance(model, nn.Sequential):
+        from .convert import convert
+
+        model = convert(model, example_inputs)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if device is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    if isinstance(balance, str) or balance is None:
+        shared: list[Any] = [None]
+        if rank == 0:
+            from .partition import balance as make_plan
+
+            probe = sample if sample is not None else example_inputs
+            shared[0] = make_plan(model, world, sample=probe, by=balance or "params", progress=False).balance
+        dist.broadcast_object_list(shared, src=0)
+        counts = list(shared[0])
+    else:
+        counts = list(balance)
+    stages = len(counts)
+    if world % stages:
+        raise DeviceError(f"world size {world} is not a multiple of the {stages} pipeline stages; launch stages x replicas processes")
+    replicas = world // stages
+    result = DistributedStage(model, counts, index=rank % stages, replica=rank // stages, replicas=replicas,
+                              device=device, chunks=chunks, checkpoint=checkpoint)
+    if replicas > 1:
+        for s in range(stages):
+            group = dist.new_group([d * stages + s for d in range(replicas)])
+            if s == rank % stages:
+                result._dp_group = group
+    return result

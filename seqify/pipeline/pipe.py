@@ -116,11 +116,19 @@ class Pipeline(nn.Module):
         chunks: int = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
+        graphs: bool = False,
         plan: Any = None,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT:
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
+        if graphs and (checkpoint != "never" or deferred_batch_norm):
+            raise BalanceError(
+                "graphs=True replays captured CUDA graphs, which keep every micro-batch's activations and run "
+                "no Python per micro-batch: use it with checkpoint='never' and deferred_batch_norm=False"
+            )
+        if graphs and any(torch.device(d).type != "cuda" for d in devices):
+            raise DeviceError("graphs=True needs every partition on a CUDA device")
         if chunks < 1:
             raise BalanceError(f"chunks={chunks}: need at least one micro-batch")
         names = _layer_names(model)
@@ -164,6 +172,8 @@ class Pipeline(nn.Module):
         self._deferred = [m for p in parts for m in p.modules() if isinstance(m, DeferredBatchNorm)]
         self._transfer = Transfer()
         self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
+        self.graphs = graphs
+        self._graphed: tuple[Any, list[Any]] | None = None
         self.training = model.training
 
     @property
@@ -202,9 +212,36 @@ class Pipeline(nn.Module):
         out = gather(outputs)
         return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
 
+    def _graph_runners(self, values: list[Any]) -> list[Any] | None:
+        """The captured stages for these micro-batches, capturing them on first use."""
+        if not (self.graphs and self.training and torch.is_grad_enabled()):
+            return None
+        from .graphs import capture
+
+        autocast = torch.is_autocast_enabled("cuda")
+        dtype = torch.get_autocast_dtype("cuda") if autocast else None
+        key = (
+            tuple(
+                tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in ((v,) if isinstance(v, torch.Tensor) else v))
+                for v in values
+            ),
+            autocast,
+            dtype,
+        )
+        if self._graphed is None or self._graphed[0] != key:
+            self._graphed = None  # let the old graphs' memory go first
+            if autocast:
+                with torch.autocast("cuda", dtype=dtype, cache_enabled=False):
+                    runners = capture(self.stages, values, self._transfer)
+            else:
+                runners = capture(self.stages, values, self._transfer)
+            self._graphed = (key, runners)
+        return self._graphed[1]
+
     def _run(self, values: list[Any]) -> list[Any]:
         m, n = len(values), len(self.stages)
         stop = self._checkpoint_stop(m)
+        runners = self._graph_runners(values)
         for bn in self._deferred:
             bn.chunks = m
             bn._reset_tracking()
@@ -233,7 +270,9 @@ class Pipeline(nn.Module):
                         skips[key] = transfer(pending[i].pop(key), stage.device)
                         if observe is not None:
                             observe("skip", key[1], self.skip_partitions[key][0], j, i)
-                    if i < stop:
+                    if runners is not None:
+                        y, out = runners[j](x, skips, i)
+                    elif i < stop:
                         y, out = checkpointed(stage.fresh, x, skips, norms=self._norms[j])
                     else:
                         y, out = stage(x, skips)
@@ -258,6 +297,7 @@ def pipeline(
     balance: Sequence[int] | str | None = None,
     checkpoint: str = "except_last",
     deferred_batch_norm: bool = False,
+    graphs: bool = False,
     example_inputs: Any = None,
     sample: Any = None,
     **convert_options: Any,
@@ -279,6 +319,9 @@ def pipeline(
             activations in backward instead of keeping them. Only while gradients are enabled.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from all of its
             micro-batches, as training on one device would.
+        graphs: on CUDA, capture each stage's forward and backward per micro-batch as CUDA graphs on the
+            first training step of a given input shape, then replay them: no per-op launch overhead.
+            Needs checkpoint='never'; inference and eval mode run eagerly.
         sample: an input batch (or micro-batch) for the 'time', 'memory' and 'flops' strategies;
             defaults to ``example_inputs``.
 
@@ -304,9 +347,10 @@ def pipeline(
         probe = sample if sample is not None else example_inputs
         plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
         return Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
-                        deferred_batch_norm=deferred_batch_norm, plan=plan)
+                        deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan)
     counts = list(balance)
     if len(counts) > layers:
         raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
     placed = resolve_devices(gpus, devices, len(counts))
-    return Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=deferred_batch_norm)
+    return Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
+                    deferred_batch_norm=deferred_batch_norm, graphs=graphs)

@@ -8,12 +8,13 @@ from .errors import *  # noqa: F403
 from .errors import __all__ as _errors
 from .guard import Guard
 from .layer import Layer
+from .partition import NoPlanFitsError, PartitionPlan, balance
 from .pipeline import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomputing, pipeline
 from .sequential import OpaqueInfo, Sequential, SkipInfo
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", *_errors]
+__all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", *_errors]
 
 
 def __getattr__(name: str) -> Any:

@@ -29,7 +29,7 @@ class _Flat(nn.Module):
         k = 1 if self.tuple_input is None else self.tuple_input
         x: Any = tensors[0] if self.tuple_input is None else tuple(tensors[:k])
         skips = dict(zip(stage.pops, tensors[k:]))
-        y, out = stage(x, skips)
+        y, out = stage.fresh(x, skips)  # copies: the captured inputs are leaves a layer must not modify in place
         ys = (y,) if isinstance(y, torch.Tensor) else tuple(y)
         self.tuple_output = None if isinstance(y, torch.Tensor) else len(ys)
         return ys + tuple(out[key] for key in stage.stashes)

@@ -1,0 +1,233 @@
+"""Training throughput of ResNet-101 on GPUs: one GPU, seqify's pipeline, torchgpipe and torch pipelining.
+
+    python benchmarks/pipeline_bench.py [--batch 256] [--chunks 4 8 16 32] [--bf16] [--anchors] [--out DIR]
+
+Everything runs in one invocation on the same GPUs, one configuration after another: the one-GPU
+baseline (the source model, eager), the converted model on one GPU, seqify over two GPUs (eager and
+with CUDA graphs) for each chunk count, torchgpipe 0.0.7 over a hand-flattened Sequential when it is
+installed, and torch.distributed.pipelining with hand-cut stages (through torchrun, --anchors).
+Prints a table of samples/s, the ratio to the one-GPU baseline of the same precision, and the peak
+memory per GPU; writes the rows as JSON to DIR/pipeline_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+
+import seqify
+
+ROWS: list[dict[str, Any]] = []
+
+
+def gpus() -> list[int]:
+    return list(range(torch.cuda.device_count()))
+
+
+def sync() -> None:
+    for d in gpus():
+        torch.cuda.synchronize(d)
+
+
+def timed(step: Callable[[], None], warm: int, steps: int) -> float:
+    for _ in range(warm):
+        step()
+    sync()
+    for d in gpus():
+        torch.cuda.reset_peak_memory_stats(d)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - start) / steps
+
+
+def record(name: str, sec: float, batch: int, **extra: Any) -> None:
+    row = dict(name=name, batch=batch, sec_per_step=round(sec, 4), samples_per_s=round(batch / sec, 1),
+               peak_gib=[round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for d in gpus()], **extra)
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def failed(name: str, e: BaseException) -> None:
+    row = dict(name=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def cleanup() -> None:
+    gc.collect()
+    for d in gpus():
+        with torch.cuda.device(d):
+            torch.cuda.empty_cache()
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> Callable[[], None]:
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            out = model(x)
+        nn.functional.cross_entropy(out.float(), y).backward()
+        opt.step()
+
+    return step
+
+
+def fresh() -> nn.Module:
+    torch.manual_seed(0)
+    return torchvision.models.resnet101()
+
+
+def flat_resnet101() -> nn.Sequential:
+    """torchgpipe needs a hand-flattened Sequential (what users write today)."""
+    r = fresh()
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    for n, c in r.named_children():
+        if isinstance(c, nn.Sequential):
+            for i, b in enumerate(c):
+                layers[f"{n}_{i}"] = b
+        else:
+            if n == "fc":
+                layers["flatten"] = nn.Flatten()
+            layers[n] = c
+    return nn.Sequential(layers)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--res", type=int, default=224)
+    p.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warm", type=int, default=3)
+    p.add_argument("--bf16", action="store_true", help="also run every configuration under bf16 autocast")
+    p.add_argument("--anchors", action="store_true", help="also run torchgpipe and torch.distributed.pipelining")
+    p.add_argument("--balance", default="time", help="seqify balance strategy (default: time)")
+    p.add_argument("--skip-eager", action="store_true", help="only CUDA-graphed seqify runs")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    B = args.batch
+    d0 = torch.device("cuda:0")
+    x = torch.randn(B, 3, args.res, args.res, device=d0)
+    y0 = torch.randint(0, 1000, (B,), device=d0)
+    y1 = y0.to("cuda:1")
+    print(f"# {datetime.date.today()} {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}")
+    print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}", flush=True)
+    precisions = [False, True] if args.bf16 else [False]
+
+    plan_balance: list[int] | None = None
+    for bf16 in precisions:
+        tag = "-bf16" if bf16 else ""
+        try:
+            model = fresh().to(d0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            record(f"single{tag}", timed(train_step(model, opt, x, y0, bf16), args.warm, args.steps), B)
+            del model, opt
+        except Exception as e:
+            failed(f"single{tag}", e)
+        cleanup()
+        try:
+            seq = seqify.convert(fresh()).to(d0)
+            opt = torch.optim.SGD(seq.parameters(), lr=0.01)
+            record(f"single-converted{tag}", timed(train_step(seq, opt, x, y0, bf16), args.warm, args.steps), B)
+            del seq, opt
+        except Exception as e:
+            failed(f"single-converted{tag}", e)
+        cleanup()
+        for chunks in args.chunks:
+            for graphs in ([True] if args.skip_eager else [False, True]):
+                name = f"seqify-{'graphs' if graphs else 'eager'}-c{chunks}{tag}"
+                try:
+                    seq = seqify.convert(fresh())
+                    if plan_balance is None:
+                        plan = seqify.balance(seq, 2, sample=x[: B // 8].cpu(), by=args.balance, device=d0)
+                        plan_balance = plan.balance
+                        print(f"# seqify balance by {args.balance}: {plan_balance}, imbalance {plan.imbalance:.3f}", flush=True)
+                    pipe = seqify.pipeline(seq, gpus=2, balance=plan_balance, chunks=chunks, checkpoint="never", graphs=graphs)
+                    opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+
+                    def step(pipe: seqify.Pipeline = pipe, opt: torch.optim.Optimizer = opt, bf16: bool = bf16) -> None:
+                        opt.zero_grad(set_to_none=True)
+                        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                            out = pipe(x)
+                        nn.functional.cross_entropy(out.float(), y1).backward()
+                        opt.step()
+
+                    record(name, timed(step, args.warm, args.steps), B, balance=plan_balance)
+                    del seq, pipe, opt, step
+                except Exception as e:
+                    failed(name, e)
+                cleanup()
+        if args.anchors:
+            try:
+                from torchgpipe import GPipe
+                from torchgpipe.balance import balance_by_time
+            except ImportError as e:
+                failed(f"torchgpipe{tag}", e)
+            else:
+                probe = flat_resnet101()
+                for m in probe.modules():
+                    if isinstance(m, nn.ReLU):
+                        m.inplace = False  # torchgpipe's profiler trips on in-place ReLU
+                gp_balance = balance_by_time(2, probe, torch.randn(B // 8, 3, args.res, args.res), device=d0)
+                del probe
+                for chunks in args.chunks:
+                    name = f"torchgpipe-c{chunks}{tag}"
+                    try:
+                        gp = GPipe(flat_resnet101(), balance=gp_balance, devices=["cuda:0", "cuda:1"], chunks=chunks,
+                                   checkpoint="never")
+                        opt = torch.optim.SGD(gp.parameters(), lr=0.01)
+                        record(name, timed(train_step(gp, opt, x, y1, bf16), args.warm, args.steps), B, balance=list(gp_balance))
+                        del gp, opt
+                    except Exception as e:
+                        failed(name, e)
+                    cleanup()
+    if args.anchors:
+        here = os.path.dirname(os.path.abspath(__file__))
+        for bf16 in precisions:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   os.path.join(here, "torchpp_anchor.py"), "--batch", str(B), "--res", str(args.res),
+                   "--steps", str(args.steps), "--warm", str(args.warm), "--out", args.out,
+                   "--chunks", *[str(c) for c in args.chunks if c <= 16]] + (["--bf16"] if bf16 else [])
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            for line in done.stdout.splitlines():
+                if line.startswith("{"):
+                    ROWS.append(json.loads(line))
+                    print(line, flush=True)
+            if done.returncode:
+                failed("torchpp" + ("-bf16" if bf16 else ""), RuntimeError(done.stderr[-300:]))
+
+    with open(os.path.join(args.out, "pipeline_bench.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)
+    base = {False: None, True: None}
+    for r in ROWS:
+        if r.get("name") == "single":
+            base[False] = r["samples_per_s"]
+        if r.get("name") == "single-bf16":
+            base[True] = r["samples_per_s"]
+    print("\n| configuration | samples/s | x one GPU (same precision) | peak GiB per GPU |")
+    print("|---|---|---|---|")
+    for r in ROWS:
+        if "error" in r:
+            print(f"| {r['name']} | failed: {r['error'][:60]} | | |")
+            continue
+        b = base["bf16" in r["name"]]
+        ratio = f"{r['samples_per_s'] / b:.2f}" if b else "n/a"
+        print(f"| {r['name']} | {r['samples_per_s']:.1f} | {ratio} | {' / '.join(str(v) for v in r.get('peak_gib', []))} |")
+
+
+if __name__ == "__main__":
+    main()

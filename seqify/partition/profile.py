@@ -1,0 +1,204 @@
+"""Profile: each layer's measured forward+backward time and memory on a device, the model left as it was."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..progress import progress as bar
+from ..skip.namespace import SkipKey
+from ..skip.tracker import SkipTracker, use_tracker
+from .errors import BalanceError
+from .walk import Layers, Skips, apply, fresh, nbytes, roots, storage
+
+__all__ = ["Profile", "profile", "device_of"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per layer on ``device``: forward+backward seconds (median), peak bytes, saved bytes, output bytes."""
+
+    device: torch.device
+    times: tuple[float, ...]
+    peak_bytes: tuple[int, ...]
+    saved_bytes: tuple[int, ...]
+    output_bytes: tuple[int, ...]
+    skip_bytes: Mapping[SkipKey, int]
+
+
+@dataclass
+class _Step:
+    output: Any
+    tracker: SkipTracker
+    seconds: float
+    queued: float
+    peak: int
+
+
+def device_of(device: str | torch.device | None) -> torch.device:
+    """The device to profile on: CPU when ``None``; ``cuda`` means the current CUDA device."""
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BalanceError(f"device={str(device)!r} but CUDA is not available here; profile with device='cpu' or balance by='flops'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def profile(
+    layers: Layers,
+    first: Any,
+    device: str | torch.device | None = None,
+    *,
+    repeats: int = 3,
+    progress: bool = False,
+) -> Profile:
+    """Run each layer's forward and backward on ``device``, in order, with the skips it pops.
+
+    Every layer gets fresh inputs that require grad (non-leaf, so in-place layers work); gradients are
+    taken with ``torch.autograd.grad`` so no ``.grad`` is written; buffers (BatchNorm running stats,
+    ``num_batches_tracked``) are restored afterwards and the global RNG state is left as it was. Layers
+    not on ``device`` run as copies moved there. Time is the median of ``repeats`` runs after one
+    measuring run: wall-clock on CPU; on CUDA the GPU time between two events, with the GPU held busy
+    (``torch.cuda._sleep``) while the layer's kernels are queued, so that the per-call launch and
+    synchronisation overhead a pipeline hides is not counted. Peak bytes are the CUDA allocator's peak
+    above the layer's start (on CPU, the bytes autograd saves for backward).
+    """
+    if repeats < 1:
+        raise BalanceError(f"repeats={repeats}: profile each layer at least once")
+    dev = device_of(device)
+    cuda = dev.type == "cuda"
+    snapshot = _snapshot(layers.modules)
+    skips = Skips()
+    times: list[float] = []
+    peaks: list[int] = []
+    saved: list[int] = []
+    outputs: list[int] = []
+    try:
+        with torch.random.fork_rng(devices=[dev] if cuda else []), torch.cuda.device(dev) if cuda else nullcontext():
+            rate = _cycles_per_second(dev) if cuda else 0.0
+            x = apply(lambda t: t.to(dev), first)
+            for i, layer in enumerate(bar(layers.modules, len(layers), f"seqify profile ({dev})", progress)):
+                module = layer if _on(layer, dev) else copy.deepcopy(layer).to(dev)
+                state = {storage(t) for t in list(module.parameters()) + list(module.buffers())}
+                kept: dict[int, int] = {}
+
+                def pack(t: torch.Tensor) -> torch.Tensor:
+                    key = storage(t)
+                    if key not in state:
+                        kept[key] = t.untyped_storage().nbytes()
+                    return t
+
+                try:
+                    step = _step(module, layer, x, skips, dev, pack, 0)
+                    hold = int(rate * min(max(2 * step.queued, 2e-4), 0.05))  # GPU busy while we queue
+                    runs = [_step(module, layer, x, skips, dev, None, hold) for _ in range(repeats)]
+                except torch.OutOfMemoryError as e:
+                    raise BalanceError(
+                        f"{layers.describe(i)} runs out of memory on {dev} while profiling; profile with a "
+                        "smaller sample batch or balance by='flops' (no device needed)"
+                    ) from e
+                times.append(statistics.median(r.seconds for r in runs))
+                peaks.append(step.peak if cuda else sum(kept.values()))
+                saved.append(sum(kept.values()))
+                outputs.append(nbytes(step.output))
+                last = runs[-1]
+                skips.keep(layer, last.tracker)
+                x = apply(torch.Tensor.detach, last.output)
+                del step, runs, last
+    finally:
+        _restore(snapshot)
+    return Profile(dev, tuple(times), tuple(peaks), tuple(saved), tuple(outputs), dict(skips.bytes))
+
+
+def _step(
+    module: nn.Module,
+    layer: nn.Module,
+    x: Any,
+    skips: Skips,
+    dev: torch.device,
+    pack: Callable[[torch.Tensor], torch.Tensor] | None,
+    hold: int,
+) -> _Step:
+    """One forward and backward of ``module`` on fresh inputs; ``pack`` sees what autograd saves.
+
+    On CUDA with ``hold`` > 0 the GPU first spins for ``hold`` cycles, so the layer's kernels are all
+    queued before they run and the events between them time the GPU's work alone.
+    """
+    cuda = dev.type == "cuda"
+    inputs, leaves = fresh(x)
+    tracker, more = skips.tracker(layer)
+    wrt = leaves + more + [p for p in module.parameters() if p.requires_grad]
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack is not None else nullcontext()
+    base = 0
+    events = None
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        if hold > 0:
+            torch.cuda._sleep(hold)
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+    start = time.perf_counter()
+    with use_tracker(tracker):
+        with hooks:
+            output = module(inputs)
+        outs = roots(output, tracker)
+        if outs and wrt:
+            torch.autograd.grad(outs, wrt, grad_outputs=[torch.ones_like(t) for t in outs], allow_unused=True)
+    queued = time.perf_counter() - start
+    if events is not None:
+        events[1].record()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - start
+    if events is not None:
+        seconds = events[0].elapsed_time(events[1]) / 1e3
+    peak = torch.cuda.max_memory_allocated(dev) - base if cuda else 0
+    return _Step(output, tracker, seconds, queued, max(peak, 0))
+
+
+def _cycles_per_second(dev: torch.device) -> float:
+    """How many ``torch.cuda._sleep`` cycles the current GPU spins per second (0 where it cannot spin)."""
+    if not hasattr(torch.cuda, "_sleep"):
+        return 0.0
+    cycles = 1_000_000
+    torch.cuda._sleep(cycles)  # warm up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize(dev)
+    seconds = start.elapsed_time(end) / 1e3
+    return cycles / seconds if seconds > 0 else 0.0
+
+
+def _on(module: nn.Module, dev: torch.device) -> bool:
+    return all(t.device == dev for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _snapshot(modules: tuple[nn.Module, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    seen: set[int] = set()
+    saved = []
+    for module in modules:
+        for b in module.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                saved.append((b, b.detach().clone()))
+    return saved
+
+
+def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, value in snapshot:
+            buffer.copy_(value)

@@ -209,6 +209,17 @@ def main() -> None:
                     print(line, flush=True)
             if done.returncode:
                 failed("torchpp" + ("-bf16" if bf16 else ""), RuntimeError(done.stderr[-300:]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               os.path.join(here, "distributed_bench.py"), "--batch", str(B), "--res", str(args.res),
+               "--steps", str(args.steps), "--warm", str(args.warm), "--out", args.out,
+               "--chunks", *[str(c) for c in args.chunks if c <= 16]]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        for line in done.stdout.splitlines():
+            if line.startswith("{"):
+                ROWS.append(json.loads(line))
+                print(line, flush=True)
+        if done.returncode:
+            failed("seqify-distributed", RuntimeError(done.stderr[-300:]))
 
     with open(os.path.join(args.out, "pipeline_bench.json"), "w") as f:
         json.dump(ROWS, f, indent=1)

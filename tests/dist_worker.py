@@ -41,8 +41,13 @@ def main() -> None:
     p.add_argument("--checkpoint", default="never")
     p.add_argument("--out", required=True)
     p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--backend", default="gloo")
     args = p.parse_args()
-    sd.init("gloo", timeout_s=60)
+    if args.backend == "nccl":
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cuda.matmul.allow_tf32 = False
+    sd.init(args.backend, timeout_s=60)
     rank = torch.distributed.get_rank()
     model = build(args.model).train()
     seq = seqify.convert(model)
@@ -55,13 +60,17 @@ def main() -> None:
     if rank == args.fail_rank:
         raise RuntimeError(f"planned failure on rank {rank}")
     x, y = data(args.model, args.batch)
+    if args.backend == "nccl":
+        x, y = x.to(stage.device), y.to(stage.device)
     shard = slice(stage.replica * args.batch // stage.replicas, (stage.replica + 1) * args.batch // stage.replicas)
     loss = stage.step(x[shard] if stage.is_first else None, y[shard] if stage.is_last else None,
                       loss_fn=loss_fn(args.model))
     names = {id(p): n for n, p in model.named_parameters()}
-    grads = {names[id(p)]: p.grad.detach().clone() for p in stage.partition.parameters() if p.grad is not None}
+    grads = {names[id(p)]: p.grad.detach().cpu().clone() for p in stage.partition.parameters() if p.grad is not None}
     with torch.no_grad():
         out = stage(x[shard]) if stage.is_first else stage()
+    loss = None if loss is None else loss.cpu()
+    out = None if out is None else out.cpu()
     torch.save({"loss": loss, "grads": grads, "replica": stage.replica, "stage": stage.index,
                 "balance": stage.balance, "output": out}, os.path.join(args.out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()

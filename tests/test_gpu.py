@@ -111,3 +111,33 @@ def test_graphed_stages_match_eager(autocast: bool) -> None:
         opt_a.step()
         opt_b.step()
     assert graphed._graphed is not None
+
+
+def test_distributed_nccl_matches_one_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two processes on two GPUs over NCCL compute the loss and gradients of one process on one GPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import dist_worker as worker
+
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=str(here))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+           str(here / "dist_worker.py"), "--out", str(tmp_path), "--model", "resnet18", "--balance", "params",
+           "--chunks", "2", "--backend", "nccl"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = worker.build("resnet18").train().cuda()
+    x, y = worker.data("resnet18", 8)
+    x, y = x.cuda(), y.cuda()
+    loss = sum(worker.loss_fn("resnet18")(model(a), b) * (len(a) / 8) for a, b in zip(x.tensor_split(2), y.tensor_split(2)))
+    loss.backward()
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    last = next(r for r in results if r["stage"] == 1)
+    assert abs(float(last["loss"]) - float(loss)) < 1e-4
+    for r in results:
+        for n, g in r["grads"].items():
+            torch.testing.assert_close(g, grads[n], rtol=1e-3, atol=1e-4, msg=n)

@@ -1,0 +1,11 @@
+"""Test-session setup: share the CPU fairly between pytest-xdist workers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

@@ -46,8 +46,6 @@ def timed(step: Callable[[], None], warm: int, steps: int) -> float:
     for _ in range(warm):
         step()
     sync()
-    for d in gpus():
-        torch.cuda.reset_peak_memory_stats(d)
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -56,8 +54,9 @@ def timed(step: Callable[[], None], warm: int, steps: int) -> float:
 
 
 def record(name: str, sec: float, batch: int, **extra: Any) -> None:
+    """Peak memory is what the caching allocator reserved (captured graphs' pools included)."""
     row = dict(name=name, batch=batch, sec_per_step=round(sec, 4), samples_per_s=round(batch / sec, 1),
-               peak_gib=[round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for d in gpus()], **extra)
+               peak_gib=[round(torch.cuda.max_memory_reserved(d) / 2**30, 2) for d in gpus()], **extra)
     ROWS.append(row)
     print(json.dumps(row), flush=True)
 
@@ -73,6 +72,7 @@ def cleanup() -> None:
     for d in gpus():
         with torch.cuda.device(d):
             torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(d)
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> Callable[[], None]:
@@ -128,7 +128,8 @@ def main() -> None:
     print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}", flush=True)
     precisions = [False, True] if args.bf16 else [False]
 
-    plan_balance: list[int] | None = None
+    plans: dict[int, list[int]] = {}
+    cleanup()
     for bf16 in precisions:
         tag = "-bf16" if bf16 else ""
         try:
@@ -152,10 +153,14 @@ def main() -> None:
                 name = f"seqify-{'graphs' if graphs else 'eager'}-c{chunks}{tag}"
                 try:
                     seq = seqify.convert(fresh())
-                    if plan_balance is None:
-                        plan = seqify.balance(seq, 2, sample=x[: B // 8].cpu(), by=args.balance, device=d0)
-                        plan_balance = plan.balance
-                        print(f"# seqify balance by {args.balance}: {plan_balance}, imbalance {plan.imbalance:.3f}", flush=True)
+                    if chunks not in plans:  # balanced for this micro-batch size, measured on cuda:0
+                        plan = seqify.balance(seq, 2, sample=x[: B // chunks].cpu(), by=args.balance, device=d0,
+                                              progress=False)
+                        plans[chunks] = plan.balance
+                        print(f"# seqify balance by {args.balance} at micro-batch {B // chunks}: {plan.balance}, "
+                              f"predicted imbalance {plan.imbalance:.3f}", flush=True)
+                        cleanup()
+                    plan_balance = plans[chunks]
                     pipe = seqify.pipeline(seq, gpus=2, balance=plan_balance, chunks=chunks, checkpoint="never", graphs=graphs)
                     opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
 

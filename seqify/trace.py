@@ -170,6 +170,25 @@ class _Proxy(fx.Proxy):
         return self.tracer.concrete(self, float)
 
 
+def _inplace(op: Any) -> Any:
+    def method(self: _Proxy, other: Any) -> Any:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+# fx turns ``x += y`` into ``x = x + y``: a copy, so an alias of x would not see the change. Recording
+# the in-place operator keeps the source's semantics (the tensor is modified; aliases see it).
+for _name, _op in {
+    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
+    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv, "__imod__": operator.imod,
+    "__ipow__": operator.ipow, "__imatmul__": operator.imatmul, "__iand__": operator.iand,
+    "__ior__": operator.ior, "__ixor__": operator.ixor, "__ilshift__": operator.ilshift,
+    "__irshift__": operator.irshift,
+}.items():
+    setattr(_Proxy, _name, _inplace(_op))
+
+
 class _Attribute(_Proxy):
     def __init__(self, root: _Proxy, attr: str) -> None:
         self.root = root

@@ -340,6 +340,30 @@ def test_in_place_ops_on_values_read_again_later() -> None:
     assert_exact(InPlace(), (torch.randn(3, 4),), train=True)
 
 
+class Aliased(nn.Module):
+    """``+=`` modifies the tensor an alias also names: the alias must see the change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        alias = h
+        h += 1
+        h *= 2
+        out = self.b(torch.relu(h))
+        return out + alias  # alias is h, modified twice
+
+
+def test_augmented_assignment_keeps_in_place_semantics() -> None:
+    x = torch.randn(3, 4)
+    seq = assert_exact(Aliased(), (x,), train=True)
+    targets = [op.target.__name__ for layer in seq if isinstance(layer, Layer) for op in layer.ops]
+    assert "iadd" in targets and "imul" in targets
+
+
 class Recurrent(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -49,20 +49,30 @@ def test_resnet101_two_gpus_matches_one_gpu(checkpoint: str) -> None:
         torch.testing.assert_close(b.cuda(0), r, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_resnet101_trains_over_two_gpus() -> None:
+def test_resnet101_trains_over_two_gpus_like_one_gpu() -> None:
+    """A few SGD steps over two GPUs follow the same loss curve as the same steps on one GPU."""
     torch.manual_seed(0)
-    pipe = seqify.pipeline(torchvision.models.resnet101(num_classes=10), gpus=2, chunks=4, balance="params")
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.01, momentum=0.9)
+    source = torchvision.models.resnet101(num_classes=10).train()
+    reference = copy.deepcopy(source).cuda(0)
+    pipe = seqify.pipeline(source, gpus=2, chunks=4, balance="params")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.001, momentum=0.9)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.001, momentum=0.9)
     x = torch.randn(32, 3, 64, 64, device=pipe.input_device)
     y = torch.randint(0, 10, (32,), device=pipe.output_device)
-    losses = []
-    for _ in range(10):
+    losses, expected = [], []
+    for _ in range(6):
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(pipe(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < losses[0] and min(losses[5:]) < losses[0] * 0.7, losses
+        opt_ref.zero_grad(set_to_none=True)
+        ref_loss = torch.nn.functional.cross_entropy(torch.cat([reference(c) for c in x.tensor_split(4)]), y.cuda(0))
+        ref_loss.backward()
+        opt_ref.step()
+        expected.append(ref_loss.item())
+    assert losses == pytest.approx(expected, rel=1e-3, abs=1e-4), (losses, expected)
+    assert min(losses) < losses[0], losses
 
 
 def test_skip_tensors_cross_gpus_directly_and_autocast_holds() -> None:
@@ -82,6 +92,14 @@ def test_skip_tensors_cross_gpus_directly_and_autocast_holds() -> None:
             assert b > a
 
 
+def relative(tolerance: float):  # type: ignore[no-untyped-def]
+    def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        error = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)
+        assert error <= tolerance, f"{what}: relative error {error:.2e} > {tolerance:.0e}"
+
+    return check
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 def test_graphed_stages_match_eager(autocast: bool) -> None:
     """CUDA-graph replay computes what eager execution computes, step after step (uneven micro-batches too)."""
@@ -99,15 +117,16 @@ def test_graphed_stages_match_eager(autocast: bool) -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             a = eager(x)
             b = graphed(x)
-        tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(b, a, **tol)
+        # bf16 rounds differently once kernels differ: compare relative error norms there.
+        close = relative(1e-4) if not autocast else relative(3e-2)
+        close(b, a, "output")
         for opt, out in ((opt_a, a), (opt_b, b)):
             opt.zero_grad(set_to_none=True)
             loss_of(out.float()).backward()
         for (name, p), q in zip(source.named_parameters(), twin.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=5e-2 if autocast else 1e-3, atol=1e-3 if autocast else 1e-5, msg=f"step {step} {name}")
+            close(q.grad, p.grad, f"step {step} grad {name}")
         for (name, p), q in zip(source.named_buffers(), twin.buffers()):
-            torch.testing.assert_close(q, p, rtol=1e-2 if autocast else 1e-4, atol=1e-3 if autocast else 1e-5, msg=name)
+            close(q.float(), p.float(), f"step {step} buffer {name}")
         opt_a.step()
         opt_b.step()
     assert graphed._graphed is not None

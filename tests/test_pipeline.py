@@ -460,3 +460,26 @@ def test_converted_model_runs_through_pipeline_from_any_module() -> None:
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), reference(x), rtol=1e-6, atol=1e-6)
     assert len(leaves(pipe.balance)) == 0 or sum(pipe.balance) == len(pipe.model)
+
+
+def test_training_steps_follow_one_device_training() -> None:
+    """Several optimizer steps through the pipeline land on the parameters one device reaches."""
+    torch.manual_seed(0)
+    source = resnet18(num_classes=5).train()
+    reference = copy.deepcopy(source)
+    seq = seqify.convert(source)
+    pipe = seqify.pipeline(seq, devices=CPU2, balance=even(len(seq), 2), chunks=2, checkpoint="except_last")
+    opt_p = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    opt_r = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    x, y = torch.randn(6, 3, 32, 32), torch.randint(0, 5, (6,))
+    for _ in range(4):
+        for opt, run in ((opt_p, pipe), (opt_r, None)):
+            opt.zero_grad()
+            if run is None:
+                out = torch.cat([reference(c) for c in x.tensor_split(2)])
+            else:
+                out = run(x)
+            torch.nn.functional.cross_entropy(out, y).backward()
+            opt.step()
+    for (name, p), q in zip(source.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

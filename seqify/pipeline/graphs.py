@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -63,6 +64,24 @@ class GraphedStage:
         return y, dict(zip(stage.stashes, outs[n:]))
 
 
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextmanager
+def _capture_stream(device: torch.device) -> Iterator[None]:
+    """torch.cuda.graph captures on one class-wide stream, made on whichever device came first; a stage
+    on another device must capture on a stream of its own device (else cuBLAS refuses the capture)."""
+    stream = _capture_streams.get(device)
+    if stream is None:
+        stream = _capture_streams[device] = torch.cuda.Stream(device)
+    previous = torch.cuda.graph.default_capture_stream
+    torch.cuda.graph.default_capture_stream = stream
+    try:
+        yield
+    finally:
+        torch.cuda.graph.default_capture_stream = previous
+
+
 def _norm_state(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
     return [
         (m, {k: v.clone() for k, v in m._buffers.items() if v is not None})
@@ -103,7 +122,7 @@ def capture(
                     raise RuntimeError(f"stage {stage.index}: only CUDA tensors can enter a captured graph")
                 flats.append(_Flat(stage, None if isinstance(x, torch.Tensor) else len(xs)))
                 samples.append(sample)
-            with torch.cuda.device(device):
+            with torch.cuda.device(device), _capture_stream(device):
                 graphed = torch.cuda.make_graphed_callables(
                     tuple(flats), tuple(samples), num_warmup_iters=warmup, allow_unused_input=True
                 )

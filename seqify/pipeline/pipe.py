@@ -6,6 +6,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import traceback
+import warnings
+
 import torch
 from torch import nn
 
@@ -20,7 +23,11 @@ from .schedule import clock_cycles
 from .stage import Stage, annotate
 from .transfer import Transfer
 
-__all__ = ["Pipeline", "pipeline", "resolve_devices"]
+__all__ = ["Pipeline", "pipeline", "resolve_devices", "GraphWarning"]
+
+
+class GraphWarning(UserWarning):
+    """CUDA graphs were asked for but could not be captured; the pipeline runs eagerly."""
 
 CHECKPOINT = ("always", "except_last", "never")
 STRATEGIES = ("time", "memory", "flops", "params")
@@ -174,6 +181,7 @@ class Pipeline(nn.Module):
         self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
         self.graphs = graphs
         self._graphed: tuple[Any, list[Any]] | None = None
+        self.graph_error: str | None = None
         self.training = model.training
 
     @property
@@ -230,11 +238,23 @@ class Pipeline(nn.Module):
         )
         if self._graphed is None or self._graphed[0] != key:
             self._graphed = None  # let the old graphs' memory go first
-            if autocast:
-                with torch.autocast("cuda", dtype=dtype, cache_enabled=False):
+            try:
+                with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
                     runners = capture(self.stages, values, self._transfer)
-            else:
-                runners = capture(self.stages, values, self._transfer)
+            except Exception as e:
+                # Some layers cannot be captured (host syncs, CPU tensors, data-dependent shapes): say so
+                # once and run eagerly from now on.
+                self.graphs = False
+                self.graph_error = traceback.format_exc()
+                warnings.warn(
+                    f"seqify.pipeline(graphs=True): capturing CUDA graphs failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); running eagerly instead (pipe.graph_error has the trace)",
+                    GraphWarning,
+                    stacklevel=3,
+                )
+                for d in self.devices:
+                    torch.cuda.synchronize(d)
+                return None
             self._graphed = (key, runners)
         return self._graphed[1]
 
@@ -245,7 +265,8 @@ class Pipeline(nn.Module):
         for bn in self._deferred:
             bn.chunks = m
             bn._reset_tracking()
-        pending: list[dict[SkipKey, Any]] = [{} for _ in range(m)]
+        pending: list[dict[SkipKey, tuple[Any, Any]]] = [{} for _ in range(m)]  # skip -> (value, ready)
+        ready: list[Any] = [None] * m  # when micro-batch i's carried value is ready to copy
         transfer = self._transfer
         observe = self.on_transfer
         try:
@@ -262,12 +283,13 @@ class Pipeline(nn.Module):
                                 "Move the cut (balance) so this value stays inside one partition, or convert with "
                                 "example_inputs so seqify knows which values are tensors."
                             )
-                        x = transfer(x, stage.device)
+                        x = transfer(x, stage.device, ready[i])
                         if observe is not None:
                             observe("carry", "", j - 1, j, i)
                     skips = {}
                     for key in stage.pops:
-                        skips[key] = transfer(pending[i].pop(key), stage.device)
+                        value, when = pending[i].pop(key)
+                        skips[key] = transfer(value, stage.device, when)
                         if observe is not None:
                             observe("skip", key[1], self.skip_partitions[key][0], j, i)
                     if runners is not None:
@@ -276,8 +298,10 @@ class Pipeline(nn.Module):
                         y, out = checkpointed(stage.fresh, x, skips, norms=self._norms[j])
                     else:
                         y, out = stage(x, skips)
-                    pending[i].update(out)
                     values[i] = y
+                    ready[i] = transfer.mark(stage.device)
+                    for key, value in out.items():
+                        pending[i][key] = (value, ready[i])
         except BaseException:
             for bn in self._deferred:
                 bn._reset_tracking()

@@ -47,6 +47,7 @@ class Stage:
         self.stashes = stashes
         self.names = list(layers._modules)
         self.modules = list(layers._modules.values())
+        self.mutates_input, self.mutated_skips = _mutations(self.modules, set(pops))
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, {self.device}, {len(self.modules)} layers)"
@@ -68,8 +69,37 @@ class Stage:
         return x, {key: values.pop(key) for key in self.stashes}
 
     def fresh(self, x: Any, skips: dict[SkipKey, Any]) -> tuple[Any, dict[SkipKey, Any]]:
-        """Run on copies of the inputs, for checkpointing: a layer that modifies its input in place
-        (``ReLU(inplace=True)``, ``out += identity``) must not change what the recomputation starts from."""
-        x = x.clone() if isinstance(x, torch.Tensor) else tuple(t.clone() for t in x)
-        skips = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in skips.items()}
+        """Run on copies of the inputs that a layer modifies in place (``ReLU(inplace=True)`` first,
+        ``out += identity`` on a popped skip): checkpointing recomputes from the inputs, and a captured
+        graph's inputs are leaves autograd must not see modified."""
+        if self.mutates_input:
+            x = x.clone() if isinstance(x, torch.Tensor) else tuple(t.clone() for t in x)
+        if self.mutated_skips:
+            skips = {
+                k: v.clone() if k in self.mutated_skips and isinstance(v, torch.Tensor) else v for k, v in skips.items()
+            }
         return self(x, skips)
+
+
+def _mutations(modules: list[nn.Module], pops: set[SkipKey]) -> tuple[bool, set[SkipKey]]:
+    """Whether the first layer may modify the stage's input in place, and which of the skips the stage
+    receives some layer may modify in place. Unknown modules are assumed to."""
+    from ..layer import Layer
+    from ..skip.skippable import Skippable, pop_keys
+
+    def plain(m: nn.Module) -> bool:
+        return type(m).__module__.startswith("torch.nn") and not getattr(m, "inplace", False)
+
+    first = modules[0] if modules else None
+    if isinstance(first, Layer):
+        mutates_input = bool(set(first.inputs) & first.mutated_inputs())
+    else:
+        mutates_input = first is not None and not plain(first)
+    skips: set[SkipKey] = set()
+    for m in modules:
+        if isinstance(m, Layer):
+            changed = m.mutated_inputs()
+            skips |= {key for key, name in m.pops if key in pops and name in changed}
+        elif isinstance(m, Skippable):
+            skips |= set(pop_keys(m)) & pops
+    return mutates_input, skips

@@ -28,7 +28,9 @@ class Transfer:
             stream = self._streams[device] = torch.cuda.Stream(device)
         return stream
 
-    def tensor(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def tensor(self, t: torch.Tensor, device: torch.device, ready: torch.cuda.Event | None = None) -> torch.Tensor:
+        """``t`` on ``device``; on CUDA the copy starts once ``ready`` (recorded where ``t`` was made) has
+        passed, or once everything queued on ``t``'s device so far has, without an event."""
         if t.device == device:
             return t
         if device.type != "cuda" and t.device.type != "cuda":
@@ -36,7 +38,10 @@ class Transfer:
         copy_device = device if device.type == "cuda" else t.device
         stream = self._stream(copy_device)
         if t.device.type == "cuda":
-            stream.wait_stream(torch.cuda.current_stream(t.device))
+            if ready is not None:
+                stream.wait_event(ready)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
             moved = t.to(device, non_blocking=True)
         if t.device.type == "cuda":
@@ -49,9 +54,19 @@ class Transfer:
             stream.synchronize()  # a CPU destination can only read the data once the copy is done
         return moved
 
-    def __call__(self, value: Any, device: torch.device) -> Any:
+    def __call__(self, value: Any, device: torch.device, ready: torch.cuda.Event | None = None) -> Any:
         if isinstance(value, torch.Tensor):
-            return self.tensor(value, device)
+            return self.tensor(value, device, ready)
         if type(value) is tuple:
-            return tuple(self.tensor(t, device) if isinstance(t, torch.Tensor) else t for t in value)
-        return pytree.tree_map(lambda t: self.tensor(t, device) if isinstance(t, torch.Tensor) else t, value)
+            return tuple(self.tensor(t, device, ready) if isinstance(t, torch.Tensor) else t for t in value)
+        return pytree.tree_map(lambda t: self.tensor(t, device, ready) if isinstance(t, torch.Tensor) else t, value)
+
+    @staticmethod
+    def mark(device: torch.device) -> torch.cuda.Event | None:
+        """An event at the end of the work queued so far on ``device`` (None off CUDA): values made
+        there so far can be copied once it has passed, whatever is queued after it."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event

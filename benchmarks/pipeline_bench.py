@@ -113,7 +113,8 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 16, 32])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warm", type=int, default=3)
-    p.add_argument("--bf16", action="store_true", help="also run every configuration under bf16 autocast")
+    p.add_argument("--precision", choices=["fp32", "bf16", "both"], default="fp32",
+                   help="fp32 (default math), bf16 (torch.autocast), or both")
     p.add_argument("--anchors", action="store_true", help="also run torchgpipe and torch.distributed.pipelining")
     p.add_argument("--balance", default="time", help="seqify balance strategy (default: time)")
     p.add_argument("--skip-eager", action="store_true", help="only CUDA-graphed seqify runs")
@@ -126,7 +127,7 @@ def main() -> None:
     y1 = y0.to("cuda:1")
     print(f"# {datetime.date.today()} {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}")
     print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}", flush=True)
-    precisions = [False, True] if args.bf16 else [False]
+    precisions = {"fp32": [False], "bf16": [True], "both": [False, True]}[args.precision]
 
     plans: dict[int, list[int]] = {}
     cleanup()
@@ -214,19 +215,20 @@ def main() -> None:
                     print(line, flush=True)
             if done.returncode:
                 failed("torchpp" + ("-bf16" if bf16 else ""), RuntimeError(done.stderr[-300:]))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               os.path.join(here, "distributed_bench.py"), "--batch", str(B), "--res", str(args.res),
-               "--steps", str(args.steps), "--warm", str(args.warm), "--out", args.out,
-               "--chunks", *[str(c) for c in args.chunks if c <= 16]]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        for line in done.stdout.splitlines():
-            if line.startswith("{"):
-                ROWS.append(json.loads(line))
-                print(line, flush=True)
-        if done.returncode:
-            failed("seqify-distributed", RuntimeError(done.stderr[-300:]))
+        if False in precisions:  # seqify.distributed, fp32
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   os.path.join(here, "distributed_bench.py"), "--batch", str(B), "--res", str(args.res),
+                   "--steps", str(args.steps), "--warm", str(args.warm), "--out", args.out,
+                   "--chunks", *[str(c) for c in args.chunks if c <= 16]]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            for line in done.stdout.splitlines():
+                if line.startswith("{"):
+                    ROWS.append(json.loads(line))
+                    print(line, flush=True)
+            if done.returncode:
+                failed("seqify-distributed", RuntimeError(done.stderr[-300:]))
 
-    with open(os.path.join(args.out, "pipeline_bench.json"), "w") as f:
+    with open(os.path.join(args.out, f"pipeline_bench_{args.precision}.json"), "w") as f:
         json.dump(ROWS, f, indent=1)
     base = {False: None, True: None}
     for r in ROWS:

@@ -181,14 +181,12 @@ class DistributedStage(nn.Module):
         start, count = starts[index], balance[index]
         part = nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count]))).to(device)
         found = routes(model)
-        keys = {r.key: r for r in found}
         self.routes = [
             _Route(i, r.key[1], part_of[r.stash], part_of[r.pop])
             for i, r in enumerate(found)
             if part_of[r.stash] != part_of[r.pop]
         ]
         self._key = {rt.index: found[rt.index].key for rt in self.routes}
-        del keys
         self.partition = part
         object.__setattr__(self, "model", model)
         self.balance = list(balance)

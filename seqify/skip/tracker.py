@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import SkipError
-from .namespace import Namespace, SkipKey
+from .namespace import SkipKey
 
 __all__ = ["SkipTracker", "current_tracker", "use_tracker"]
 
@@ -66,6 +66,3 @@ def use_tracker(tracker: SkipTracker) -> Iterator[SkipTracker]:
     finally:
         _local.tracker = previous
 
-
-def namespaced(ns: Namespace, name: str) -> SkipKey:
-    return (ns, name)

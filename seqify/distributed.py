@@ -21,8 +21,9 @@ from .pipeline.stage import Stage
 from .sequential import Sequential
 from .skip.layout import routes
 
-__all__ = ["DistributedStage", "stage", "init"]
+__all__ = ["DistributedStage", "stage", "init", "SCHEDULES"]
 
+SCHEDULES = ("gpipe", "1f1b")
 _DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool,
@@ -151,9 +152,10 @@ def _requiring_grad(value: Any) -> tuple[Any, list[torch.Tensor]]:
 class DistributedStage(nn.Module):
     """This process's partition of a pipeline that spans processes (one stage per rank).
 
-    ``step(inputs, target, loss_fn)`` runs one mini-batch through a GPipe schedule: every micro-batch
-    forward, then every micro-batch backward in reverse, exchanging activations with the neighbouring
-    stages and skips directly with the stage that pops (or stashed) them. It returns the mini-batch
+    ``step(inputs, target, loss_fn)`` runs one mini-batch through a GPipe schedule (every micro-batch
+    forward, then every backward in reverse) or 1F1B (``schedule='1f1b'``: a backward after each forward
+    once the pipeline is full, which bounds the activations kept), exchanging activations with the
+    neighbouring stages and skips directly with the stage that pops (or stashed) them. It returns the mini-batch
     loss on the last stage and ``None`` elsewhere; gradients are left in this stage's parameters (and
     averaged over data-parallel replicas), ready for ``optimizer.step()``.
     """
@@ -169,8 +171,11 @@ class DistributedStage(nn.Module):
         device: torch.device,
         chunks: int = 1,
         checkpoint: str = "never",
+        schedule: str = "gpipe",
     ) -> None:
         super().__init__()
+        if schedule not in SCHEDULES:
+            raise BalanceError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
         if checkpoint not in CHECKPOINT:
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
         names = list(model._modules)
@@ -197,6 +202,7 @@ class DistributedStage(nn.Module):
         self.device = device
         self.chunks = chunks
         self.checkpoint = checkpoint
+        self.schedule = schedule
         pops = tuple(self._key[r.index] for r in self.routes if r.dst == index)
         stashes = tuple(self._key[r.index] for r in self.routes if r.src == index)
         self.runner = Stage(index, part, device, pops, stashes)
@@ -237,19 +243,38 @@ class DistributedStage(nn.Module):
             return checkpointed(self.runner.fresh, x, skips, norms=self._norms)
         return self.runner(x, skips)
 
-    def _count(self, inputs: Any) -> int:
-        """Every stage learns how many micro-batches the first stage made."""
-        n = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if self.is_first:
-            n[0] = len(inputs)
-        src = self.rank_of(0)
+    def _sizes(self, micro: list[Any]) -> list[int]:
+        """Every stage learns the micro-batch sizes the first stage made (for loss weights and 1F1B)."""
+        count = torch.tensor([len(micro)], dtype=torch.int64, device=self.device)
+        if self.stages > 1 and not self.is_first:
+            dist.recv(count, self.rank_of(0))
+        sizes = torch.tensor(
+            [_leaves(v)[0].size(0) for v in micro] if self.is_first else [0] * int(count[0]),
+            dtype=torch.int64, device=self.device,
+        )
         if self.stages > 1:
             if self.is_first:
                 for j in range(1, self.stages):
-                    dist.send(n, self.rank_of(j))
+                    dist.send(count, self.rank_of(j))
+                    dist.send(sizes, self.rank_of(j))
             else:
-                dist.recv(n, src)
-        return int(n[0])
+                dist.recv(sizes, self.rank_of(0))
+        return [int(v) for v in sizes.tolist()]
+
+    def order(self, m: int) -> list[tuple[str, int]]:
+        """This stage's work for ``m`` micro-batches: ('F', i) forwards and ('B', i) backwards.
+
+        GPipe: every forward, then every backward in reverse. 1F1B: as many forwards as stages after
+        this one, then one backward after each forward, so at most that many micro-batches keep their
+        activations at once."""
+        if self.schedule == "gpipe":
+            return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+        warm = min(self.stages - self.index - 1, m)
+        work = [("F", i) for i in range(warm)]
+        for f, b in zip(range(warm, m), range(m)):
+            work += [("F", f), ("B", b)]
+        work += [("B", b) for b in range(m - warm, m)]
+        return work
 
     def step(
         self,
@@ -262,75 +287,77 @@ class DistributedStage(nn.Module):
         if self.is_last and loss_fn is None:
             raise BoundaryError("the last stage needs loss_fn(output, target) to run backward")
         micro = self._micro_inputs(inputs) if self.is_first else []
-        m = self._count(micro)
+        sizes = self._sizes(micro)
+        m, batch = len(sizes), sum(sizes)
         targets = scatter(target.to(self.device), m) if self.is_last and target is not None else [None] * m
         link = _Link(self.device)
-        stop = 0 if not torch.is_grad_enabled() else {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-        saved: list[tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], Any, dict[int, list[torch.Tensor]]]] = []
-        total: torch.Tensor | None = None
-        sizes: list[int] = []
-        try:
-            for i in range(m):
-                x_leaves: list[torch.Tensor] = []
-                if self.is_first:
-                    x = micro[i]
-                else:
-                    x, x_leaves = _requiring_grad(link.recv(self.rank_of(self.index - 1)))
-                skips_in: dict[Any, Any] = {}
-                received: dict[int, list[torch.Tensor]] = {}
-                for r in self.routes:
-                    if r.dst == self.index:
-                        value, received[r.index] = _requiring_grad(link.recv(self.rank_of(r.src)))
-                        skips_in[self._key[r.index]] = value
-                y, skips_out = self._forward(x, skips_in, i < stop)
-                sent: dict[int, list[torch.Tensor]] = {}
-                if not self.is_last:
-                    link.send(y, self.rank_of(self.index + 1))
-                for r in self.routes:
-                    if r.src == self.index:
-                        sent[r.index] = link.send(skips_out[self._key[r.index]], self.rank_of(r.dst))
-                if self.is_last:
-                    out = self.model.unflatten_outputs(y) if isinstance(self.model, Sequential) else y
-                    assert loss_fn is not None
-                    size = _leaves(y)[0].size(0)
-                    sizes.append(size)
-                    y = loss_fn(out, targets[i])
-                saved.append((x_leaves, received, y, sent))
+        grad = torch.is_grad_enabled()
+        stop = 0 if not grad else {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        saved: dict[int, tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], Any, dict[int, list[torch.Tensor]]]] = {}
+        losses: list[torch.Tensor] = []
+
+        def forward(i: int) -> None:
+            x_leaves: list[torch.Tensor] = []
+            if self.is_first:
+                x = micro[i]
+            else:
+                x, x_leaves = _requiring_grad(link.recv(self.rank_of(self.index - 1)))
+            skips_in: dict[Any, Any] = {}
+            received: dict[int, list[torch.Tensor]] = {}
+            for r in self.routes:
+                if r.dst == self.index:
+                    value, received[r.index] = _requiring_grad(link.recv(self.rank_of(r.src)))
+                    skips_in[self._key[r.index]] = value
+            y, skips_out = self._forward(x, skips_in, i < stop)
+            sent: dict[int, list[torch.Tensor]] = {}
+            if not self.is_last:
+                link.send(y, self.rank_of(self.index + 1))
+            for r in self.routes:
+                if r.src == self.index:
+                    sent[r.index] = link.send(skips_out[self._key[r.index]], self.rank_of(r.dst))
             if self.is_last:
-                batch = sum(sizes)
-                for i in range(m):
-                    saved[i] = (saved[i][0], saved[i][1], saved[i][2] * (sizes[i] / batch), saved[i][3])
-                total = sum(s[2].detach() for s in saved)  # type: ignore[assignment]
-            if torch.is_grad_enabled():
-                for i in reversed(range(m)):
-                    x_leaves, received, y, sent = saved[i]
-                    outputs: list[torch.Tensor] = []
-                    grads: list[torch.Tensor | None] = []
-                    if self.is_last:
-                        outputs.append(y)
-                        grads.append(None)
-                    else:
-                        ys = _leaves(y)
-                        outputs += ys
-                        grads += link.recv_grads(ys, self.rank_of(self.index + 1))
-                    for r in self.routes:
-                        if r.src == self.index:
-                            outputs += sent[r.index]
-                            grads += link.recv_grads(sent[r.index], self.rank_of(r.dst))
-                    pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and (g is not None or self.is_last)]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                    if not self.is_first:
-                        link.send_grads(x_leaves, self.rank_of(self.index - 1))
-                    for r in self.routes:
-                        if r.dst == self.index:
-                            link.send_grads(received[r.index], self.rank_of(r.src))
-                    saved[i] = ([], {}, None, {})
+                out = self.model.unflatten_outputs(y) if isinstance(self.model, Sequential) else y
+                assert loss_fn is not None
+                y = loss_fn(out, targets[i]) * (sizes[i] / batch)  # the mini-batch mean, piece by piece
+                losses.append(y.detach())
+            saved[i] = (x_leaves, received, y, sent)
+
+        def backward(i: int) -> None:
+            x_leaves, received, y, sent = saved.pop(i)
+            outputs: list[torch.Tensor] = []
+            grads: list[torch.Tensor | None] = []
+            if self.is_last:
+                outputs.append(y)
+                grads.append(None)
+            else:
+                ys = _leaves(y)
+                outputs += ys
+                grads += link.recv_grads(ys, self.rank_of(self.index + 1))
+            for r in self.routes:
+                if r.src == self.index:
+                    outputs += sent[r.index]
+                    grads += link.recv_grads(sent[r.index], self.rank_of(r.dst))
+            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and (g is not None or self.is_last)]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if not self.is_first:
+                link.send_grads(x_leaves, self.rank_of(self.index - 1))
+            for r in self.routes:
+                if r.dst == self.index:
+                    link.send_grads(received[r.index], self.rank_of(r.src))
+
+        try:
+            for kind, i in (self.order(m) if grad else [("F", i) for i in range(m)]):
+                if kind == "F":
+                    forward(i)
+                else:
+                    backward(i)
+            if grad:
                 self._all_reduce_grads()
             link.flush()
         finally:
             saved.clear()
-        return total
+        return torch.stack(losses).sum() if self.is_last else None
 
     def _all_reduce_grads(self) -> None:
         if self.replicas == 1 or self._dp_group is None:
@@ -348,7 +375,7 @@ class DistributedStage(nn.Module):
     def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
         """Inference over the pipeline: the output (source structure) on the last stage, None elsewhere."""
         micro = self._micro_inputs(inputs if len(inputs) != 1 else inputs[0]) if self.is_first else []
-        m = self._count(micro)
+        m = len(self._sizes(micro))
         link = _Link(self.device)
         outs = []
         for i in range(m):
@@ -374,6 +401,7 @@ def stage(
     balance: Sequence[int] | str | None = None,
     chunks: int = 1,
     checkpoint: str = "never",
+    schedule: str = "gpipe",
     device: torch.device | str | None = None,
     sample: Any = None,
     example_inputs: Any = None,
@@ -411,7 +439,7 @@ def stage(
         raise DeviceError(f"world size {world} is not a multiple of the {stages} pipeline stages; launch stages x replicas processes")
     replicas = world // stages
     result = DistributedStage(model, counts, index=rank % stages, replica=rank // stages, replicas=replicas,
-                              device=device, chunks=chunks, checkpoint=checkpoint)
+                              device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule)
     if replicas > 1:
         for s in range(stages):
             group = dist.new_group([d * stages + s for d in range(replicas)])

@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--backend", default="gloo")
+    p.add_argument("--schedule", default="gpipe")
     args = p.parse_args()
     if args.backend == "nccl":
         torch.backends.cudnn.allow_tf32 = False
@@ -55,7 +56,7 @@ def main() -> None:
         balance: list[int] | str = args.balance
     else:
         balance = [int(b) for b in args.balance.split(",")]
-    stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint,
+    stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
                      sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
     if rank == args.fail_rank:
         raise RuntimeError(f"planned failure on rank {rank}")

@@ -58,18 +58,21 @@ def _reference(name: str, chunks: int, batch: int, replicas: int) -> tuple[list[
 
 
 @pytest.mark.parametrize(
-    ("name", "nproc", "balance", "checkpoint"),
+    ("name", "nproc", "balance", "checkpoint", "schedule"),
     [
-        ("resnet18", 2, "params", "never"),
-        ("resnet18", 3, "flops", "except_last"),
-        ("unet", 2, "params", "always"),
-        ("unet", 3, "params", "never"),
+        ("resnet18", 2, "params", "never", "gpipe"),
+        ("resnet18", 3, "flops", "except_last", "1f1b"),
+        ("unet", 2, "params", "always", "1f1b"),
+        ("unet", 3, "params", "never", "gpipe"),
     ],
 )
-def test_pipeline_over_processes_equals_one_process(tmp_path: Path, name: str, nproc: int, balance: str, checkpoint: str) -> None:
-    done = torchrun(nproc, tmp_path, "--model", name, "--balance", balance, "--chunks", "2", "--checkpoint", checkpoint)
+def test_pipeline_over_processes_equals_one_process(
+    tmp_path: Path, name: str, nproc: int, balance: str, checkpoint: str, schedule: str
+) -> None:
+    done = torchrun(nproc, tmp_path, "--model", name, "--balance", balance, "--chunks", "4", "--checkpoint", checkpoint,
+                    "--schedule", schedule)
     assert done.returncode == 0, done.stderr[-3000:]
-    losses, grads, out = reference(name, chunks=2, batch=8, replicas=1)
+    losses, grads, out = reference(name, chunks=4, batch=8, replicas=1)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(nproc)]
     assert sorted(r["stage"] for r in results) == list(range(nproc))
     last = next(r for r in results if r["stage"] == nproc - 1)
@@ -79,7 +82,9 @@ def test_pipeline_over_processes_equals_one_process(tmp_path: Path, name: str, n
         seen.update(r["grads"])
     assert set(seen) == {n for n, g in grads.items() if g is not None}
     for n, g in seen.items():
-        torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-6, msg=n)
+        # 1F1B adds micro-batch gradients in another order than one backward does: last-bit differences.
+        scale = max(1.0, grads[n].abs().max().item())
+        torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-6 * scale, msg=n)
     # Inference over the processes matches too (train-mode BatchNorm: micro-batch statistics as above).
     assert last["output"] is not None and last["output"].shape[0] == 8
 

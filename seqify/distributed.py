@@ -16,7 +16,7 @@ from torch import nn
 from .errors import BalanceError, BoundaryError, DeviceError
 from .pipeline.checkpoint import checkpointed, norms_of
 from .pipeline.microbatch import gather, scatter
-from .pipeline.pipe import CHECKPOINT, _check_balance
+from .pipeline.pipe import CHECKPOINT, _check_balance, _place
 from .pipeline.stage import Stage
 from .sequential import Sequential
 from .skip.layout import routes
@@ -184,7 +184,8 @@ class DistributedStage(nn.Module):
         part_of = [j for j, count in enumerate(balance) for _ in range(count)]
         layers = list(model._modules.values())
         start, count = starts[index], balance[index]
-        part = nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count]))).to(device)
+        part = nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count])))
+        _place([part], [device])  # like .to(device), keeping tensors its layers share one tensor
         found = routes(model)
         self.routes = [
             _Route(i, r.key[1], part_of[r.stash], part_of[r.pop])

@@ -19,6 +19,8 @@ __all__ = [
     "SharedParameterError",
     "BoundaryError",
     "StageError",
+    "MetaDeviceError",
+    "OptionError",
 ]
 
 
@@ -58,8 +60,9 @@ class ModeError(SeqifyError):
     """A model whose graph depends on ``training`` runs in the mode it was not converted in."""
 
 
-class StateDictError(SeqifyError):
-    """A checkpoint does not match the source model's keys or shapes."""
+class StateDictError(SeqifyError, RuntimeError):
+    """A checkpoint does not match the model's keys, shapes or value types (a ``RuntimeError`` too, as
+    torch's ``load_state_dict`` raises)."""
 
 
 class SkipError(SeqifyError):
@@ -84,3 +87,14 @@ class BoundaryError(SeqifyError):
 
 class StageError(SeqifyError):
     """An exception inside a pipeline stage, re-raised with the partition and layer (Python < 3.11)."""
+
+
+class MetaDeviceError(SeqifyError):
+    """The model holds parameters or buffers on the meta device (shapes, no data) where data is needed:
+    running it on real inputs, moving it to a device, or profiling it. Materialise the weights first:
+    ``seq.to_empty(device=...)``, then initialise them or load a checkpoint."""
+
+
+class OptionError(SeqifyError):
+    """An argument of ``convert`` (``leaf_paths``, ``leaf_types``, ``depth``, the model itself) has the
+    wrong type or names something the model does not have."""

@@ -121,7 +121,7 @@ class Layer(Skippable):
 _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
     operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift,
+    operator.irshift, operator.setitem,
 }
 
 

@@ -10,13 +10,48 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import ModeError, StateDictError
+from .errors import HookError, MetaDeviceError, ModeError, SeqifyError, StateDictError
 from .guard import Guard
 from .signature import InputSpec, OutputSpec
 from .skip.namespace import Namespace
 from .skip.tracker import SkipTracker, use_tracker
 
-__all__ = ["Sequential", "SkipInfo", "OpaqueInfo"]
+__all__ = ["Sequential", "SkipInfo", "OpaqueInfo", "tied_slots", "retie", "meta_tensor"]
+
+Slot = tuple[nn.Module, str, str]  # (module, "_parameters" or "_buffers", name)
+
+
+def tied_slots(root: nn.Module) -> list[list[Slot]]:
+    """Groups of places that hold one tensor object (two or more per group).
+
+    Converted layers share tensors with each other and with the source's modules (a weight read directly
+    in forward, a buffer read by a generated layer). ``Module._apply`` converts every place on its own
+    and registers what it makes per place: buffers always, parameters when moving to or from the meta
+    device. :func:`retie` makes each group share one tensor again.
+    """
+    groups: dict[int, list[Slot]] = {}
+    for m in root.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(m, kind).items():
+                if t is not None:
+                    groups.setdefault(id(t), []).append((m, kind, name))
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def retie(groups: list[list[Slot]]) -> None:
+    """Point every place of each group at the tensor its first place holds now."""
+    for (m, kind, name), *rest in groups:
+        t = getattr(m, kind)[name]
+        for m2, kind2, name2 in rest:
+            getattr(m2, kind2)[name2] = t
+
+
+def meta_tensor(module: nn.Module) -> str | None:
+    """The qualified name of the first parameter or buffer of ``module`` on the meta device, if any."""
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.is_meta:
+            return name
+    return None
 
 
 @dataclass(frozen=True)
@@ -77,6 +112,7 @@ class Sequential(nn.Sequential):
         training: bool,
         mode_dependent: bool,
         source: str,
+        flattened: list[tuple[str, nn.Module]] = (),  # type: ignore[assignment]
     ) -> None:
         super().__init__(layers)
         self.input_spec = inputs
@@ -92,12 +128,21 @@ class Sequential(nn.Sequential):
         self.mode_dependent = mode_dependent
         self.source = source
         self.training = training
+        # The hook dicts of the source modules conversion flattened (their forwards became layers): a hook
+        # registered there after conversion would never run, so calls check that they stay empty.
+        from .trace import HOOK_DICTS
+
+        self._flattened = tuple((path or "", type(m).__name__) for path, m in flattened)
+        self._hook_dicts = tuple(tuple(getattr(m, h) for h in HOOK_DICTS) for _, m in flattened)
+        self._any_hooks = tuple(d for ds in self._hook_dicts for d in ds)
 
     # -- running -------------------------------------------------------------------------------------
 
     def flatten_inputs(self, *args: Any, **kwargs: Any) -> Any:
         """What the first layer receives for ``self(*args, **kwargs)``: a tensor or a tuple of tensors."""
         self._check_mode()
+        if any(getattr(self, "_any_hooks", ())):
+            self._hooks_added()
         flat = self.input_spec.flatten(args, kwargs)
         if len(self.entry) == 1:
             return flat[self.entry[0]]
@@ -109,10 +154,45 @@ class Sequential(nn.Sequential):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         x = self.flatten_inputs(*args, **kwargs)
-        with use_tracker(SkipTracker()):
-            for layer in self._modules.values():
-                x = layer(x)
+        inputs = x
+        name = ""
+        try:
+            with use_tracker(SkipTracker()):
+                for name, layer in self._modules.items():
+                    x = layer(x)
+        except Exception as e:
+            self._failed(e, name, inputs)
+            raise
         return self.output_spec.unflatten(x)
+
+    def _failed(self, error: Exception, name: str, inputs: Any) -> None:
+        """A layer raised: a model on the meta device gets a MetaDeviceError; anything else keeps its
+        type and gains a note naming the layer (Python >= 3.11)."""
+        if isinstance(error, SeqifyError):
+            return
+        meta = meta_tensor(self)
+        given = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if isinstance(t, torch.Tensor)]
+        if meta is not None and any(not t.is_meta for t in given):
+            raise MetaDeviceError(
+                f"layer {name!r} of the converted {self.source} failed: {meta} is on the meta device (shapes, no "
+                f"data) and the inputs are on {given[0].device}. Materialise the weights first: "
+                "seq.to_empty(device='cpu') (or 'cuda'), then initialise them (reset_parameters() on the source's "
+                "modules, which seq shares) or load a checkpoint (seq.load_original_state_dict(torch.load(path)) "
+                "or seq.load_state_dict(...)). Inputs on the meta device run it for shapes only."
+            ) from error
+        if hasattr(error, "add_note"):
+            error.add_note(f"in layer {name!r} of the converted {self.source} (seqify.Sequential)")
+
+    def _hooks_added(self) -> None:
+        for (path, kind), dicts in zip(self._flattened, self._hook_dicts):
+            if any(dicts):
+                where = f"submodule {path!r} ({kind})" if path else f"the source model itself ({kind})"
+                raise HookError(
+                    f"a hook was registered on {where} after conversion; seqify.convert flattened that module's "
+                    "forward into layers, so the hook would never run. Remove the hook, or register it before "
+                    "converting (a submodule with hooks is kept whole as one layer and its hooks run), or hook "
+                    "the converted layers themselves (seq.<layer>.register_forward_hook(...))."
+                )
 
     def _check_mode(self) -> None:
         if self.mode_dependent and self.training != self.converted_training:
@@ -130,21 +210,53 @@ class Sequential(nn.Sequential):
         return super().__getitem__(idx)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Sequential:  # type: ignore[override]
+        groups = tied_slots(self)
         super()._apply(fn, recurse)
         self._unused._apply(fn)
+        retie(groups)  # .double(), .to(), .to_empty() keep shared tensors shared
         return self
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """``nn.Module.load_state_dict`` with the converted model's own keys (``seq.state_dict()``); a
+        mismatch raises :class:`StateDictError` (a ``RuntimeError``) that points to
+        :meth:`load_original_state_dict` when the keys are the source model's."""
+        groups = tied_slots(self) if assign else []
+        try:
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as e:
+            if isinstance(e, SeqifyError):
+                raise
+            source_keys = len((set(state_dict) & set(self._state_map)) - set(super().state_dict(keep_vars=True)))
+            hint = (
+                f"{source_keys} of the checkpoint's keys are the source {self.source}'s, not the converted layers': "
+                "load a checkpoint of the source model with seq.load_original_state_dict(state_dict)"
+                if source_keys else
+                "seq.state_dict() keys are the converted layers' names; a checkpoint of the source model loads "
+                "with seq.load_original_state_dict(state_dict)"
+            )
+            raise StateDictError(f"{e}\n{hint}") from e
+        retie(groups)
+        return result
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
-    def _locate(self, key: str) -> tuple[nn.Module, str]:
-        path, name = self._state_map[key]
-        module: nn.Module = self._unused if path == "<unused>" else self.get_submodule(path)
-        return module, name
+    def _locate(self, key: str) -> list[tuple[nn.Module, str]]:
+        places = self._state_map[key]
+        if isinstance(places[0], str):  # saved by seqify 0.1.0: one place per key
+            places = (places,)
+        return [(self._unused if path == "<unused>" else self.get_submodule(path), name) for path, name in places]
+
+    def _tensors(self, key: str) -> list[torch.Tensor]:
+        """The tensor of source key ``key`` (several when a pipeline gave other devices copies of it)."""
+        found: dict[int, torch.Tensor] = {}
+        for module, name in self._locate(key):
+            t = module._parameters.get(name)
+            t = module._buffers[name] if t is None else t
+            found.setdefault(id(t), t)
+        return list(found.values())
 
     def _tensor(self, key: str) -> torch.Tensor:
-        module, name = self._locate(key)
-        t = module._parameters.get(name)
-        return module._buffers[name] if t is None else t
+        return self._tensors(key)[0]
 
     def original_state_dict(self) -> OrderedDict[str, torch.Tensor]:
         """The state under the source model's key names, as ``source.state_dict()`` would give it."""
@@ -157,6 +269,13 @@ class Sequential(nn.Sequential):
         """Load a checkpoint written for the source model (e.g. torchvision weights)."""
         expected = set(self._state_map)
         given = set(state_dict)
+        odd = sorted(k for k in expected & given if not isinstance(state_dict[k], torch.Tensor))
+        if odd:
+            raise StateDictError(
+                f"checkpoint values must be tensors; {odd[0]!r} is a {type(state_dict[odd[0]]).__name__}"
+                f"{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}: pass the state dict itself "
+                "(torch.load(path) of a torch.save(model.state_dict(), path))"
+            )
         missing = sorted(expected - given)
         unexpected = sorted(given - expected)
         if strict and (missing or unexpected):
@@ -175,7 +294,8 @@ class Sequential(nn.Sequential):
             raise StateDictError("checkpoint shapes do not match the model: " + "; ".join(shapes[:8]))
         with torch.no_grad():
             for k in expected & given:
-                self._tensor(k).copy_(state_dict[k])
+                for t in self._tensors(k):
+                    t.copy_(state_dict[k])
 
     # -- description -------------------------------------------------------------------------------------
 

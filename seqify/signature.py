@@ -73,7 +73,8 @@ class InputSpec:
                 if not isinstance(a, torch.Tensor):
                     raise InputError(
                         f"{self.model_name}: argument {p.name!r} was a tensor when the model was converted, "
-                        f"got {type(a).__name__}"
+                        f"got {type(a).__name__}; pass a tensor (a non-tensor argument is baked into the "
+                        "conversion: convert with example_inputs holding the value you will pass)"
                     )
             return list(args)
         values = self._bind(args, kwargs)
@@ -92,7 +93,8 @@ class InputSpec:
                 if not isinstance(value, torch.Tensor):
                     raise InputError(
                         f"{self.model_name}: argument {p.name!r} was a tensor when the model was converted, "
-                        f"got {type(value).__name__}"
+                        f"got {type(value).__name__}; pass a tensor (a non-tensor argument is baked into the "
+                        "conversion: convert with example_inputs holding the value you will pass)"
                     )
                 out.append(value)
                 continue
@@ -112,6 +114,9 @@ class InputSpec:
                     )
         return out
 
+    def _names(self) -> str:
+        return ", ".join(p.name for p in self.params)
+
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         values: dict[str, Any] = {}
         positional = [
@@ -119,23 +124,30 @@ class InputSpec:
             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         ]
         if len(args) > len(positional):
+            keyword_only = [p.name for p in self.params if p.kind == inspect.Parameter.KEYWORD_ONLY]
+            hint = f"; pass {', '.join(f'{n}=...' for n in keyword_only)} by keyword" if keyword_only else ""
             raise InputError(
                 f"{self.model_name}: takes {len(positional)} positional arguments "
-                f"({', '.join(p.name for p in positional)}), got {len(args)}"
+                f"({', '.join(p.name for p in positional)}), got {len(args)}{hint}"
             )
         for p, a in zip(positional, args):
             values[p.name] = a
         for name, a in kwargs.items():
             param = next((p for p in self.params if p.name == name), None)
             if param is None or param.kind == inspect.Parameter.POSITIONAL_ONLY:
-                raise InputError(f"{self.model_name}: unexpected keyword argument {name!r}")
+                raise InputError(
+                    f"{self.model_name}: unexpected keyword argument {name!r}; the converted forward takes "
+                    f"({self._names()})"
+                )
             if name in values:
-                raise InputError(f"{self.model_name}: got multiple values for argument {name!r}")
+                raise InputError(f"{self.model_name}: got multiple values for argument {name!r}; pass it once")
             values[name] = a
         for p in self.params:
             if p.name not in values:
                 if p.default is EMPTY:
-                    raise InputError(f"{self.model_name}: missing argument {p.name!r}")
+                    raise InputError(
+                        f"{self.model_name}: missing argument {p.name!r}; the converted forward takes ({self._names()})"
+                    )
                 values[p.name] = p.default
         return values
 

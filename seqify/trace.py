@@ -50,6 +50,8 @@ _ALL_HOOK_DICTS = _HOOK_DICTS + (
     "_forward_pre_hooks_with_kwargs",
     "_forward_hooks_always_called",
 )
+#: The hook dicts whose hooks a module runs when called (what conversion would drop).
+HOOK_DICTS = _HOOK_DICTS
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Traced:
     has_values: bool
     guards: list[Guard] = field(default_factory=list)
     output: Any = None  # the output structure, with nodes as leaves
+    flattened: list[tuple[str, nn.Module]] = field(default_factory=list)  # modules whose forward was traced through
 
     def attribute(self, target: str) -> Any:
         """The object a ``get_attr`` node refers to."""
@@ -169,6 +172,10 @@ class _Proxy(fx.Proxy):
     def __float__(self) -> float:
         return self.tracer.concrete(self, float)
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # ``x[i] = v`` modifies x in place (fx has no proxy for it): record it as the in-place operator.
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
 
 def _inplace(op: Any) -> Any:
     def method(self: _Proxy, other: Any) -> Any:
@@ -231,6 +238,7 @@ class _Tracer(fx.Tracer):
         self._depth = 0
         self._raw: Any = None
         self.raw_output: Any = None
+        self.flattened: dict[str, nn.Module] = {}
 
     # -- proxies ---------------------------------------------------------------------------------
 
@@ -425,12 +433,15 @@ class _Tracer(fx.Tracer):
                 if self.is_leaf_module(m, path):
                     return self.create_proxy("call_module", path, args, kwargs)
                 mark = next(iter(reversed(self.graph.nodes)), None)
+                self.flattened[path] = m
                 try:
                     return forward(*args, **kwargs)
                 except SeqifyError:
                     raise
                 except Exception as e:
                     self._rollback(mark)
+                    for inner in [p for p in self.flattened if p == path or p.startswith(f"{path}.")]:
+                        del self.flattened[inner]
                     site = _error_site(e)
                     reason = f"{_first_line(e)} at {site}" if site else _first_line(e)
                     self.opaque[path] = Opaque(path, type(m).__name__, reason)
@@ -493,15 +504,23 @@ def _bind_examples(
             else:
                 raise TypeError(f"example_inputs must be a tensor, a tuple of arguments or a dict, not {type(example_inputs).__name__}")
         except TypeError as e:
-            raise ExampleInputError(f"example_inputs do not fit {name}.forward{sig}: {e}") from None
+            keyword_only = [p.name for p in sig.parameters.values() if p.kind == inspect.Parameter.KEYWORD_ONLY]
+            hint = (
+                f"; {', '.join(keyword_only)} {'is' if len(keyword_only) == 1 else 'are'} keyword-only: pass "
+                f"example_inputs as a dict by parameter name, e.g. {{{keyword_only[0]!r}: x}}"
+                if keyword_only and not isinstance(example_inputs, dict) else
+                "; pass a tensor, a tuple of positional arguments, or a dict by parameter name"
+            )
+            raise ExampleInputError(f"example_inputs do not fit {name}.forward{sig}: {e}{hint}") from None
     params: list[Param] = []
     concrete: dict[str, Any] = {}
     plan: list[tuple[str, Any]] = []
     for p in sig.parameters.values():
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             if p.name in given and given[p.name]:
+                star = "*" if p.kind == inspect.Parameter.VAR_POSITIONAL else "**"
                 raise ExampleInputError(
-                    f"{name}.forward takes *{p.name}/**{p.name}; seqify converts forwards with named "
+                    f"{name}.forward takes {star}{p.name}; seqify converts forwards with named "
                     "parameters: wrap the model in a module whose forward names its inputs"
                 )
             continue
@@ -623,6 +642,13 @@ def trace(
                 "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
                 "or list that submodule in leaf_paths=[...]."
             ) from e
+    for ph in graph.nodes:
+        if ph.op == "placeholder" and str(ph.target).startswith("*") and ph.users:
+            raise UntraceableError(
+                f"{name}.forward reads {ph.target}: seqify converts forwards whose inputs are named parameters. "
+                f"What to do: wrap the model in a module whose forward names each input (def forward(self, x, "
+                f"mask): return model(x, mask=mask)) and convert that."
+            )
     _strip_baked(graph)
     output = _output_structure(graph, tracer.raw_output)
     used = {n.target for n in graph.nodes if n.op == "get_attr"}
@@ -644,4 +670,5 @@ def trace(
         has_values=fake_mode is not None,
         guards=guards,
         output=output,
+        flattened=[("", model), *((p, m) for p, m in tracer.flattened.items() if p)],
     )

@@ -364,6 +364,29 @@ def test_augmented_assignment_keeps_in_place_semantics() -> None:
     assert "iadd" in targets and "imul" in targets
 
 
+class IndexedAssignment(nn.Module):
+    """``h[:, :1] = 0`` after ``h`` was read: the assignment modifies h in place, in the source's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        z = torch.sigmoid(h)
+        h[:, :1] = 0
+        return z + h
+
+
+def test_indexed_assignment_keeps_in_place_semantics_and_order() -> None:
+    x = torch.randn(2, 2, 3, 3)
+    seq = assert_exact(IndexedAssignment(), (x,), train=True)
+    targets = [getattr(op.target, "__name__", op.target) for layer in seq if isinstance(layer, Layer) for op in layer.ops]
+    assert "setitem" in targets
+    with_shapes = lambda m: seqify.convert(m, example_inputs=x.clone())  # noqa: E731
+    assert_exact(IndexedAssignment(), (x,), train=True, convert=with_shapes)
+
+
 class Recurrent(nn.Module):
     def __init__(self) -> None:
         super().__init__()

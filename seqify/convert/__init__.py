@@ -9,6 +9,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from ..errors import OptionError
 from ..sequential import Sequential
 from ..trace import Opaque, preserved, trace
 from .build import RESERVED, build
@@ -46,6 +47,34 @@ def _mode_differences(a: fx.Graph, b: fx.Graph) -> set[str]:
     return {p for p in set(seqs[0]) | set(seqs[1]) if seqs[0].get(p) != seqs[1].get(p)}
 
 
+def _check_options(
+    model: Any, leaf_types: Any, leaf_paths: Any, depth: Any
+) -> tuple[tuple[type, ...], tuple[str, ...]]:
+    """Validate convert's options; a single type or path is taken as a list of one."""
+    if not isinstance(model, nn.Module):
+        raise OptionError(
+            f"seqify.convert takes an nn.Module, got {type(model).__name__}; wrap the function in a module "
+            "whose forward calls it"
+        )
+    name = type(model).__name__
+    types = (leaf_types,) if isinstance(leaf_types, type) else tuple(leaf_types)
+    bad = [t for t in types if not isinstance(t, type)]
+    if bad:
+        raise OptionError(f"leaf_types={leaf_types!r}: give module classes (e.g. leaf_types=[Bottleneck]), not {bad[0]!r}")
+    paths = (leaf_paths,) if isinstance(leaf_paths, str) else tuple(leaf_paths)
+    known = dict(model.named_modules())
+    for path in paths:
+        if not isinstance(path, str) or path not in known or path == "":
+            children = ", ".join(repr(n) for n, _ in model.named_children()) or "none"
+            raise OptionError(
+                f"leaf_paths names {path!r}, which is not a submodule of {name}; give qualified names as in "
+                f"model.named_modules() (its children: {children})"
+            )
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+        raise OptionError(f"depth={depth!r}: give a whole number >= 1 (1 keeps the model's children whole), or None")
+    return types, paths
+
+
 def convert(
     model: nn.Module,
     example_inputs: Any = None,
@@ -75,6 +104,7 @@ def convert(
     """
     if isinstance(model, Sequential):
         return model
+    leaf_types, leaf_paths = _check_options(model, leaf_types, leaf_paths, depth)
     paths = set(leaf_paths)
     traced = trace(model, example_inputs, leaf_types=leaf_types, leaf_paths=sorted(paths), depth=depth)
     mode_dependent = False

@@ -66,14 +66,15 @@ class _Builder:
         self.traced = traced
         self.plan = plan
         self.namespace = Namespace()
-        self.holders: dict[str, Tensors] = {}
-        self.holder_names: dict[int, tuple[str, str]] = {}
 
-    def holder_attr(self, target: str, tensor: torch.Tensor) -> tuple[Tensors, str]:
+    def holder_attr(self, holders: dict[str, Tensors], target: str, tensor: torch.Tensor) -> tuple[Tensors, str]:
+        """The layer's own holder of the tensors that the source module ``owner`` owns. Each layer has its
+        own holders (holding the very same tensors), so a pipeline can give each partition's layers
+        copies on that partition's device."""
         owner, _, attr = target.rpartition(".")
-        holder = self.holders.get(owner)
+        holder = holders.get(owner)
         if holder is None:
-            holder = self.holders[owner] = Tensors()
+            holder = holders[owner] = Tensors()
         if attr not in holder._buffers:
             persistent = False
             if target not in self.traced.constants:
@@ -90,6 +91,7 @@ class _Builder:
         params: dict[str, nn.Parameter] = {}
         taken: set[str] = set()
         by_target: dict[str, Attr] = {}
+        holders: dict[str, Tensors] = {}
 
         def attr(node: fx.Node) -> Attr:
             target = str(node.target)
@@ -102,7 +104,7 @@ class _Builder:
                 params[name] = obj
                 ref = Attr(name)
             elif isinstance(obj, torch.Tensor):
-                holder, name = self.holder_attr(target, obj)
+                holder, name = self.holder_attr(holders, target, obj)
                 hname = next((k for k, m in modules.items() if m is holder), None)
                 if hname is None:
                     hname = _safe((target.rpartition(".")[0].replace(".", "_") or "root") + "_tensors", taken)
@@ -175,24 +177,26 @@ def _output_spec(plan: Plan) -> OutputSpec:
     return OutputSpec(spec, [(True, slots[x]) if isinstance(x, fx.Node) else (False, x) for x in leaves])
 
 
-def _state_map(model: nn.Module, seq: nn.Module, unused: _Unused) -> OrderedDict[str, tuple[str, str]]:
-    where: dict[int, tuple[str, str]] = {}
+def _state_map(model: nn.Module, seq: nn.Module, unused: _Unused) -> OrderedDict[str, tuple[tuple[str, str], ...]]:
+    """Every source state key -> all the places in the converted model that hold its tensor (one tensor at
+    conversion; a pipeline may later give partitions on other devices copies of a read-only buffer)."""
+    where: dict[int, list[tuple[str, str]]] = {}
     for path, module in seq.named_modules(remove_duplicate=False):
         for name, t in list(module._parameters.items()) + list(module._buffers.items()):
-            if t is not None and id(t) not in where:
-                where[id(t)] = (path, name)
-    mapping: OrderedDict[str, tuple[str, str]] = OrderedDict()
+            if t is not None and (path, name) not in where.setdefault(id(t), []):
+                where[id(t)].append((path, name))
+    mapping: OrderedDict[str, tuple[tuple[str, str], ...]] = OrderedDict()
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) in where:
-            mapping[key] = where[id(t)]
+            mapping[key] = tuple(where[id(t)])
             continue
         local = re.sub(r"\W", "_", key)
         if isinstance(t, nn.Parameter):
             unused.register_parameter(local, t)
         else:
             unused.register_buffer(local, t)
-        where[id(t)] = ("<unused>", local)
-        mapping[key] = where[id(t)]
+        where[id(t)] = [("<unused>", local)]
+        mapping[key] = tuple(where[id(t)])
     return mapping
 
 
@@ -223,5 +227,6 @@ def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False) -> Sequen
         training=traced.training,
         mode_dependent=mode_dependent,
         source=type(traced.model).__name__,
+        flattened=traced.flattened,
     )
     return seq

@@ -123,6 +123,15 @@ def _rule(node: fx.Node, kinds: dict[fx.Node, str], root: nn.Module) -> str:
     return AUX
 
 
+def _writes_tensor(node: fx.Node, kinds: dict[fx.Node, str]) -> bool:
+    """Whether ``operator.setitem`` assigns into a tensor (not into a Python list or dict)."""
+    receiver = node.args[0] if node.args else None
+    if not isinstance(receiver, fx.Node):
+        return False
+    value = value_of(receiver)
+    return isinstance(value, torch.Tensor) if value is not UNKNOWN else kinds.get(receiver) == TENSOR
+
+
 def classify(graph: fx.Graph, root: nn.Module) -> dict[fx.Node, str]:
     """The kind of every node but the output: from its example value where known, else from rules."""
     kinds: dict[fx.Node, str] = {}
@@ -131,6 +140,9 @@ def classify(graph: fx.Graph, root: nn.Module) -> dict[fx.Node, str]:
             continue
         if node.op == "get_attr":
             kinds[node] = CONST
+            continue
+        if node.op == "call_function" and node.target is operator.setitem and _writes_tensor(node, kinds):
+            kinds[node] = TENSOR  # in place on a tensor: it heads a step, in the source's order
             continue
         kind = _from_value(value_of(node))
         kinds[node] = kind if kind is not None else _rule(node, kinds, root)

@@ -74,6 +74,17 @@ def balance(
         raise BalanceError(f"transfer_cost={transfer_cost}: give a cost per byte >= 0 (0 ignores transfers)")
     if memory_cap is not None and not memory_cap >= 0:
         raise BalanceError(f"memory_cap={memory_cap}: give the bytes a stage may hold (>= 0), or None for no cap")
+    if by != "params":
+        from ..errors import MetaDeviceError
+        from ..sequential import meta_tensor
+
+        meta = meta_tensor(model)
+        if meta is not None:
+            raise MetaDeviceError(
+                f"{meta} is on the meta device (shapes, no data), and balance by={by!r} runs the layers on the "
+                "sample; balance by='params' (no data needed), or materialise the weights first "
+                "(model.to_empty(device='cpu'), then initialise them or load a checkpoint)"
+            )
     measured = costs(model, by, sample, device, progress=progress)
     where = str(device_of(device)) if by in ("time", "memory") else None
     return split(

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import SeqifyError
 from ..progress import progress as bar
 from ..skip.namespace import SkipKey
 from ..skip.tracker import SkipTracker, use_tracker
@@ -106,6 +107,15 @@ def profile(
                     raise BalanceError(
                         f"{layers.describe(i)} runs out of memory on {dev} while profiling; profile with a "
                         "smaller sample batch or balance by='flops' (no device needed)"
+                    ) from e
+                except SeqifyError:
+                    raise
+                except Exception as e:
+                    what = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                    raise BalanceError(
+                        f"{layers.describe(i)} fails on the sample while profiling ({what}); check that the sample "
+                        "fits the model (shape, dtype, batch size: BatchNorm in training needs more than one value "
+                        "per channel), or balance by='params' (no sample needed)"
                     ) from e
                 times.append(statistics.median(r.seconds for r in runs))
                 peaks.append(step.peak if cuda else sum(kept.values()))

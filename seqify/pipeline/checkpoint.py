@@ -39,13 +39,14 @@ def _flag(name: str) -> Iterator[None]:
         setattr(_local, name, previous)
 
 
-def norms_of(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    """BatchNorm modules whose running statistics a recomputation would update a second time."""
-    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+def norms_of(module: nn.Module) -> list[nn.modules.batchnorm._NormBase]:
+    """Normalisation modules (BatchNorm, InstanceNorm with ``track_running_stats``) whose running
+    statistics a recomputation would update a second time."""
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
 
 
 @contextmanager
-def _scratch_statistics(norms: Sequence[nn.modules.batchnorm._BatchNorm]) -> Iterator[None]:
+def _scratch_statistics(norms: Sequence[nn.modules.batchnorm._NormBase]) -> Iterator[None]:
     """Let BatchNorm update throw-away copies of its running statistics (same shapes, so the
     tensors autograd saves match the forward pass), then put the real ones back untouched."""
     saved = []
@@ -62,7 +63,7 @@ def _scratch_statistics(norms: Sequence[nn.modules.batchnorm._BatchNorm]) -> Ite
             m._buffers.update(buffers)
 
 
-def checkpointed(fn: Callable[..., Any], *args: Any, norms: Sequence[nn.modules.batchnorm._BatchNorm] = ()) -> Any:
+def checkpointed(fn: Callable[..., Any], *args: Any, norms: Sequence[nn.modules.batchnorm._NormBase] = ()) -> Any:
     """``fn(*args)``, keeping no activations for backward: they are recomputed when needed.
 
     The recomputation sees the same RNG and autocast state as the forward pass (torch's

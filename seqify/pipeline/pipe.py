@@ -6,18 +6,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import operator
 import traceback
 import warnings
 
 import torch
 from torch import nn
 
-from ..errors import BalanceError, BoundaryError, DeviceError, SharedParameterError
-from ..sequential import Sequential
+from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, MetaDeviceError, SharedParameterError
+from ..sequential import Sequential, meta_tensor
 from ..skip.layout import routes
 from ..skip.namespace import SkipKey
 from .batchnorm import DeferredBatchNorm, defer_batch_norm
 from .checkpoint import checkpointed, norms_of
+from .inplace import INPUT, mutated_roots, written_tensors
 from .microbatch import gather, is_tensors, scatter
 from .schedule import clock_cycles
 from .stage import Stage, annotate
@@ -37,12 +39,26 @@ def resolve_devices(gpus: int | None, devices: Sequence[Any] | None, partitions:
     """The device of every partition, from ``devices``, ``gpus`` or what the machine has."""
     if devices is not None and gpus is not None:
         raise DeviceError("pass either gpus=N or devices=[...], not both")
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int)):
+        raise DeviceError(f"gpus={gpus!r}: give a number of GPUs, or devices=[...]")
     if devices is not None:
+        if isinstance(devices, (str, torch.device, int)):
+            raise DeviceError(
+                f"devices={devices!r}: give a list with one device per partition, e.g. devices=['cuda:0', "
+                "'cuda:1'] or devices=['cpu', 'cpu']"
+            )
+        devices = list(devices)
         if not devices:
             raise DeviceError("devices=[] names no device; give one device per partition")
         out = []
         for d in devices:
-            device = torch.device(f"cuda:{d}" if isinstance(d, int) else d)
+            try:
+                device = torch.device(f"cuda:{d}" if isinstance(d, int) else d)
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise DeviceError(
+                    f"{d!r} in devices is not a device ({(str(e).splitlines() or [''])[0]}); name devices like "
+                    "'cuda:0', 'cuda:1' or 'cpu'"
+                ) from None
             if device.type == "cuda":
                 if not torch.cuda.is_available():
                     raise DeviceError(f"device {device} does not exist: CUDA is not available here; use devices=['cpu', ...]")
@@ -78,8 +94,39 @@ def _layer_names(model: nn.Sequential) -> list[str]:
     return list(model._modules)
 
 
+def _counts(balance: Any, layers: int) -> list[int]:
+    """``balance`` as a list of whole numbers (the counts are checked by :func:`_check_balance`)."""
+    if isinstance(balance, (int, float, torch.Tensor)) or not hasattr(balance, "__iter__"):
+        half = layers // 2
+        raise BalanceError(
+            f"balance={balance!r}: give a list of layer counts, one per partition (e.g. balance=[{layers - half}, "
+            f"{half}] for this model's {layers} layers), or a strategy: one of {STRATEGIES}"
+        )
+    counts = []
+    for b in balance:
+        try:
+            if isinstance(b, bool):
+                raise TypeError
+            counts.append(operator.index(b))
+        except TypeError:
+            raise BalanceError(f"balance={list(balance)!r}: every entry must be a whole number of layers, not {b!r}") from None
+    return counts
+
+
+def _check_chunks(chunks: Any) -> int:
+    try:
+        if isinstance(chunks, bool):
+            raise TypeError
+        value = operator.index(chunks)
+    except TypeError:
+        raise BalanceError(f"chunks={chunks!r}: give a whole number of micro-batches (>= 1)") from None
+    if value < 1:
+        raise BalanceError(f"chunks={chunks}: need at least one micro-batch")
+    return value
+
+
 def _check_balance(balance: Sequence[int], layers: int) -> list[int]:
-    balance = [int(b) for b in balance]
+    balance = _counts(balance, layers)
     if any(b < 1 for b in balance):
         raise BalanceError(f"balance {balance} has an empty partition; every partition needs at least one layer")
     if sum(balance) != layers:
@@ -104,6 +151,61 @@ def _check_shared(parts: list[nn.Sequential]) -> None:
                         f"layer {layer_name!r} (partition {j}); a parameter lives on one device. Change the balance "
                         f"so both layers land in one partition, or untie the weights."
                     )
+
+
+def _check_meta(parts: list[nn.Sequential]) -> None:
+    for j, part in enumerate(parts):
+        name = meta_tensor(part)
+        if name is not None:
+            raise MetaDeviceError(
+                f"layer {name.split('.')[0]!r} (partition {j}) holds {name} on the meta device (shapes, no data); a "
+                "pipeline moves its layers to their devices, which needs data. Materialise the weights first: "
+                "model.to_empty(device='cpu'), then initialise them or load a checkpoint "
+                "(seq.load_original_state_dict(torch.load(path))), then pipeline the model."
+            )
+
+
+def _place(parts: list[nn.Sequential], devices: Sequence[torch.device]) -> None:
+    """Move each partition to its device. A tensor several layers share stays one tensor per device; a
+    read-only buffer that partitions on different devices read (a constant of the source's forward) gets a
+    copy on each. A buffer that changes as the model runs (BatchNorm statistics, ``self.count += 1``) and
+    that layers of different partitions use is refused, like a shared parameter: partitions run a
+    micro-batch at different times (partition 0 is a micro-batch ahead), so a later partition would read
+    it changed by later micro-batches, and on another device it would be a stale copy."""
+    from ..convert.build import Tensors
+
+    written = {id(t) for part in parts for layer in part for t in written_tensors(layer)}
+    slots: dict[int, list[tuple[int, str, nn.Module, str, str]]] = {}
+    for j, part in enumerate(parts):
+        seen: set[tuple[int, str, str]] = set()
+        for layer_name, layer in part.named_children():
+            for m in layer.modules():
+                for kind in ("_parameters", "_buffers"):
+                    for name, t in getattr(m, kind).items():
+                        if t is not None and (id(m), kind, name) not in seen:
+                            seen.add((id(m), kind, name))
+                            slots.setdefault(id(t), []).append((j, layer_name, m, kind, name))
+    for tid, entries in slots.items():
+        if len({j for j, *_ in entries}) < 2:
+            continue
+        changes = tid in written or any(not isinstance(m, Tensors) for _, _, m, _, _ in entries)
+        if changes:
+            a = entries[0]
+            b = next(e for e in entries if e[0] != a[0])
+            raise SharedParameterError(
+                f"buffer {a[4]!r} is used by layer {a[1]!r} (partition {a[0]}, {devices[a[0]]}) and layer {b[1]!r} "
+                f"(partition {b[0]}, {devices[b[0]]}) and may change as the model runs; partitions run each "
+                "micro-batch at different times (and may sit on different devices), so such a buffer must stay in "
+                "one partition. Change the balance so both layers land in one partition."
+            )
+    for part, device in zip(parts, devices):
+        part.to(device)
+    for entries in slots.values():
+        if len(entries) < 2:
+            continue
+        first: dict[torch.device, torch.Tensor] = {}
+        for j, _, m, kind, name in entries:
+            getattr(m, kind)[name] = first.setdefault(devices[j], getattr(m, kind)[name])
 
 
 class Pipeline(nn.Module):
@@ -136,8 +238,7 @@ class Pipeline(nn.Module):
             )
         if graphs and any(torch.device(d).type != "cuda" for d in devices):
             raise DeviceError("graphs=True needs every partition on a CUDA device")
-        if chunks < 1:
-            raise BalanceError(f"chunks={chunks}: need at least one micro-batch")
+        chunks = _check_chunks(chunks)
         names = _layer_names(model)
         balance = _check_balance(balance, len(names))
         if len(devices) != len(balance):
@@ -153,9 +254,9 @@ class Pipeline(nn.Module):
             parts.append(nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count]))))
             start += count
         _check_shared(parts)
+        _check_meta(parts)
         part_of = [j for j, count in enumerate(balance) for _ in range(count)]
-        for part, device in zip(parts, devices):
-            part.to(device)
+        _place(parts, devices)
         if deferred_batch_norm:
             parts = [defer_batch_norm(p, chunks) for p in parts]  # type: ignore[misc]
         pops: list[list[SkipKey]] = [[] for _ in parts]
@@ -176,6 +277,12 @@ class Pipeline(nn.Module):
         self.plan = plan
         self.stages = [Stage(j, p, d, tuple(pops[j]), tuple(stashes[j])) for j, (p, d) in enumerate(zip(parts, devices))]
         self._norms = [norms_of(p) for p in parts]
+        self._snapshot: tuple[tuple[int, ...], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
+        # Modules whose running statistics a training forward updates: restored when a step raises.
+        self._statistics = list({
+            id(m): m for p in parts for m in p.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        }.values())
         self._deferred = [m for p in parts for m in p.modules() if isinstance(m, DeferredBatchNorm)]
         self._transfer = Transfer()
         self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
@@ -183,6 +290,19 @@ class Pipeline(nn.Module):
         self._graphed: tuple[Any, list[Any]] | None = None
         self.graph_error: str | None = None
         self.training = model.training
+        # A model that may modify its input in place gets micro-batches that are copies: views of one
+        # tensor share autograd's version counter, so one micro-batch's change would invalidate what
+        # another saved for backward (and the caller's tensor stays as it was).
+        self._copy_input = INPUT in mutated_roots(layers)
+
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per mini-batch."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: int) -> None:
+        self._chunks = _check_chunks(value)
 
     @property
     def input_device(self) -> torch.device:
@@ -216,9 +336,44 @@ class Pipeline(nn.Module):
             raise BoundaryError("a plain nn.Sequential pipeline takes one argument: a tensor or a tuple of tensors")
         carried = self._transfer(carried, self.devices[0])
         batches = scatter(carried, self.chunks)
-        outputs = self._run(batches)
-        out = gather(outputs)
+        if self._copy_input:
+            batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
+        saved = self._save_statistics() if self._statistics else None
+        try:
+            outputs = self._run(batches)
+            out = gather(outputs)
+        except BaseException:
+            if saved:
+                self._restore_statistics(saved)
+            raise
         return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
+
+    def _save_statistics(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
+        """Copy the running statistics this forward may update, once per mini-batch (not per micro-batch),
+        into copies kept from step to step: one fused copy per device and dtype."""
+        live = [t for m in self._statistics if m.training for t in m._buffers.values() if t is not None]
+        if not live:
+            return None
+        key = tuple(map(id, live))
+        if self._snapshot is None or self._snapshot[0] != key:
+            groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for t in live:
+                group = groups.setdefault((t.device, t.dtype), ([], []))
+                group[0].append(t)
+                group[1].append(torch.empty_like(t))
+            self._snapshot = (key, list(groups.values()))
+        with torch.no_grad():
+            for tensors, copies in self._snapshot[1]:
+                torch._foreach_copy_(copies, tensors)
+        return self._snapshot[1]
+
+    @staticmethod
+    def _restore_statistics(saved: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """A step that raised leaves running statistics as they were before it (partitions that already ran
+        some micro-batches had updated theirs)."""
+        with torch.no_grad():
+            for tensors, copies in saved:
+                torch._foreach_copy_(tensors, copies)
 
     def _graph_runners(self, values: list[Any]) -> list[Any] | None:
         """The captured stages for these micro-batches, capturing them on first use."""
@@ -274,6 +429,7 @@ class Pipeline(nn.Module):
                 for i, j in cycle:
                     stage = self.stages[j]
                     x = values[i]
+                    memo: dict[int, Any] | None = {} if stage.pops or type(x) is tuple else None
                     if j > 0:
                         if not is_tensors(x):
                             prev = self.stages[j - 1]
@@ -283,13 +439,13 @@ class Pipeline(nn.Module):
                                 "Move the cut (balance) so this value stays inside one partition, or convert with "
                                 "example_inputs so seqify knows which values are tensors."
                             )
-                        x = transfer(x, stage.device, ready[i])
+                        x = transfer(x, stage.device, ready[i], memo)
                         if observe is not None:
                             observe("carry", "", j - 1, j, i)
                     skips = {}
                     for key in stage.pops:
                         value, when = pending[i].pop(key)
-                        skips[key] = transfer(value, stage.device, when)
+                        skips[key] = transfer(value, stage.device, when, memo)
                         if observe is not None:
                             observe("skip", key[1], self.skip_partitions[key][0], j, i)
                     if runners is not None:
@@ -359,6 +515,10 @@ def pipeline(
     elif convert_options:
         raise BalanceError(f"options {sorted(convert_options)} apply to conversion, but the model is already a Sequential")
     layers = len(model)
+    if layers == 0:
+        raise EmptyModelError(f"the {type(model).__name__} has no layers; there is nothing to pipeline")
+    _check_meta([model])
+    chunks = _check_chunks(chunks)
     if isinstance(balance, str) or balance is None:
         strategy = balance or "params"
         if strategy not in STRATEGIES:
@@ -372,7 +532,7 @@ def pipeline(
         plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
         return Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
                         deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan)
-    counts = list(balance)
+    counts = _counts(balance, layers)
     if len(counts) > layers:
         raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
     placed = resolve_devices(gpus, devices, len(counts))

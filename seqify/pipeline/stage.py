@@ -71,35 +71,37 @@ class Stage:
     def fresh(self, x: Any, skips: dict[SkipKey, Any]) -> tuple[Any, dict[SkipKey, Any]]:
         """Run on copies of the inputs that a layer modifies in place (``ReLU(inplace=True)`` first,
         ``out += identity`` on a popped skip): checkpointing recomputes from the inputs, and a captured
-        graph's inputs are leaves autograd must not see modified."""
+        graph's inputs are leaves autograd must not see modified. A tensor received twice (carried and
+        popped, say) is copied once, so both names still refer to one tensor, as in the source."""
+        if not (self.mutates_input or self.mutated_skips):
+            return self(x, skips)
+        copies: dict[int, torch.Tensor] = {}
+
+        def copy(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            c = copies.get(id(t))
+            if c is None:
+                c = copies[id(t)] = t.clone()
+            return c
+
         if self.mutates_input:
-            x = x.clone() if isinstance(x, torch.Tensor) else tuple(t.clone() for t in x)
-        if self.mutated_skips:
-            skips = {
-                k: v.clone() if k in self.mutated_skips and isinstance(v, torch.Tensor) else v for k, v in skips.items()
-            }
-        return self(x, skips)
+            x = copy(x) if isinstance(x, torch.Tensor) else tuple(copy(t) for t in x)
+        for k in self.mutated_skips:
+            if k in skips:
+                copy(skips[k])
+
+        def same(t: Any) -> Any:
+            return copies.get(id(t), t) if isinstance(t, torch.Tensor) else t
+
+        x = same(x) if isinstance(x, torch.Tensor) else tuple(same(t) for t in x)
+        return self(x, {k: same(v) for k, v in skips.items()})
 
 
 def _mutations(modules: list[nn.Module], pops: set[SkipKey]) -> tuple[bool, set[SkipKey]]:
-    """Whether the first layer may modify the stage's input in place, and which of the skips the stage
-    receives some layer may modify in place. Unknown modules are assumed to."""
-    from ..layer import Layer
-    from ..skip.skippable import Skippable, pop_keys
+    """Whether some layer may modify the stage's input in place, and which of the skips the stage
+    receives some layer may modify in place (directly, or through a view or a value passed on)."""
+    from .inplace import INPUT, mutated_roots
 
-    def plain(m: nn.Module) -> bool:
-        return type(m).__module__.startswith("torch.nn") and not getattr(m, "inplace", False)
-
-    first = modules[0] if modules else None
-    if isinstance(first, Layer):
-        mutates_input = bool(set(first.inputs) & first.mutated_inputs())
-    else:
-        mutates_input = first is not None and not plain(first)
-    skips: set[SkipKey] = set()
-    for m in modules:
-        if isinstance(m, Layer):
-            changed = m.mutated_inputs()
-            skips |= {key for key, name in m.pops if key in pops and name in changed}
-        elif isinstance(m, Skippable):
-            skips |= set(pop_keys(m)) & pops
-    return mutates_input, skips
+    mutated = mutated_roots(modules, tuple(pops))
+    return INPUT in mutated, {key for key in pops if key in mutated}

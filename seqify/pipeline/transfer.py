@@ -54,12 +54,29 @@ class Transfer:
             stream.synchronize()  # a CPU destination can only read the data once the copy is done
         return moved
 
-    def __call__(self, value: Any, device: torch.device, ready: torch.cuda.Event | None = None) -> Any:
+    def __call__(
+        self, value: Any, device: torch.device, ready: torch.cuda.Event | None = None, memo: dict[int, Any] | None = None
+    ) -> Any:
+        """``value`` on ``device``. With ``memo`` (one dict per destination and step), a tensor sent twice
+        (as the carried value and as a skip, say) arrives as one tensor, so an in-place change through
+        one name is seen through the other, as in the source."""
+        if memo is None:
+            move = lambda t: self.tensor(t, device, ready)  # noqa: E731
+        else:
+
+            def move(t: torch.Tensor) -> torch.Tensor:
+                if t.device == device:
+                    return t
+                moved = memo.get(id(t))
+                if moved is None:
+                    moved = memo[id(t)] = self.tensor(t, device, ready)
+                return moved
+
         if isinstance(value, torch.Tensor):
-            return self.tensor(value, device, ready)
+            return move(value)
         if type(value) is tuple:
-            return tuple(self.tensor(t, device, ready) if isinstance(t, torch.Tensor) else t for t in value)
-        return pytree.tree_map(lambda t: self.tensor(t, device, ready) if isinstance(t, torch.Tensor) else t, value)
+            return tuple(move(t) if isinstance(t, torch.Tensor) else t for t in value)
+        return pytree.tree_map(lambda t: move(t) if isinstance(t, torch.Tensor) else t, value)
 
     @staticmethod
     def mark(device: torch.device) -> torch.cuda.Event | None:

@@ -1,0 +1,658 @@
+"""The bad-input catalogue (docs/errors.md): one test per row. Each checks the SeqifyError subclass, that the
+message names the offending module path, layer, argument or graph node, and that it says what to do."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import seqify
+from exactness import assert_exact
+from seqify.skip import Namespace, pop, skippable, stash
+
+pytestmark = pytest.mark.timeout(120)
+
+CPU2 = ["cpu", "cpu"]
+
+
+@contextmanager
+def raises(kind: type[Exception], *phrases: str) -> Iterator[pytest.ExceptionInfo]:
+    """pytest.raises that also checks the message holds every phrase (what it names, what to do)."""
+    with pytest.raises(kind) as info:
+        yield info
+    assert isinstance(info.value, seqify.SeqifyError)
+    text = str(info.value)
+    for phrase in phrases:
+        assert phrase in text, f"message lacks {phrase!r}: {text}"
+
+
+class Lin(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.f = nn.Linear(n, n)
+        self.g = nn.Linear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g(torch.relu(self.f(x))) + x
+
+
+# -- convert: tracing ------------------------------------------------------------------------------
+
+
+class ValueBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.mean() > 0:  # on the tensor's values
+            return self.f(x)
+        return x
+
+
+def test_data_dependent_control_flow_in_the_model_itself() -> None:
+    with raises(seqify.UntraceableError, "ValueBranch.forward", "test_errors.py", "x.mean() > 0", "What to do",
+                "submodule"):
+        seqify.convert(ValueBranch())
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2:
+            x = F.pad(x, [0, 1])
+        return self.f(x[..., :4])
+
+
+def test_shape_dependent_control_flow_without_example_inputs() -> None:
+    with raises(seqify.UntraceableError, "ShapeBranch.forward", "x.shape[-1] % 2", "pass example_inputs"):
+        seqify.convert(ShapeBranch())
+    seq = seqify.convert(ShapeBranch(), example_inputs=torch.randn(2, 3))  # the fix: it converts, guarded
+    assert seq.guards
+
+
+def test_input_outside_the_shapes_a_specialised_conversion_is_valid_for() -> None:
+    model = ShapeBranch()
+    seq = seqify.convert(model, example_inputs=torch.randn(2, 3))
+    x = torch.randn(5, 7)  # odd width: the branch the example took
+    assert torch.equal(seq(x), model(x))
+    with raises(seqify.SpecializationError, "x.shape[-1] % 2", "<model>", "test_errors.py", "example_inputs shaped like this input"):
+        seq(torch.randn(2, 4))  # even width would skip the pad
+
+
+class VarArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 3)
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.f(xs[0])
+
+
+def test_forward_with_star_args() -> None:
+    with raises(seqify.UntraceableError, "VarArgs.forward reads *xs", "wrap the model in a module"):
+        seqify.convert(VarArgs())
+    with raises(seqify.ExampleInputError, "VarArgs.forward takes *xs", "wrap the model"):
+        seqify.convert(VarArgs(), example_inputs=(torch.randn(2, 3),))
+
+
+class KeywordOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 3)
+        self.g = nn.Linear(3, 3)
+
+    def forward(self, *, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.g(torch.tanh(self.f(x))) * scale
+
+
+def test_keyword_only_forward_converts_and_pipelines() -> None:
+    """Keyword-only parameters work: example_inputs as a dict, calls by keyword."""
+    x, scale = torch.randn(4, 3), torch.rand(4, 1)
+    model = KeywordOnly()
+    seq = assert_exact(model, (), kwargs={"x": x, "scale": scale}, train=True)
+    seq2 = seqify.convert(model, example_inputs={"x": x, "scale": scale})
+    assert torch.equal(seq2(x=x, scale=scale), model(x=x, scale=scale))
+    reference = copy.deepcopy(model)
+    pipe = seqify.pipeline(model, devices=CPU2, balance=[2, len(seq) - 2], chunks=2)
+    torch.testing.assert_close(pipe(x=x, scale=scale), reference(x=x, scale=scale), rtol=0, atol=1e-6)
+
+
+def test_keyword_only_forward_misused() -> None:
+    x, scale = torch.randn(4, 3), torch.rand(4, 1)
+    with raises(seqify.ExampleInputError, "KeywordOnly.forward", "keyword-only", "as a dict by parameter name"):
+        seqify.convert(KeywordOnly(), example_inputs=(x, scale))
+    seq = seqify.convert(KeywordOnly())
+    with raises(seqify.InputError, "KeywordOnly", "pass x=..., scale=... by keyword"):
+        seq(x, scale)
+
+
+def test_example_inputs_that_do_not_fit_the_forward() -> None:
+    with raises(seqify.ExampleInputError, "Lin.forward", "example_inputs miss", "'x'"):
+        seqify.convert(Lin(), example_inputs={})
+    with raises(seqify.ExampleInputError, "Lin.forward", "pass a tensor, a tuple"):
+        seqify.convert(Lin(), example_inputs=(torch.randn(2, 4), torch.randn(2, 4)))
+    with raises(seqify.ExampleInputError, "must be a tensor, a tuple of arguments or a dict"):
+        seqify.convert(Lin(), example_inputs=3)
+
+
+def test_empty_models() -> None:
+    with raises(seqify.EmptyModelError, "Sequential computes no tensor op", "nothing to convert"):
+        seqify.convert(nn.Sequential())
+
+    class Passthrough(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with raises(seqify.EmptyModelError, "Passthrough"):
+        seqify.convert(Passthrough())
+    with raises(seqify.EmptyModelError, "Sequential has no layers", "nothing to pipeline"):
+        seqify.pipeline(nn.Sequential(), devices=CPU2, balance=[1, 1])
+
+
+class Counts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.f(x), x.size(0) * 2  # a Python value computed at run time
+
+
+def test_model_returns_a_python_value_computed_at_run_time() -> None:
+    with raises(seqify.ConversionError, "returns 'mul'", "return it as a tensor"):
+        seqify.convert(Counts(), example_inputs=torch.randn(2, 3))
+
+
+class Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, double: bool = False) -> torch.Tensor:
+        y = self.f(x)
+        return y * 2 if double else y
+
+
+def test_arguments_the_conversion_does_not_cover() -> None:
+    seq = seqify.convert(Flagged())
+    x = torch.randn(2, 3)
+    with raises(seqify.InputError, "Flagged", "'double' was False", "Convert again with example_inputs that pass double=True"):
+        seq(x, double=True)
+    with raises(seqify.InputError, "'x' was a tensor", "pass a tensor"):
+        seq([1.0, 2.0, 3.0])
+    with raises(seqify.InputError, "unexpected keyword argument 'scale'", "takes (x, double)"):
+        seq(x, scale=2)
+    with raises(seqify.InputError, "missing argument 'x'", "takes (x, double)"):
+        seq()
+
+
+class TrainOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(x) * 2 if self.training else self.f(x)
+
+
+def test_mode_dependent_model_in_the_other_mode() -> None:
+    seq = seqify.convert(TrainOnly().train())
+    seq.eval()
+    with raises(seqify.ModeError, "TrainOnly's forward", "made in train mode but runs in eval mode", "Convert a second time"):
+        seq(torch.randn(2, 3))
+    pipe = seqify.pipeline(seqify.convert(TrainOnly().train()), devices=["cpu"], balance=[2]).eval()
+    with raises(seqify.ModeError, "TrainOnly's forward"):
+        pipe(torch.randn(2, 3))
+
+
+def test_convert_options_that_name_nothing() -> None:
+    model = nn.Sequential(Lin(), nn.ReLU())
+    with raises(seqify.OptionError, "leaf_paths names '0.h'", "not a submodule of Sequential", "model.named_modules()"):
+        seqify.convert(model, leaf_paths=["0.h"])
+    with raises(seqify.OptionError, "leaf_types=['Linear']", "give module classes"):
+        seqify.convert(model, leaf_types=["Linear"])
+    with raises(seqify.OptionError, "depth=0", "whole number >= 1"):
+        seqify.convert(model, depth=0)
+    with raises(seqify.OptionError, "takes an nn.Module, got function", "wrap the function in a module"):
+        seqify.convert(lambda x: x)
+    # A single type or path is a list of one.
+    seq = seqify.convert(model, leaf_types=Lin)
+    assert isinstance(seq[0], Lin)
+    assert isinstance(seqify.convert(model, leaf_paths="0")[0], Lin)
+
+
+# -- convert: hooks ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "full_backward"])
+def test_hooks_on_the_model_itself_are_refused(kind: str) -> None:
+    model = Lin()
+    register = getattr(model, f"register_{kind}_hook")
+    register(lambda *args: None)
+    with raises(seqify.HookError, "Lin itself has", "Remove them before converting", "hooks on submodules are fine"):
+        seqify.convert(model)
+
+
+def test_hooks_on_submodules_are_kept_and_run_in_seq_and_in_a_pipeline() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Lin(), nn.Tanh(), Lin())
+    seen: list[str] = []
+    model[1].register_forward_pre_hook(lambda m, args: seen.append("pre"))
+    model[1].register_forward_hook(lambda m, args, out: seen.append("post"))
+    model[3].f.register_forward_hook(lambda m, args, out: out * 0 + 1)  # replaces the output: must take effect
+    x = torch.randn(6, 4)
+    reference = copy.deepcopy(model)
+    seq = seqify.convert(model)
+    assert {o.path for o in seq.opaque} == {"1", "3.f"} and all("hooks" in o.reason for o in seq.opaque)
+    seen.clear()
+    assert torch.equal(seq(x), reference(x))
+    assert seen == ["pre", "post"] * 2  # the reference's copied hooks and seq's
+    seen.clear()
+    pipe = seqify.pipeline(seq, devices=CPU2, balance=[2, len(seq) - 2], chunks=3)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-6)
+    assert seen.count("pre") == 3 + 1 and seen.count("post") == 3 + 1  # 3 micro-batches, and the reference once
+
+
+def test_hook_added_after_conversion_to_a_flattened_submodule() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Lin())
+    seq = seqify.convert(model)
+    x = torch.randn(2, 4)
+    handle = model[1].register_forward_hook(lambda m, args, out: None)
+    with raises(seqify.HookError, "submodule '1' (Lin)", "after conversion", "would never run", "register it before converting"):
+        seq(x)
+    pipe = seqify.pipeline(seq, devices=CPU2, balance=[2, len(seq) - 2])
+    with raises(seqify.HookError, "submodule '1' (Lin)"):
+        pipe(x)
+    handle.remove()
+    seq(x)
+    handle = model.register_forward_pre_hook(lambda m, args: None)
+    with raises(seqify.HookError, "the source model itself (Sequential)"):
+        seq(x)
+    handle.remove()
+    seq[0].register_forward_hook(lambda m, args, out: None)  # a layer of seq (the source's Linear): runs, fine
+    seq(x)
+
+
+# -- convert: meta device, dtypes, devices -----------------------------------------------------------
+
+
+def meta_lin() -> Lin:
+    with torch.device("meta"):
+        return Lin()
+
+
+def test_meta_model_converts_and_its_layers_hold_the_meta_parameters() -> None:
+    model = meta_lin()
+    seq = seqify.convert(model)
+    held = {id(p) for p in seq.parameters()}
+    assert held == {id(p) for p in model.parameters()} and all(p.is_meta for p in seq.parameters())
+    out = seq(torch.randn(2, 4, device="meta"))  # meta inputs: shapes only, which works
+    assert out.is_meta and out.shape == (2, 4)
+
+
+def test_running_a_meta_model_on_real_inputs() -> None:
+    seq = seqify.convert(meta_lin())
+    with raises(seqify.MetaDeviceError, "layer 'f'", "f.weight is on the meta device", "seq.to_empty(device='cpu')",
+                "load_original_state_dict"):
+        seq(torch.randn(2, 4))
+
+
+def test_pipelining_or_profiling_a_meta_model() -> None:
+    with raises(seqify.MetaDeviceError, "layer 'f' (partition 0)", "f.weight on the meta device", "to_empty"):
+        seqify.pipeline(meta_lin(), devices=CPU2, balance=[2, 2])
+    with raises(seqify.MetaDeviceError, "f.weight", "by='params'"):
+        seqify.balance(seqify.convert(meta_lin()), 2, sample=torch.randn(2, 4), by="time", progress=False)
+    plan = seqify.balance(seqify.convert(meta_lin()), 2, by="params")  # needs no data: works
+    assert sum(plan.balance) == 4
+
+
+def test_materialising_a_meta_conversion_makes_it_exact() -> None:
+    source = Lin()
+    seq = seqify.convert(meta_lin())
+    seq.to_empty(device="cpu")
+    seq.load_original_state_dict(source.state_dict())
+    x = torch.randn(3, 4)
+    assert torch.equal(seq(x), source(x))
+
+
+class HalfAndHalf(nn.Module):
+    """Mixed dtypes: a float64 branch and a float32 branch with explicit casts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4).double()
+        self.norm = nn.BatchNorm1d(4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.b(x.double()))
+        return self.a(x) + h.float(), h
+
+
+def test_mixed_dtypes_convert_exactly_and_pipeline() -> None:
+    x = torch.randn(6, 4)
+    assert_exact(HalfAndHalf(), (x,), train=True)
+    model = HalfAndHalf().train()
+    reference = copy.deepcopy(model)
+    seq = seqify.convert(model)
+    pipe = seqify.pipeline(seq, devices=CPU2, balance=[3, len(seq) - 3], chunks=2)
+    got = pipe(x)
+    expected = [torch.cat(parts) for parts in zip(*[reference(c) for c in x.tensor_split(2)])]
+    assert [t.dtype for t in got] == [torch.float32, torch.float64]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_parameters_on_several_devices_fail_clearly() -> None:
+    """Only CPU and meta exist here: a source with some parameters on meta converts, then says which."""
+    model = Lin()
+    model.g.to("meta")
+    seq = seqify.convert(model)
+    with raises(seqify.MetaDeviceError, "g.weight is on the meta device", "to_empty"):
+        seq(torch.randn(2, 4))
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+
+
+def test_checkpoints_that_do_not_fit() -> None:
+    model = Lin()
+    seq = seqify.convert(model)
+    good = model.state_dict()
+    with raises(seqify.StateDictError, "missing keys ['g.bias']", "strict=False"):
+        seq.load_original_state_dict({k: v for k, v in good.items() if k != "g.bias"})
+    with raises(seqify.StateDictError, "unexpected keys ['h.weight']"):
+        seq.load_original_state_dict({**good, "h.weight": torch.zeros(1)})
+    with raises(seqify.StateDictError, "f.weight: checkpoint (5, 4) vs model (4, 4)"):
+        seq.load_original_state_dict({**good, "f.weight": torch.zeros(5, 4)})
+    with raises(seqify.StateDictError, "'f.bias' is a list", "pass the state dict itself"):
+        seq.load_original_state_dict({**good, "f.bias": [0.0] * 4})
+    renamed = {f"module.{k}": v for k, v in good.items()}
+    with raises(seqify.StateDictError, "Missing key(s)", "seq.load_original_state_dict"):
+        seq.load_state_dict(renamed)
+
+
+def test_source_checkpoint_loaded_with_load_state_dict() -> None:
+    """The converted layers' keys differ from the source's: the error says which method loads those."""
+    model = nn.Sequential(nn.Linear(4, 4), Lin())
+    seq = seqify.convert(model)
+    source_keys = model.state_dict()
+    assert set(source_keys) != set(seq.state_dict())
+    with raises(seqify.StateDictError, "keys are the source Sequential's", "seq.load_original_state_dict(state_dict)"):
+        seq.load_state_dict(source_keys)
+    assert isinstance(pytest.raises(RuntimeError, seq.load_state_dict, source_keys).value, seqify.StateDictError)
+
+
+# -- hand-written skips -------------------------------------------------------------------------------
+
+
+@skippable(stash=["s"])
+class Stash(nn.Module):
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        yield stash("s", x)
+        return x * 2
+
+
+@skippable(pop=["s"])
+class Pop(nn.Module):
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        s = yield pop("s")
+        return x + s
+
+
+def test_skips_in_the_wrong_order_or_number() -> None:
+    with raises(seqify.SkipError, "layer '0' pops skip 's'", "move the stashing layer before it"):
+        seqify.skip.verify(nn.Sequential(Pop(), Stash()))
+    with raises(seqify.SkipError, "layer '1' stashes skip 's'", "isolate repeated layers"):
+        seqify.skip.verify(nn.Sequential(Stash(), Stash(), Pop()))
+    with raises(seqify.SkipError, "'s' (stashed by '0')", "every stash needs one pop"):
+        seqify.pipeline(nn.Sequential(Stash(), nn.ReLU()), devices=CPU2, balance=[1, 1])
+    ns = Namespace()
+    seqify.skip.verify(nn.Sequential(Stash().isolate(ns), Stash(), Pop(), Pop().isolate(ns)))  # the fix
+
+
+# -- pipeline: layout -------------------------------------------------------------------------------
+
+
+def three_layers() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+
+
+LAYOUT_MISTAKES = {
+    "balance-does-not-add-up": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 2]),
+                                ("sums to 4 but the model has 3 layers", "make the counts add up")),
+    "balance-empty-partition": (seqify.BalanceError, dict(devices=CPU2, balance=[3, 0]),
+                                ("[3, 0] has an empty partition", "at least one layer")),
+    "balance-more-partitions-than-layers": (seqify.BalanceError, dict(devices=["cpu"] * 4, balance=[1, 1, 1, 1]),
+                                            ("4 partitions", "only 3 layers")),
+    "balance-not-a-list": (seqify.BalanceError, dict(devices=CPU2, balance=2),
+                           ("balance=2", "give a list of layer counts", "[2, 1]")),
+    "balance-not-whole-numbers": (seqify.BalanceError, dict(devices=CPU2, balance=[1.5, 1.5]),
+                                  ("every entry must be a whole number", "1.5")),
+    "balance-unknown-strategy": (seqify.BalanceError, dict(devices=CPU2, balance="fast"),
+                                 ("balance='fast'", "one of ('time', 'memory', 'flops', 'params')")),
+    "balance-strategy-without-sample": (seqify.BalanceError, dict(devices=CPU2, balance="time"),
+                                        ("by='time' needs sample", "by='params' needs none")),
+    "conversion-options-with-a-sequential": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], depth=1),
+                                             ("options ['depth'] apply to conversion",)),
+    "chunks-below-one": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], chunks=0),
+                         ("chunks=0: need at least one micro-batch",)),
+    "chunks-not-whole": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], chunks=2.5),
+                         ("chunks=2.5: give a whole number",)),
+    "checkpoint-unknown": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], checkpoint="sometimes"),
+                           ("checkpoint='sometimes'", "choose one of")),
+    "graphs-with-checkpointing": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], graphs=True),
+                                  ("graphs=True", "checkpoint='never'")),
+    "graphs-on-cpu": (seqify.DeviceError, dict(devices=CPU2, balance=[2, 1], graphs=True, checkpoint="never"),
+                      ("graphs=True needs every partition on a CUDA device",)),
+    "device-string-not-a-device": (seqify.DeviceError, dict(devices=["cpu", "gpu0"], balance=[2, 1]),
+                                   ("'gpu0' in devices is not a device", "'cuda:0'")),
+    "devices-a-string-not-a-list": (seqify.DeviceError, dict(devices="cpu", balance=[2, 1]),
+                                    ("devices='cpu'", "give a list with one device per partition")),
+    "devices-count-mismatch": (seqify.DeviceError, dict(devices=["cpu"] * 3, balance=[2, 1]),
+                               ("2 partitions but 3 devices", "one device per partition")),
+    "devices-empty": (seqify.DeviceError, dict(devices=[], balance=[3]), ("devices=[] names no device",)),
+    "device-unsupported": (seqify.DeviceError, dict(devices=["cpu", "mps"], balance=[2, 1]),
+                           ("device mps is not supported", "use CUDA devices or 'cpu'")),
+    "gpus-and-devices": (seqify.DeviceError, dict(gpus=1, devices=["cpu"], balance=[3]), ("either gpus=N or devices",)),
+    "gpus-not-a-number": (seqify.DeviceError, dict(gpus="2", balance=[2, 1]), ("gpus='2'", "give a number of GPUs")),
+    "cuda-device-missing": (seqify.DeviceError, dict(devices=["cpu", "cuda:7"], balance=[2, 1]),
+                            ("device cuda:7 does not exist",)),
+    "more-gpus-than-there-are": (seqify.DeviceError, dict(gpus=9, balance=[2, 1]), ("gpus=9 but this machine has",)),
+}
+
+
+@pytest.mark.parametrize("row", list(LAYOUT_MISTAKES))
+def test_pipeline_layout_mistakes(row: str) -> None:
+    kind, options, phrases = LAYOUT_MISTAKES[row]
+    if row in ("cuda-device-missing", "more-gpus-than-there-are") and torch.cuda.device_count() > 8:
+        pytest.skip("this machine has that many GPUs")
+    with raises(kind, *phrases):
+        seqify.pipeline(three_layers(), **options)
+
+
+def test_chunks_set_on_a_pipeline() -> None:
+    pipe = seqify.pipeline(three_layers(), devices=CPU2, balance=[2, 1], chunks=2)
+    with raises(seqify.BalanceError, "chunks=0", "need at least one micro-batch"):
+        pipe.chunks = 0
+    with raises(seqify.BalanceError, "chunks='4'", "give a whole number"):
+        pipe.chunks = "4"
+    assert pipe.chunks == 2
+    pipe.chunks = 3
+    assert pipe(torch.randn(6, 2)).shape == (6, 2)
+
+
+def test_balancing_on_a_sample_that_does_not_fit() -> None:
+    model = three_layers()
+    with raises(seqify.BalanceError, "layer 0 '0' (Linear) fails on the sample while profiling", "check that the sample fits"):
+        seqify.balance(model, 2, sample=torch.randn(2, 5), by="time", progress=False)
+    with raises(seqify.BalanceError, "layer 0 '0' (Linear) fails on the sample while propagating shapes", "check that the sample fits"):
+        seqify.balance(model, 2, sample=torch.randn(2, 5), by="flops")
+
+
+def test_memory_cap_no_plan_meets() -> None:
+    with raises(seqify.NoPlanFitsError, "memory_cap", "raise memory_cap to at least"):
+        seqify.balance(three_layers(), 2, by="params", memory_cap=1)
+
+
+def test_parameter_shared_across_partitions() -> None:
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.ReLU(), b)
+    with raises(seqify.SharedParameterError, "layer '0' (partition 0) and layer '2' (partition 1)", "Change the balance"):
+        seqify.pipeline(model, devices=CPU2, balance=[2, 1])
+    seqify.pipeline(nn.Sequential(nn.Tanh(), a, nn.ReLU(), b), devices=CPU2, balance=[1, 3])  # the fix
+
+
+CPU_META = [torch.device("cpu"), torch.device("meta")]
+
+
+class ReadsStatistics(nn.Module):
+    """A buffer that changes (BatchNorm's running mean) read directly by the next layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.f = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(torch.tanh(self.norm(x) + self.norm.running_mean))
+
+
+class ReadsOffset(nn.Module):
+    """A read-only buffer read by a first and a last layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.g = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g(torch.tanh(self.f(x + self.offset))) * self.offset
+
+
+def test_changing_buffer_used_by_two_partitions() -> None:
+    """Partition 0 runs micro-batch i + 1 before partition 1 runs micro-batch i: a later partition would read
+    BatchNorm statistics already updated by later micro-batches (and, on another device, a stale copy)."""
+    seq = seqify.convert(ReadsStatistics().train())
+    assert list(seq._modules) == ["norm", "add", "tanh", "f"]
+    with raises(seqify.SharedParameterError, "buffer 'running_mean'", "layer 'norm' (partition 0, cpu)",
+                "layer 'add' (partition 1, cpu)", "Change the balance"):
+        seqify.pipeline(seq, devices=CPU2, balance=[1, 3])
+    # Across devices too (only CPU and meta exist here: a Pipeline built directly, as pipeline() takes CUDA or CPU).
+    with raises(seqify.SharedParameterError, "(partition 1, meta)"):
+        seqify.Pipeline(seq, [1, 3], CPU_META)
+    # The fix: BatchNorm and the layer reading its statistics in one partition. Exact, micro-batch by micro-batch.
+    model = ReadsStatistics().train()
+    reference = copy.deepcopy(model)
+    pipe = seqify.pipeline(model, devices=CPU2, balance=[2, 2], chunks=2)
+    x = torch.randn(6, 4)
+    expected = torch.cat([reference(c) for c in x.tensor_split(2)])
+    torch.testing.assert_close(pipe(x), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.norm.running_mean, reference.norm.running_mean, rtol=1e-6, atol=1e-7)
+
+
+def test_read_only_buffer_gets_a_copy_on_each_device() -> None:
+    seq = seqify.convert(ReadsOffset())
+    readers = [name for name, layer in seq.named_children() if any(k == "offset" for _, k in _buffer_names(layer))]
+    assert len(readers) == 2 and readers[0] == list(seq._modules)[0] and readers[1] == list(seq._modules)[-1]
+    pipe = seqify.Pipeline(seq, [1, len(seq) - 1], CPU_META)
+    # The pipeline moved each partition to its device.
+    held = [{t.device.type for t in [*part.parameters(), *part.buffers()]} for part in pipe.partitions]
+    assert held == [{"cpu"}, {"meta"}] and any(True for _ in pipe.partitions[1].parameters())
+    devices = [{t.device.type for m in part.modules() for k, t in m._buffers.items() if k == "offset"} for part in pipe.partitions]
+    assert devices == [{"cpu"}, {"meta"}]
+    assert seq.original_state_dict()["offset"].device.type in ("cpu", "meta")
+    # Loading a checkpoint writes every copy.
+    state = {k: torch.zeros_like(v, device="cpu") for k, v in ReadsOffset().state_dict().items()}
+    seq.load_original_state_dict(state)
+    assert all(torch.equal(t.cpu(), torch.zeros(4)) for t in seq._tensors("offset") if not t.is_meta)
+    assert len(seq._tensors("offset")) == 2
+
+
+def _buffer_names(layer: nn.Module) -> list[tuple[str, str]]:
+    return [(path, name) for path, m in layer.named_modules() for name in m._buffers]
+
+
+# -- pipeline: values crossing partitions -------------------------------------------------------------
+
+
+class ToDict(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": x}
+
+
+class FromDict(nn.Module):
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        return d["x"] * 2
+
+
+def test_non_tensor_value_crossing_a_partition_boundary() -> None:
+    pipe = seqify.pipeline(nn.Sequential(nn.Linear(2, 2), ToDict(), FromDict()), devices=CPU2, balance=[2, 1])
+    with raises(seqify.BoundaryError, "layer '1', the last of partition 0, returns dict", "Move the cut"):
+        pipe(torch.randn(2, 2))
+    pipe = seqify.pipeline(nn.Sequential(nn.Linear(2, 2), ToDict(), FromDict()), devices=CPU2, balance=[1, 2])
+    pipe(torch.randn(2, 2))  # the fix: the dict stays inside partition 1
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.f(x) + y
+
+
+class Total(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(x).sum()
+
+
+def test_inputs_and_outputs_without_a_batch_dimension() -> None:
+    plain = seqify.pipeline(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), devices=CPU2, balance=[1, 1], chunks=2)
+    with raises(seqify.BoundaryError, "must be a tensor or a tuple of tensors", "got list"):
+        plain([torch.randn(2, 2)])
+    with raises(seqify.BoundaryError, "takes one argument"):
+        plain(torch.randn(2, 2), torch.randn(2, 2))
+    with raises(seqify.BoundaryError, "same batch size along dim 0", "[()]"):
+        plain(torch.tensor(1.0))
+    two = seqify.pipeline(TwoInputs(), devices=CPU2, balance=[1, 2], chunks=2)
+    with raises(seqify.BoundaryError, "same batch size along dim 0", "(4, 2), (3, 2)"):
+        two(torch.randn(4, 2), torch.randn(3, 2))
+    total = seqify.pipeline(Total(), devices=CPU2, balance=[1, 1], chunks=2)
+    with raises(seqify.BoundaryError, "cannot be concatenated along dim 0", "needs a batch dimension first"):
+        total(torch.randn(4, 2))
+    assert total.chunks == 2
+    total.chunks = 1  # the fix for a scalar output: one micro-batch (or return per-sample values)
+    total(torch.randn(4, 2))
+
+
+# -- the model's own errors -------------------------------------------------------------------------
+
+
+def test_errors_in_the_model_itself_keep_their_type_and_name_the_layer() -> None:
+    """A wrong input shape fails inside a layer, as in the source: same exception type, plus a note
+    naming the layer (and in a pipeline, the partition and device)."""
+    seq = seqify.convert(Lin())
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        seq(torch.randn(2, 3))
+    assert "in layer 'f' of the converted Lin" in " ".join(info.value.__notes__)
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2])
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        pipe(torch.randn(2, 3))
+    assert "in pipeline partition 0 (cpu), layer 'f'" in " ".join(info.value.__notes__)

@@ -14,12 +14,12 @@ from .sequential import OpaqueInfo, Sequential, SkipInfo
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", *_errors]
+__all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", "measure", "plot", *_errors]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "zoo":  # imported on first use: the zoo builds on everything else
+    if name in ("zoo", "measure", "plot"):  # imported on first use: they build on everything else
         import importlib
 
-        return importlib.import_module(".zoo", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'seqify' has no attribute {name!r}")

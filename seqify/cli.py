@@ -1,12 +1,15 @@
-"""The ``seqify`` command: ``seqify demo`` converts a real net and proves the result exact."""
+"""The ``seqify`` command: demo, convert, inspect, bench and zoo, with exit codes scripts can trust."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -14,6 +17,26 @@ from .convert import convert
 from .errors import SeqifyError
 
 __all__ = ["main"]
+
+OK, NOT_EXACT, USAGE = 0, 1, 2
+
+EPILOG = """\
+examples:
+  seqify demo                                   convert ResNet-101, prove it exact, balance it, train it
+                                                pipelined (2 CPU partitions without GPUs), write plots
+  seqify demo --plots out/ --chunks 4           the same, plots into out/
+  seqify inspect torchvision:resnet50 --stages 4
+  seqify inspect zoo:unet --arg depth=5 --size 512 --stages 2 --by memory
+  seqify convert torchvision:resnet101 -o resnet101.pt
+  seqify convert models.py:build_net --arg width=64 --shape 1x3x32x32 -o net.pt
+  seqify zoo                                    list the zoo; seqify zoo --check checks every model
+  seqify bench                                  pipeline throughput on GPUs (CPU: conversion speed)
+
+{spec}
+
+exit codes: 0 success; 1 an exactness check failed; 2 usage or input error (bad SPEC, bad option,
+a model seqify cannot convert: the message says what to do).
+"""
 
 
 def _bit_equal(a: object, b: object) -> bool:
@@ -24,35 +47,38 @@ def _bit_equal(a: object, b: object) -> bool:
     )
 
 
-def demo(args: argparse.Namespace) -> int:
-    import torchvision
+def _close(a: object, b: object) -> bool:
+    la = torch.utils._pytree.tree_leaves(a)
+    lb = torch.utils._pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        torch.allclose(x.float().cpu(), y.float().cpu(), rtol=1e-3, atol=1e-4) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(la, lb)
+    )
 
-    torch.manual_seed(args.seed)
-    print(f"seqify demo: torchvision {args.model}, batch {args.batch}x3x{args.size}x{args.size}, CPU", flush=True)
-    model = torchvision.models.get_model(args.model, weights=None)
-    reference = copy.deepcopy(model)
 
-    start = time.perf_counter()
-    seq = convert(model)
-    took = time.perf_counter() - start
-    print(f"\nconverted in {took:.2f} s")
-    print(seq.summary())
-    shown = seq.skips[: args.show]
-    if shown:
-        print(f"first {len(shown)} of {len(seq.skips)} skips (name: stashing layer -> popping layer):")
-        for s in shown:
-            print(f"  {s}")
-    names = list(seq._modules)
-    print(f"layers: {', '.join(names[:6])}, ..., {', '.join(names[-3:])}")
+_STARTED = time.perf_counter()
 
-    x = torch.randn(args.batch, 3, args.size, args.size)
-    print("\nchecking exactness against the source model:")
+
+def _section(title: str, clock: bool = False) -> None:
+    when = f"  [{time.perf_counter() - _STARTED:.1f} s]" if clock else ""
+    print(f"\n== {title}{when}", flush=True)
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# -- demo -------------------------------------------------------------------------------------------------
+
+
+def _check_exact(model: torch.nn.Module, reference: torch.nn.Module, seq: Any, x: torch.Tensor) -> bool:
+    """Eval and train forward bit-equal, gradients, BatchNorm statistics: ``model`` (which ``seq`` shares)
+    against ``reference``, an untouched copy of the source."""
     model.eval()
     reference.eval()
     with torch.no_grad():
         ok_eval = _bit_equal(seq(x), reference(x))
     print(f"  eval forward bit-equal (torch.equal):      {ok_eval}")
-
     model.train()
     reference.train()
     seq.train()
@@ -73,29 +99,500 @@ def demo(args: argparse.Namespace) -> int:
     print(f"  train forward bit-equal:                   {ok_train}")
     print(f"  parameter gradients allclose(1e-5):        {ok_grad} (largest difference {worst:.1e})")
     print(f"  BatchNorm running statistics identical:    {ok_bn}")
-    ok = ok_eval and ok_train and ok_grad and ok_bn
-    print("\nexact: yes" if ok else "\nexact: NO")
-    return 0 if ok else 1
+    model.zero_grad(set_to_none=True)
+    return ok_eval and ok_train and ok_grad and ok_bn
+
+
+def _demo_devices(args: argparse.Namespace) -> list[torch.device]:
+    if args.devices:
+        from .pipeline.pipe import resolve_devices
+
+        return resolve_devices(None, [d.strip() for d in args.devices.split(",") if d.strip()], None)
+    n = _gpus()
+    if n:
+        return [torch.device("cuda", i) for i in range(n)]
+    return [torch.device("cpu")] * 2
+
+
+def demo(args: argparse.Namespace) -> int:
+    import torchvision
+
+    from . import measure
+    from .partition import balance
+    from .pipeline import pipeline
+
+    devices = _demo_devices(args)
+    on_gpu = devices[0].type == "cuda"
+    where = ", ".join(str(d) for d in devices)
+    train_batch = args.train_batch or (64 if on_gpu else 8)
+    train_size = args.train_size or (224 if on_gpu else 64)
+    chunks = args.chunks or (8 if on_gpu else 4)
+    sweep_chunks = args.sweep or ([2, 4, 8, 16] if on_gpu else [1, 2, 4, 8])
+    by = args.by or ("time" if on_gpu else "flops")
+    global _STARTED
+    began = _STARTED = time.perf_counter()
+    torch.manual_seed(args.seed)
+    note = "" if on_gpu or args.devices else " (no GPU here: 2 partitions on the CPU)"
+    print(f"seqify demo: torchvision {args.model} over {len(devices)} partitions on {where}{note}", flush=True)
+    model = torchvision.models.get_model(args.model, weights=None)
+    reference = copy.deepcopy(model)
+
+    _section("1. convert", clock=True)
+    start = time.perf_counter()
+    seq = convert(model)
+    print(f"converted in {time.perf_counter() - start:.2f} s")
+    print(seq.summary())
+    shown = seq.skips[: args.show]
+    if shown:
+        print(f"first {len(shown)} of {len(seq.skips)} skips (name: stashing layer -> popping layer):")
+        for s in shown:
+            print(f"  {s}")
+    names = list(seq._modules)
+    print(f"layers: {', '.join(names[:6])}, ..., {', '.join(names[-3:])}")
+
+    _section(f"2. exactness against the source model (random batch {args.batch}x3x{args.size}x{args.size}, CPU)",
+             clock=True)
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    exact = _check_exact(model, reference, seq, x)
+    print("exact: yes" if exact else "exact: NO")
+
+    _section(f"3. balance: {len(devices)} partitions by {by}", clock=True)
+    micro = max(1, train_batch // chunks)
+    probe = torch.randn(micro if by == "time" else 1, 3, train_size if by == "time" else 224,
+                        train_size if by == "time" else 224)
+    plan = balance(seq, len(devices), probe, by=by, device=devices[0] if by in ("time", "memory") else None)
+    print(f"sample {'x'.join(map(str, probe.shape))}{' on ' + str(devices[0]) if by in ('time', 'memory') else ''}")
+    print(plan)
+
+    _section(f"4. pipelined training: batch {train_batch}x3x{train_size}x{train_size}, SGD, "
+             f"{args.steps} timed step(s) after 1 warm-up per configuration", clock=True)
+    gen = torch.Generator().manual_seed(args.seed)
+    data = torch.randn(train_batch, 3, train_size, train_size, generator=gen)
+    target = torch.randint(0, 1000, (train_batch,), generator=gen)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)  # no per-parameter state: partitions move
+
+    def report(c: int, step: int, loss: float, took: float) -> None:
+        what = "one device, no pipeline" if c == 0 else f"{c} micro-batch{'es' if c > 1 else ''}"
+        tag = "warm-up" if step < 0 else f"step {step + 1}"
+        print(f"  {what:24s} {tag:8s} loss {loss:.4f}  {took:6.2f} s", flush=True)
+
+    runs = sorted(set(sweep_chunks) | {chunks})
+    checkpoint = "never" if on_gpu else "except_last"
+    sweep = measure.sweep(seq, data, target, devices=devices, balance=plan.balance, chunks=runs, steps=args.steps,
+                          warm=1, checkpoint=checkpoint, optimizer=optimizer, on_step=report, show=False,
+                          label=args.model)
+    print(sweep)
+    best = sweep.best()
+    base = sweep.baseline.samples_per_s if sweep.baseline else float("nan")
+    chosen = next(p for p in sweep.points if p.chunks == chunks)
+    print(f"throughput at {chunks} micro-batches: {chosen.samples_per_s:.2f} samples/s "
+          f"({chosen.samples_per_s / base:.2f}x one device); best: {best.chunks} micro-batches, "
+          f"{best.samples_per_s:.2f} samples/s")
+    if not on_gpu:
+        print("(on a CPU the partitions share the same cores, so pipelining adds overhead and no speed-up; "
+              "on GPUs every partition has its own device)")
+
+    pipe = pipeline(seq, devices=devices, balance=plan.balance, chunks=chunks, checkpoint=checkpoint)
+    pipe.train()
+    with measure.record(pipe, label=args.model) as timeline:
+        measure.train_step(pipe, data.to(devices[0]), target.to(devices[-1]), torch.nn.functional.cross_entropy,
+                           optimizer)
+    print(timeline)
+
+    # The pipeline against the source run on each micro-batch (the pipeline splits with tensor_split).
+    # On GPUs the source's modules are spread over the devices, so its trained copy runs on the first.
+    pipe.eval()
+    if on_gpu:
+        reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+        source = reference.to(devices[0])
+    else:
+        source = model
+    source.eval()
+    check = data[: max(2, min(chunks, train_batch))].to(devices[0])
+    with torch.no_grad():
+        got = pipe(check)
+        want = torch.cat([source(c) for c in check.tensor_split(min(pipe.chunks, check.shape[0]))])
+    matches = _close(got, want) if on_gpu else _bit_equal(got, want)
+    print(f"pipeline eval forward {'allclose to' if on_gpu else 'bit-equal to'} the source run on each "
+          f"micro-batch: {matches}")
+
+    _section("5. plots", clock=True)
+    if args.no_plots:
+        print("plots: skipped (--no-plots)")
+    else:
+        _demo_plots(args.plots, seq, plan, timeline, sweep, args.model)
+    ok = exact and matches
+    print(f"\n{'exact: yes' if ok else 'exact: NO'} (demo took {time.perf_counter() - began:.1f} s)")
+    return OK if ok else NOT_EXACT
+
+
+def _demo_plots(folder: str, seq: Any, plan: Any, timeline: Any, sweep: Any, name: str) -> None:
+    from . import plot
+
+    if not plot.available():
+        print("plots: skipped: matplotlib is not installed (pip install 'seqify[plot]' or pip install matplotlib)")
+        return
+    made = []
+    made += plot.save(plot.plot_plan(plan, title=f"{name}: partition plan by {plan.by}, {len(plan)} stages, "
+                                             f"imbalance {plan.imbalance:.3f}"), os.path.join(folder, "plan"))
+    made += plot.save(plot.plot_skips(seq, plan), os.path.join(folder, "skips"))
+    made += plot.save(plot.plot_timeline(timeline), os.path.join(folder, "timeline"))
+    made += plot.save(plot.plot_sweep(sweep), os.path.join(folder, "sweep"))
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    print(f"plots written to {folder}/: " + ", ".join(sorted({p.name for p in made})))
+
+
+# -- convert / inspect ------------------------------------------------------------------------------------
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
+    from . import spec
+
+    model = spec.load(args.spec, spec.parse_args(args.arg))
+    shape = spec.sample_shape(model, args.batch, args.size, args.shape)
+    return model, spec.random_input(shape, args.seed)
+
+
+def _convert(module: torch.nn.Module, x: torch.Tensor, example: bool) -> Any:
+    start = time.perf_counter()
+    seq = convert(module, (x,) if example else None)
+    print(f"converted in {time.perf_counter() - start:.2f} s{' (specialised to the example input)' if example else ''}")
+    return seq
+
+
+def _run_check(module: torch.nn.Module, seq: Any, x: torch.Tensor) -> bool:
+    module.eval()
+    seq.eval()
+    try:
+        with torch.no_grad():
+            want = module(x)
+            got = seq(x)
+    except SeqifyError:
+        raise
+    except Exception as e:
+        raise SeqifyError(
+            f"the model fails on a random input of shape {tuple(x.shape)} ({type(e).__name__}: {e}); "
+            "give the input it expects with --shape (e.g. --shape 1x3x32x32) or --size"
+        ) from e
+    ok = _bit_equal(got, want)
+    print(f"eval forward on a random {'x'.join(map(str, x.shape))} input bit-equal to the source: {ok}")
+    return ok
+
+
+def convert_cmd(args: argparse.Namespace) -> int:
+    model, x = _load(args)
+    seq = _convert(model.module, x, args.example)
+    print(seq.summary())
+    ok = True
+    if not args.no_check:
+        ok = _run_check(model.module, seq, x)
+    if not ok:
+        print("seqify: not saved: the conversion is not exact on this input (a bug: please report it)", file=sys.stderr)
+        return NOT_EXACT
+    out = args.output
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise SeqifyError(f"cannot write {out}: folder {folder} does not exist")
+    torch.save(seq, out)
+    print(f"saved to {out} ({os.path.getsize(out) / 2**20:.1f} MB); load it with torch.load({out!r}, weights_only=False)")
+    return OK
+
+
+def _describe(layer: torch.nn.Module) -> str:
+    from .layer import Layer
+
+    text = layer.extra_repr() if isinstance(layer, Layer) else repr(layer)
+    text = " ".join(text.split())
+    return text if len(text) <= 70 else text[:67] + "..."
+
+
+def inspect_cmd(args: argparse.Namespace) -> int:
+    from .partition import balance
+
+    model, x = _load(args)
+    seq = _convert(model.module, x, args.example)
+    print(seq.summary())
+    plan = None
+    if args.stages:
+        device = args.device if args.by in ("time", "memory") else None
+        plan = balance(seq, args.stages, x, by=args.by, device=device)
+    part_of = [j for j, n in enumerate(plan.balance) for _ in range(n)] if plan else [0] * len(seq)
+    if not args.no_layers:
+        _section(f"layers ({len(seq)})")
+        rows = [("#", "stage", "name", "type", "params", "what")] if plan else [("#", "name", "type", "params", "what")]
+        for i, (name, layer) in enumerate(seq.named_children()):
+            params = sum(p.numel() for p in layer.parameters())
+            row = (str(i), name, type(layer).__name__, f"{params:,}", _describe(layer))
+            rows.append((row[0], str(part_of[i]), *row[1:]) if plan else row)
+        widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
+    _section(f"skips ({len(seq.skips)}): name: stashing layer -> popping layer")
+    for s in seq.skips:
+        print(f"  {s}")
+    if not seq.skips:
+        print("  none: a plain chain")
+    _section(f"opaque layers ({len(seq.opaque)})")
+    for o in seq.opaque:
+        print(f"  {o}")
+    if not seq.opaque:
+        print("  none: every module was split into layers")
+    if seq.guards:
+        _section("valid for inputs where")
+        for g in seq.guards:
+            print(f"  {g}")
+    if plan is not None:
+        _section(f"partition plan for {'x'.join(map(str, x.shape))}")
+        print(plan)
+        print(f"use it: seqify.pipeline(seq, gpus={args.stages}, balance={plan.balance}, chunks=...)")
+    if args.plots:
+        from . import plot
+
+        if not plot.available():
+            print("plots: skipped: matplotlib is not installed (pip install matplotlib)")
+        else:
+            made = plot.save(plot.plot_skips(seq, plan), os.path.join(args.plots, "skips"))
+            if plan is not None:
+                made += plot.save(plot.plot_plan(plan), os.path.join(args.plots, "plan"))
+            print(f"plots written to {args.plots}/: " + ", ".join(p.name for p in made))
+    return OK
+
+
+# -- bench ------------------------------------------------------------------------------------------------
+
+
+def _timed_steps(model: torch.nn.Module, x: torch.Tensor, steps: int, devices: Sequence[torch.device], desc: str) -> float:
+    from .progress import progress
+
+    times = []
+    for _ in progress(range(steps), steps, desc=desc):
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+        start = time.perf_counter()
+        model(x).float().square().mean().backward()
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def bench(args: argparse.Namespace) -> int:
+    import torchvision
+
+    gpus = _gpus()
+    if gpus < 2:
+        print(f"seqify bench measures pipeline training throughput across GPUs; this machine has {gpus} GPU"
+              f"{'s' if gpus != 1 else ''}, so it shows the CPU conversion-speed table instead "
+              "(benchmarks/convert_speed.py has the full version).")
+        return _bench_cpu(args)
+    from . import measure
+    from .partition import balance
+
+    devices = [torch.device("cuda", i) for i in range(args.gpus or gpus)]
+    torch.manual_seed(0)
+    seq = convert(torchvision.models.get_model(args.model, weights=None))
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    y = torch.randint(0, 1000, (args.batch,))
+    chunks = args.chunks or [4, 8, 16]
+    print(f"seqify bench: {args.model}, batch {args.batch}x3x{args.size}x{args.size}, {len(devices)} GPUs "
+          f"({torch.cuda.get_device_name(0)}), balance by time, checkpoint='never'")
+    plan = balance(seq, len(devices), x[: max(1, args.batch // max(chunks))], by="time", device=devices[0])
+    print(plan)
+    result = measure.sweep(seq, x, y, devices=devices, balance=plan.balance, chunks=chunks, steps=args.steps,
+                           warm=args.warm, checkpoint="never", label=args.model)
+    print(result)
+    return OK
+
+
+def _bench_cpu(args: argparse.Namespace) -> int:
+    import platform
+
+    import torchvision
+
+    batch = args.batch if args.batch_given else 2
+    size = args.size if args.size_given else 128
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(args.model, weights=None)
+    start = time.perf_counter()
+    seq = convert(model)
+    cold = time.perf_counter() - start
+    warm = []
+    for _ in range(3):
+        start = time.perf_counter()
+        convert(model)
+        warm.append(time.perf_counter() - start)
+    x = torch.randn(batch, 3, size, size)
+    model.train()
+    seq.train()
+    cpu = [torch.device("cpu")]
+    try:
+        _timed_steps(model, x, 1, cpu, "warm-up")
+    except Exception as e:
+        raise SeqifyError(f"{args.model} fails to train on a {batch}x3x{size}x{size} batch ({type(e).__name__}: "
+                          f"{e}); try a larger --batch or --size") from e
+    src = _timed_steps(model, x, args.steps, cpu, "source forward+backward")
+    conv = _timed_steps(seq, x, args.steps, cpu, "converted forward+backward")
+    print(f"\nmodel {args.model}, {len(seq)} layers, {len(seq.skips)} skips; torch {torch.__version__}; "
+          f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)\n")
+    print("| measure | value |")
+    print("|---|---|")
+    print(f"| convert, first call in process | {cold:.3f} s |")
+    print(f"| convert, median of 3 more | {statistics.median(warm):.3f} s |")
+    print(f"| source forward+backward, batch {batch}x3x{size}x{size}, median of {args.steps} | {src * 1e3:.1f} ms |")
+    print(f"| converted forward+backward, same | {conv * 1e3:.1f} ms |")
+    print(f"| converted speed / source speed | {src / conv:.3f}x |")
+    return OK
+
+
+# -- zoo --------------------------------------------------------------------------------------------------
+
+
+def zoo_cmd(args: argparse.Namespace) -> int:
+    from . import zoo
+
+    names = args.names or zoo.list(args.family)
+    for n in names:
+        zoo.entry(n)  # unknown names fail here, with close matches
+    if args.check:
+        from .zoo.check import check_all
+
+        results = check_all(names)
+        for c in results:
+            mark = "ok  " if c.ok else "FAIL"
+            print(f"{mark} {c.name:30s} {c.layers:5d} layers {c.skips:4d} skips  exact={c.exact} "
+                  f"pipelined={c.pipelined}  {c.seconds:.1f} s")
+        failed = [c for c in results if not c.ok]
+        print(f"{len(results) - len(failed)} of {len(results)} zoo models convert and pipeline exactly "
+              "(small configurations, eval mode, 2 CPU partitions)")
+        return NOT_EXACT if failed else OK
+    print(f"{'name':30s} {'family':14s} source")
+    for n in names:
+        e = zoo.entry(n)
+        print(f"{n:30s} {e.family:14s} {e.source}")
+    print(f"\n{len(names)} models: seqify.zoo.get(name) converts one; seqify.zoo.hints(name, gpus) gives its balance; "
+          "docs/zoo.md has the table")
+    return OK
+
+
+# -- parser -----------------------------------------------------------------------------------------------
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    from .spec import SPEC_HELP
+
+    p.add_argument("spec", metavar="SPEC", help="the model: torchvision:NAME, zoo:NAME, FILE.py:FACTORY or MODULE:FACTORY")
+    p.add_argument("--arg", action="append", metavar="KEY=VALUE", help="keyword argument for the builder (repeatable)")
+    p.add_argument("--size", type=int, help="input side: a BATCH x 3 x SIZE x SIZE input (default: the model's, else 224)")
+    p.add_argument("--batch", type=int, default=1, help="batch of the random input")
+    p.add_argument("--shape", help="the input's full shape, e.g. 2x3x32x32 (overrides --size and --batch)")
+    p.add_argument("--example", action="store_true",
+                   help="convert with the input as example_inputs (for shape-dependent Python code)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random input")
+    p.epilog = SPEC_HELP
+
+
+class _Given(argparse.Action):
+    """Store the value and remember it was given (CPU bench picks smaller defaults otherwise)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .spec import SPEC_HELP
+
     parser = argparse.ArgumentParser(
         prog="seqify",
-        description="Turn PyTorch nets into exact, pipeline-ready nn.Sequentials.",
+        description="Turn PyTorch nets into exact, pipeline-ready nn.Sequentials, balance them, run them across GPUs.",
+        epilog=EPILOG.format(spec=SPEC_HELP),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"seqify {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     p = sub.add_parser(
         "demo",
-        help="convert torchvision's resnet101 on the CPU and prove the result exact",
-        description="Convert a torchvision model, print what the conversion made, and check it against "
-        "the source on a random batch: eval and train forward bit-equal, gradients, BatchNorm statistics.",
+        help="convert ResNet-101, prove it exact, balance it, train it pipelined, plot it",
+        formatter_class=_Formatter,
+        description="The whole tour on this machine: convert a torchvision model and check it against the source "
+        "(eval and train forward bit-equal, gradients, BatchNorm statistics); balance it over the devices (by "
+        "FLOPs on CPU, by measured time on GPUs); train it pipelined for a few steps at several micro-batch "
+        "counts (2 CPU partitions without GPUs, every GPU otherwise); record a timeline of one step; write "
+        "plots. Exit code 1 if anything is not exact.",
     )
-    p.add_argument("--model", default="resnet101", help="a torchvision classification model name (default: resnet101)")
-    p.add_argument("--batch", type=int, default=2, help="batch size of the random batch (default: 2)")
-    p.add_argument("--size", type=int, default=224, help="image side (default: 224)")
+    p.add_argument("--model", default="resnet101", help="a torchvision classification model")
+    p.add_argument("--batch", type=int, default=2, help="batch of the exactness check")
+    p.add_argument("--size", type=int, default=224, help="image side of the exactness check")
+    p.add_argument("--devices", help="comma-separated partition devices, e.g. cpu,cpu,cpu or cuda:0,cuda:1 "
+                   "(default: every GPU, else cpu,cpu)")
+    p.add_argument("--by", choices=["time", "memory", "flops", "params"],
+                   help="balance cost model (default: time on GPUs, flops on CPU)")
+    p.add_argument("--train-batch", type=int, help="training batch (default: 64 on GPUs, 8 on CPU)")
+    p.add_argument("--train-size", type=int, help="training image side (default: 224 on GPUs, 64 on CPU)")
+    p.add_argument("--chunks", type=int, help="micro-batches of the timeline (default: 8 on GPUs, 4 on CPU)")
+    p.add_argument("--sweep", type=int, nargs="+", metavar="CHUNKS",
+                   help="micro-batch counts to measure (default: 2 4 8 16 on GPUs, 1 2 4 8 on CPU)")
+    p.add_argument("--steps", type=int, default=1, help="timed training steps per configuration")
+    p.add_argument("--plots", default="seqify-demo-plots", metavar="DIR", help="where to write the plots")
+    p.add_argument("--no-plots", action="store_true", help="write no plots")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--show", type=int, default=5, help="how many skips to list (default: 5)")
+    p.add_argument("--show", type=int, default=5, help="how many skips to list")
     p.set_defaults(run=demo)
+
+    p = sub.add_parser("convert", help="convert the model SPEC names and save it (torch.save)", formatter_class=_Formatter,
+                       description="Build the model, convert it, check the conversion on a random input (eval forward "
+                       "bit-equal; exit code 1 if not) and save the seqify.Sequential with torch.save. Load it with "
+                       "torch.load(path, weights_only=False) where seqify is installed.")
+    _model_options(p)
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to save, e.g. model.pt")
+    p.add_argument("--no-check", action="store_true", help="skip the exactness check")
+    p.set_defaults(run=convert_cmd)
+
+    p = sub.add_parser("inspect", help="print a model's layers, skips, opaque parts and a partition plan",
+                       formatter_class=_Formatter,
+                       description="Convert the model SPEC names and print what the conversion made: every layer "
+                       "(with its partition), every skip, the opaque layers and the guards; with --stages, the "
+                       "optimal partition plan for the input.")
+    _model_options(p)
+    p.add_argument("--stages", type=int, default=0, help="partitions to plan for (0: no plan)")
+    p.add_argument("--by", default="flops", choices=["time", "memory", "flops", "params"], help="balance cost model")
+    p.add_argument("--device", default=None, help="where --by time/memory measure (default: CPU)")
+    p.add_argument("--no-layers", action="store_true", help="leave out the layer table")
+    p.add_argument("--plots", metavar="DIR", help="also write skips (and plan) plots into DIR")
+    p.set_defaults(run=inspect_cmd)
+
+    p = sub.add_parser("bench", help="pipeline throughput on GPUs; without GPUs, the CPU conversion-speed table",
+                       formatter_class=_Formatter,
+                       description="With 2 or more GPUs: balance a torchvision model by time and measure pipelined "
+                       "training throughput against one GPU for several micro-batch counts. Otherwise: how long "
+                       "conversion takes and the converted model's speed against its source on the CPU.")
+    p.add_argument("--model", default="resnet101")
+    p.add_argument("--batch", type=int, default=64, action=_Given, help="batch (CPU table: 2 unless given)")
+    p.add_argument("--size", type=int, default=224, action=_Given, help="image side (CPU table: 128 unless given)")
+    p.add_argument("--chunks", type=int, nargs="+", help="micro-batch counts (default: 4 8 16)")
+    p.add_argument("--gpus", type=int, help="GPUs to use (default: all)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    p.add_argument("--warm", type=int, default=1, help="untimed warm-up steps per configuration")
+    p.set_defaults(run=bench, batch_given=False, size_given=False)
+
+    p = sub.add_parser("zoo", help="list the zoo, or check that every zoo model converts and pipelines exactly",
+                       formatter_class=_Formatter)
+    p.add_argument("names", nargs="*", help="zoo names (default: all)")
+    p.add_argument("--family", help="only this family, e.g. ResNet, ViT")
+    p.add_argument("--check", action="store_true", help="convert and pipeline each model in a small configuration")
+    p.set_defaults(run=zoo_cmd)
     return parser
 
 
@@ -104,8 +601,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except SeqifyError as e:
-        print(f"seqify: error: {e}", file=sys.stderr)
-        return 2
+        hint = ""
+        if "example_inputs" in str(e) and getattr(args, "spec", None):
+            hint = "\n(on the command line: add --example, with --shape or --size for the input)"
+        print(f"seqify: error: {e}{hint}", file=sys.stderr)
+        return USAGE
+    except KeyboardInterrupt:
+        print("seqify: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ __all__ = [
     "StageError",
     "MetaDeviceError",
     "OptionError",
+    "ZooError",
+    "PlotError",
+    "SpecError",
 ]
 
 
@@ -98,3 +101,15 @@ class MetaDeviceError(SeqifyError):
 class OptionError(SeqifyError):
     """An argument of ``convert`` (``leaf_paths``, ``leaf_types``, ``depth``, the model itself) has the
     wrong type or names something the model does not have."""
+
+
+class ZooError(SeqifyError):
+    """A zoo name that does not exist, or weights that do not fit the model."""
+
+
+class PlotError(SeqifyError):
+    """matplotlib is missing, or there is nothing to draw."""
+
+
+class SpecError(SeqifyError):
+    """A SPEC (``torchvision:NAME``, ``zoo:NAME``, ``FILE.py:FACTORY``) that names no model, or a builder that fails."""

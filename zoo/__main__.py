@@ -1,0 +1,73 @@
+"""``python -m seqify.zoo``: print the zoo table; --write regenerates docs/zoo.md and the cached hints."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .catalog import ENTRIES
+from .plans import HINTS_FILE, versions
+from .table import markdown, rows, write_hints
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "zoo.md"
+
+INTRO = """# seqify.zoo
+
+Every model below is `seqify.zoo.get(name)`: the source model converted into an exact, pipeline-ready
+`seqify.Sequential`. The torchvision models are torchvision's own code by their torchvision names
+(`weights=` loads torchvision's weights through `load_original_state_dict`; nothing downloads unless you
+ask); `unet` and `amoebanet_d` are seqify's implementations of the GPipe literature's models.
+
+```python
+import seqify
+seq = seqify.zoo.get("resnet101")                              # random init, no download
+seq = seqify.zoo.get("resnet50", weights="IMAGENET1K_V2")      # torchvision weights (downloads)
+seq = seqify.zoo.get("resnet50", weights="resnet50.pth")       # a checkpoint of the source model
+seq = seqify.zoo.get("amoebanet_d", layers=18, filters=256)    # GPipe's AmoebaNet-D(18, 256)
+pipe = seqify.pipeline(seq, gpus=4, balance=seqify.zoo.hints("amoebanet_d", 4, layers=18, filters=256))
+```
+
+Columns: parameters, layers and skips of the conversion; the default input the plans are computed on
+(batch 1, or 2 where BatchNorm needs two values per channel); and the recommended balance (layers per stage) for 2, 4 and 8 GPUs: the exact by-FLOPs plan
+from `seqify.balance(seq, n, sample, by="flops")` (fake tensors, no compute), with its imbalance (largest
+stage cost / mean stage cost) in parentheses. `seqify.zoo.hints(name, n)` returns the same lists. FLOPs
+miss memory-bound layers (BatchNorm, activations): on GPUs, `balance="time"` with a real sample usually
+does better (README, Balance).
+
+This file is generated: `python -m seqify.zoo --write` (also refreshes `zoo/hints.json`).
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m seqify.zoo", description=__doc__)
+    p.add_argument("names", nargs="*", help="zoo models (default: all)")
+    p.add_argument("--write", action="store_true", help=f"write {DOC} and {HINTS_FILE.name} (all models only)")
+    p.add_argument("--check", action="store_true", help="check every model converts and pipelines exactly (small sizes)")
+    args = p.parse_args(argv)
+    names = args.names or list(ENTRIES)
+    if args.check:
+        from .check import check_all
+
+        failed = [c for c in check_all(names) if not c.ok]
+        for c in failed:
+            print(f"{c.name}: exact={c.exact} pipelined={c.pipelined}")
+        print(f"{len(names) - len(failed)} of {len(names)} zoo models convert and pipeline exactly")
+        return 1 if failed else 0
+    table = rows(names)
+    text = markdown(table)
+    if args.write:
+        if args.names:
+            p.error("--write regenerates the whole table; give no names")
+        write_hints(table)
+        v = versions()
+        DOC.parent.mkdir(parents=True, exist_ok=True)
+        DOC.write_text(INTRO + f"\nComputed with torch {v['torch']}, torchvision {v['torchvision']}.\n\n" + text + "\n")
+        print(f"wrote {DOC} and {HINTS_FILE}")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

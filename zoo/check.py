@@ -1,0 +1,65 @@
+"""Zoo-wide checks: every model, in a small configuration, converts exactly and pipelines exactly on the CPU."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+
+from seqify.progress import progress
+
+from .catalog import ENTRIES, entry, get
+
+__all__ = ["Check", "check", "check_all"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """``exact``: the converted model's eval forward is bit-equal to the source's; ``pipelined``: a
+    2-partition CPU pipeline over 2 micro-batches is bit-equal to the source run on each micro-batch."""
+
+    name: str
+    layers: int
+    skips: int
+    exact: bool
+    pipelined: bool
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exact and self.pipelined
+
+
+def _equal(a: object, b: object) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def check(name: str) -> Check:
+    """Build ``name`` in its small configuration, convert it and check it (eval mode, no gradients)."""
+    import seqify
+
+    start = time.perf_counter()
+    kwargs, side = entry(name).small
+    torch.manual_seed(0)
+    seq, source = get(name, return_source=True, **kwargs)
+    source.eval()
+    seq.eval()
+    x = torch.randn(2, ENTRIES[name].in_channels, side, side)
+    with torch.no_grad():
+        expected = source(x)
+        exact = _equal(seq(x), expected)
+        pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance="params", chunks=2)
+        per_batch = [source(x[:1]), source(x[1:])]
+        joined = pytree.tree_map(lambda a, b: torch.cat([a, b]), per_batch[0], per_batch[1])
+        pipelined = _equal(pipe(x), joined)
+    return Check(name, len(seq), len(seq.skips), exact, pipelined, time.perf_counter() - start)
+
+
+def check_all(names: Sequence[str] | None = None, *, show: bool = True) -> list[Check]:
+    """:func:`check` every zoo model (or ``names``), with a progress bar on stderr."""
+    names = list(ENTRIES) if names is None else list(names)
+    return [check(n) for n in progress(names, len(names), desc="zoo: checking", enabled=show)]

@@ -200,10 +200,10 @@ def test_demo_small(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{n}.{e}" for n in ("plan", "skips", "timeline", "sweep") for e in ("png", "svg")
     )
-    from seqify import cli, plot
+    from seqify import demo, plot
 
     monkeypatch.setattr(plot, "available", lambda: False)
-    cli._demo_plots(str(tmp_path / "none"), None, None, None, None, "resnet18")
+    demo._demo_plots(str(tmp_path / "none"), None, None, None, None, "resnet18")
     assert "plots: skipped: matplotlib is not installed" in capsys.readouterr().out
     assert not (tmp_path / "none").exists()
 

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 

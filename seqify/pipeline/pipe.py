@@ -22,7 +22,7 @@ from .checkpoint import checkpointed, norms_of
 from .inplace import INPUT, mutated_roots, written_tensors
 from .microbatch import gather, is_tensors, scatter
 from .schedule import clock_cycles
-from .stage import Stage, annotate
+from .stage import Stage
 from .transfer import Transfer
 
 __all__ = ["Pipeline", "pipeline", "resolve_devices", "GraphWarning"]

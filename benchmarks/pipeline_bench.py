@@ -1,10 +1,12 @@
 """Training throughput of ResNet-101 on GPUs: one GPU, seqify's pipeline, torchgpipe and torch pipelining.
 
-    python benchmarks/pipeline_bench.py [--batch 256] [--chunks 4 8 16 32] [--bf16] [--anchors] [--out DIR]
+    python benchmarks/pipeline_bench.py [--batch 256] [--chunks 4 8 16 32] [--loops 1 2] [--precision fp32]
+                                        [--anchors] [--out DIR]
 
 Everything runs in one invocation on the same GPUs, one configuration after another: the one-GPU
 baseline (the source model, eager), the converted model on one GPU, seqify over two GPUs (eager and
-with CUDA graphs) for each chunk count, torchgpipe 0.0.7 over a hand-flattened Sequential when it is
+with CUDA graphs) for each chunk count, looped placements (``--loops 2``: four partitions on
+cuda:0, cuda:1, cuda:0, cuda:1, CUDA-graphed, run breadth-first), torchgpipe 0.0.7 over a hand-flattened Sequential when it is
 installed, and torch.distributed.pipelining with hand-cut stages (through torchrun, --anchors).
 Prints a table of samples/s, the ratio to the one-GPU baseline of the same precision, and the peak
 memory per GPU; writes the rows as JSON to DIR/pipeline_bench.json.
@@ -118,6 +120,8 @@ def main() -> None:
     p.add_argument("--anchors", action="store_true", help="also run torchgpipe and torch.distributed.pipelining")
     p.add_argument("--balance", default="time", help="seqify balance strategy (default: time)")
     p.add_argument("--skip-eager", action="store_true", help="only CUDA-graphed seqify runs")
+    p.add_argument("--loops", type=int, nargs="+", default=[1],
+                   help="partitions per GPU to try (1: one partition per GPU; 2: cuda:0, cuda:1, cuda:0, cuda:1)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     B = args.batch
@@ -129,7 +133,7 @@ def main() -> None:
     print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}", flush=True)
     precisions = {"fp32": [False], "bf16": [True], "both": [False, True]}[args.precision]
 
-    plans: dict[int, list[int]] = {}
+    plans: dict[tuple[int, int], list[int]] = {}
     cleanup()
     for bf16 in precisions:
         tag = "-bf16" if bf16 else ""
@@ -150,33 +154,39 @@ def main() -> None:
             failed(f"single-converted{tag}", e)
         cleanup()
         for chunks in args.chunks:
-            for graphs in ([True] if args.skip_eager else [False, True]):
-                name = f"seqify-{'graphs' if graphs else 'eager'}-c{chunks}{tag}"
-                try:
-                    seq = seqify.convert(fresh())
-                    if chunks not in plans:  # balanced for this micro-batch size, measured on cuda:0
-                        plan = seqify.balance(seq, 2, sample=x[: B // chunks].cpu(), by=args.balance, device=d0,
-                                              progress=False)
-                        plans[chunks] = plan.balance
-                        print(f"# seqify balance by {args.balance} at micro-batch {B // chunks}: {plan.balance}, "
-                              f"predicted imbalance {plan.imbalance:.3f}", flush=True)
-                        cleanup()
-                    plan_balance = plans[chunks]
-                    pipe = seqify.pipeline(seq, gpus=2, balance=plan_balance, chunks=chunks, checkpoint="never", graphs=graphs)
-                    opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+            for loops in args.loops:
+                for graphs in ([True] if args.skip_eager or loops > 1 else [False, True]):
+                    loop = f"-loop{loops}" if loops > 1 else ""
+                    name = f"seqify-{'graphs' if graphs else 'eager'}-c{chunks}{loop}{tag}"
+                    try:
+                        seq = seqify.convert(fresh())
+                        parts = 2 * loops
+                        if (chunks, parts) not in plans:  # balanced for this micro-batch size, measured on cuda:0
+                            plan = seqify.balance(seq, parts, sample=x[: B // chunks].cpu(), by=args.balance,
+                                                  device=d0, progress=False)
+                            plans[(chunks, parts)] = plan.balance
+                            print(f"# seqify balance by {args.balance} at micro-batch {B // chunks}, {parts} "
+                                  f"partitions: {plan.balance}, predicted imbalance {plan.imbalance:.3f}", flush=True)
+                            cleanup()
+                        plan_balance = plans[(chunks, parts)]
+                        pipe = seqify.pipeline(seq, gpus=2, loops=loops, balance=plan_balance, chunks=chunks,
+                                               checkpoint="never", graphs=graphs)
+                        opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
 
-                    def step(pipe: seqify.Pipeline = pipe, opt: torch.optim.Optimizer = opt, bf16: bool = bf16) -> None:
-                        opt.zero_grad(set_to_none=True)
-                        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-                            out = pipe(x)
-                        nn.functional.cross_entropy(out.float(), y1).backward()
-                        opt.step()
+                        def step(pipe: seqify.Pipeline = pipe, opt: torch.optim.Optimizer = opt, bf16: bool = bf16) -> None:
+                            opt.zero_grad(set_to_none=True)
+                            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                                out = pipe(x)
+                            nn.functional.cross_entropy(out.float(), y1).backward()
+                            opt.step()
 
-                    record(name, timed(step, args.warm, args.steps), B, balance=plan_balance)
-                    del seq, pipe, opt, step
-                except Exception as e:
-                    failed(name, e)
-                cleanup()
+                        record(name, timed(step, args.warm, args.steps), B, balance=plan_balance)
+                        if graphs and pipe.graph_error:
+                            failed(name + " (graphs fell back to eager)", RuntimeError(pipe.graph_error[-300:]))
+                        del seq, pipe, opt, step
+                    except Exception as e:
+                        failed(name, e)
+                    cleanup()
         if args.anchors:
             try:
                 from torchgpipe import GPipe

@@ -19,6 +19,7 @@ __all__ = [
     "SharedParameterError",
     "BoundaryError",
     "StageError",
+    "GraphError",
     "MetaDeviceError",
     "OptionError",
     "ZooError",
@@ -90,6 +91,11 @@ class BoundaryError(SeqifyError):
 
 class StageError(SeqifyError):
     """An exception inside a pipeline stage, re-raised with the partition and layer (Python < 3.11)."""
+
+
+class GraphError(SeqifyError):
+    """A pipeline step replayed from captured CUDA graphs was used out of order (the backward of an
+    older forward)."""
 
 
 class MetaDeviceError(SeqifyError):

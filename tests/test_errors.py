@@ -452,6 +452,10 @@ LAYOUT_MISTAKES = {
                            ("checkpoint='sometimes'", "choose one of")),
     "graphs-with-checkpointing": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], graphs=True),
                                   ("graphs=True", "checkpoint='never'")),
+    "loops-below-one": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], loops=0),
+                        ("loops=0", "partitions per device")),
+    "balance-not-a-multiple-of-loops": (seqify.BalanceError, dict(devices=["cpu"], balance=[1, 1, 1], loops=2),
+                                        ("3 partitions, not a multiple of loops=2", "loops partitions per device")),
     "graphs-on-cpu": (seqify.DeviceError, dict(devices=CPU2, balance=[2, 1], graphs=True, checkpoint="never"),
                       ("graphs=True needs every partition on a CUDA device",)),
     "device-string-not-a-device": (seqify.DeviceError, dict(devices=["cpu", "gpu0"], balance=[2, 1]),
@@ -478,6 +482,16 @@ def test_pipeline_layout_mistakes(row: str) -> None:
         pytest.skip("this machine has that many GPUs")
     with raises(kind, *phrases):
         seqify.pipeline(three_layers(), **options)
+
+
+def test_backward_of_an_older_replayed_step() -> None:
+    """graphs=True keeps one step's activations in fixed memory (exercised here with eager programs)."""
+    pipe = seqify.pipeline(three_layers(), devices=CPU2, balance=[2, 1], chunks=2, checkpoint="never")
+    pipe._replay_eager = True
+    first = pipe(torch.randn(4, 2))
+    pipe(torch.randn(4, 2))
+    with raises(seqify.GraphError, "comes after a newer forward", "call backward on a step's output before the next forward"):
+        first.sum().backward()
 
 
 def test_chunks_set_on_a_pipeline() -> None:

@@ -100,15 +100,19 @@ def relative(tolerance: float):  # type: ignore[no-untyped-def]
     return check
 
 
-def test_graphed_stages_match_eager_fp32() -> None:
-    """CUDA-graph replay computes what eager execution computes, step after step (uneven micro-batches too)."""
+@pytest.mark.parametrize("loops", [1, 2])
+def test_graphed_stages_match_eager_fp32(loops: int) -> None:
+    """CUDA-graph replay computes what eager execution computes, step after step (uneven micro-batches too),
+    one partition per GPU (fill-drain) and two (looped, breadth-first)."""
     torch.manual_seed(0)
     source = torchvision.models.resnet50(num_classes=10).train()
     twin = copy.deepcopy(source)
     seq, seq2 = seqify.convert(source), seqify.convert(twin)
     n = len(seq)
     eager = seqify.pipeline(seq, gpus=2, balance=[n // 2, n - n // 2], chunks=3, checkpoint="never")
-    graphed = seqify.pipeline(seq2, gpus=2, balance=[n // 2, n - n // 2], chunks=3, checkpoint="never", graphs=True)
+    cuts = [n // (2 * loops)] * (2 * loops - 1)
+    graphed = seqify.pipeline(seq2, gpus=2, loops=loops, balance=cuts + [n - sum(cuts)], chunks=3,
+                              checkpoint="never", graphs=True)
     opt_a = torch.optim.SGD(eager.parameters(), lr=0.01, momentum=0.9)
     opt_b = torch.optim.SGD(graphed.parameters(), lr=0.01, momentum=0.9)
     close = relative(1e-4)

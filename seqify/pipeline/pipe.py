@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, MetaDeviceError, SharedParameterError
+from ..errors import SeqifyError, BalanceError, BoundaryError, DeviceError, EmptyModelError, MetaDeviceError, SharedParameterError
 from ..sequential import Sequential, meta_tensor
 from ..skip.layout import routes
 from ..skip.namespace import SkipKey
@@ -21,6 +21,7 @@ from .batchnorm import DeferredBatchNorm, defer_batch_norm
 from .checkpoint import checkpointed, norms_of
 from .inplace import INPUT, mutated_roots, written_tensors
 from .microbatch import gather, is_tensors, scatter
+from .replay import run
 from .schedule import clock_cycles
 from .stage import Stage
 from .transfer import Transfer
@@ -287,8 +288,9 @@ class Pipeline(nn.Module):
         self._transfer = Transfer()
         self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
         self.graphs = graphs
-        self._graphed: tuple[Any, list[Any]] | None = None
+        self._graphed: tuple[Any, Any] | None = None
         self.graph_error: str | None = None
+        self._replay_eager = False  # tests: drive the step as graphs would, with eager programs (any device)
         self.training = model.training
         # A model that may modify its input in place gets micro-batches that are copies: views of one
         # tensor share autograd's version counter, so one micro-batch's change would invalidate what
@@ -340,8 +342,11 @@ class Pipeline(nn.Module):
             batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
         saved = self._save_statistics() if self._statistics else None
         try:
-            outputs = self._run(batches)
-            out = gather(outputs)
+            replay = self._replay(batches)
+            if replay is not None:
+                out = run(replay, [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches])
+            else:
+                out = gather(self._run(batches))
         except BaseException:
             if saved:
                 self._restore_statistics(saved)
@@ -375,28 +380,36 @@ class Pipeline(nn.Module):
             for tensors, copies in saved:
                 torch._foreach_copy_(tensors, copies)
 
-    def _graph_runners(self, values: list[Any]) -> list[Any] | None:
-        """The captured stages for these micro-batches, capturing them on first use."""
-        if not (self.graphs and self.training and torch.is_grad_enabled()):
+    def _replay(self, batches: list[Any]) -> Any:
+        """The step's programs for these micro-batches (built, and captured as CUDA graphs, on first use)."""
+        if not ((self.graphs or self._replay_eager) and self.training and torch.is_grad_enabled()):
             return None
-        from .graphs import capture
+        from .replay import build
 
         autocast = torch.is_autocast_enabled("cuda")
         dtype = torch.get_autocast_dtype("cuda") if autocast else None
         key = (
             tuple(
                 tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in ((v,) if isinstance(v, torch.Tensor) else v))
-                for v in values
+                for v in batches
             ),
             autocast,
             dtype,
+            # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them
+            tuple(p.data_ptr() for p in self.partitions.parameters()),
         )
         if self._graphed is None or self._graphed[0] != key:
             self._graphed = None  # let the old graphs' memory go first
+            carried = None if isinstance(batches[0], torch.Tensor) else len(batches[0])
+            flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
             try:
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
-                    runners = capture(self.stages, values, self._transfer)
+                    replay = build(self.stages, flat, carried, graphs=self.graphs)
+            except SeqifyError:
+                raise
             except Exception as e:
+                if not self.graphs:
+                    raise
                 # Some layers cannot be captured (host syncs, CPU tensors, data-dependent shapes): say so
                 # once and run eagerly from now on.
                 self.graphs = False
@@ -410,13 +423,12 @@ class Pipeline(nn.Module):
                 for d in self.devices:
                     torch.cuda.synchronize(d)
                 return None
-            self._graphed = (key, runners)
+            self._graphed = (key, replay)
         return self._graphed[1]
 
     def _run(self, values: list[Any]) -> list[Any]:
         m, n = len(values), len(self.stages)
         stop = self._checkpoint_stop(m)
-        runners = self._graph_runners(values)
         for bn in self._deferred:
             bn.chunks = m
             bn._reset_tracking()
@@ -448,9 +460,7 @@ class Pipeline(nn.Module):
                         skips[key] = transfer(value, stage.device, when, memo)
                         if observe is not None:
                             observe("skip", key[1], self.skip_partitions[key][0], j, i)
-                    if runners is not None:
-                        y, out = runners[j](x, skips, i)
-                    elif i < stop:
+                    if i < stop:
                         y, out = checkpointed(stage.fresh, x, skips, norms=self._norms[j])
                     else:
                         y, out = stage(x, skips)
@@ -478,6 +488,7 @@ def pipeline(
     checkpoint: str = "except_last",
     deferred_batch_norm: bool = False,
     graphs: bool = False,
+    loops: int = 1,
     example_inputs: Any = None,
     sample: Any = None,
     **convert_options: Any,
@@ -501,7 +512,14 @@ def pipeline(
             micro-batches, as training on one device would.
         graphs: on CUDA, capture each stage's forward and backward per micro-batch as CUDA graphs on the
             first training step of a given input shape, then replay them: no per-op launch overhead.
-            Needs checkpoint='never'; inference and eval mode run eagerly.
+            Needs checkpoint='never'; inference and eval mode run eagerly. The whole step is then driven
+            as fixed programs (no autograd per micro-batch); gradients reach ``.grad`` (not
+            ``torch.autograd.grad``), and each forward's backward must come before the next forward.
+        loops: partitions per device, placed round-robin: ``gpus=2, loops=2`` puts four partitions on
+            cuda:0, cuda:1, cuda:0, cuda:1. With ``graphs=True`` each device runs all micro-batches of its
+            first partition, then of its second (breadth-first), which shrinks the pipeline's idle time
+            from one of ``chunks + 1`` slots to one of ``loops * chunks + 1``, at the cost of more
+            transfers. A ``balance`` list then has ``loops`` entries per device.
         sample: an input batch (or micro-batch) for the 'time', 'memory' and 'flops' strategies;
             defaults to ``example_inputs``.
 
@@ -519,11 +537,13 @@ def pipeline(
         raise EmptyModelError(f"the {type(model).__name__} has no layers; there is nothing to pipeline")
     _check_meta([model])
     chunks = _check_chunks(chunks)
+    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+        raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
     if isinstance(balance, str) or balance is None:
         strategy = balance or "params"
         if strategy not in STRATEGIES:
             raise BalanceError(f"balance={strategy!r}: use a list of layer counts or one of {STRATEGIES}")
-        placed = resolve_devices(gpus, devices, None)
+        placed = resolve_devices(gpus, devices, None) * loops
         if len(placed) > layers:
             raise BalanceError(f"{len(placed)} partitions but the model has only {layers} layers; use fewer devices")
         from ..partition import balance as make_plan
@@ -535,6 +555,10 @@ def pipeline(
     counts = _counts(balance, layers)
     if len(counts) > layers:
         raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
-    placed = resolve_devices(gpus, devices, len(counts))
+    if len(counts) % loops:
+        raise BalanceError(
+            f"balance has {len(counts)} partitions, not a multiple of loops={loops}: give loops partitions per device"
+        )
+    placed = resolve_devices(gpus, devices, len(counts) // loops) * loops
     return Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
                     deferred_batch_norm=deferred_batch_norm, graphs=graphs)

@@ -1,0 +1,432 @@
+"""Replay: a training step as fixed per-(partition, micro-batch) programs, issued in order without autograd."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import BoundaryError, GraphError
+from ..skip.namespace import SkipKey
+from .stage import Stage
+
+__all__ = ["Program", "Replay", "build", "order"]
+
+
+class _Flat(nn.Module):
+    """A stage as a function of flat tensors: (carried..., popped...) -> (carried..., stashed...)."""
+
+    def __init__(self, stage: Stage, carried: int | None) -> None:
+        super().__init__()
+        self.layers = stage.layers
+        object.__setattr__(self, "stage", stage)
+        self.carried = carried  # None: one tensor; k: a tuple of k tensors
+        self.returns: int | None = None  # the same, for the carried output
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        stage = self.stage
+        k = 1 if self.carried is None else self.carried
+        x: Any = tensors[0] if self.carried is None else tuple(tensors[:k])
+        # fresh(): copies of what a layer modifies in place (a program's inputs are leaves autograd guards)
+        y, out = stage.fresh(x, dict(zip(stage.pops, tensors[k:])))
+        ys = (y,) if isinstance(y, torch.Tensor) else tuple(y)
+        self.returns = None if isinstance(y, torch.Tensor) else len(ys)
+        return ys + tuple(out[key] for key in stage.stashes)
+
+
+class Program:
+    """One partition on one micro-batch, on fixed tensors: ``forward()`` reads ``inputs`` and writes
+    ``outputs``; ``backward()`` reads ``out_grads`` and writes ``in_grads``, adding the parameters'
+    gradients into the partition's accumulators. The driver only ever copies into ``inputs`` and
+    ``out_grads``; eager programs (any device) and captured CUDA graphs behave the same."""
+
+    def __init__(self, flat: _Flat, inputs: tuple[torch.Tensor, ...], params: list[nn.Parameter],
+                 acc: list[torch.Tensor]) -> None:
+        self.flat = flat
+        self.inputs = inputs
+        self.params = params
+        self.acc = acc
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.out_grads: list[torch.Tensor | None] = []
+        self.in_grads: list[torch.Tensor | None] = [None] * len(inputs)
+
+    def _grads(self) -> None:
+        """Differentiate outputs by inputs and parameters; add the parameters' part into ``acc``."""
+        wrt_inputs = [k for k, t in enumerate(self.inputs) if t.requires_grad]
+        outs = [(o, g) for o, g in zip(self.outputs, self.out_grads) if g is not None]
+        if not outs or not (wrt_inputs or self.params):
+            return
+        grads = torch.autograd.grad(
+            [o for o, _ in outs], [self.inputs[k] for k in wrt_inputs] + self.params, [g for _, g in outs],
+            allow_unused=True,
+        )
+        for k, g in zip(wrt_inputs, grads):
+            self.in_grads[k] = g
+        used = [(a, g) for a, g in zip(self.acc, grads[len(wrt_inputs):]) if g is not None]
+        if used:
+            torch._foreach_add_([a for a, _ in used], [g for _, g in used])
+
+    def _outputs(self) -> None:
+        with torch.enable_grad():
+            self.outputs = self.flat(*self.inputs)
+        if not self.out_grads:  # fixed buffers, zero where nothing flows back
+            self.out_grads = [
+                torch.zeros_like(o) if o.requires_grad else None for o in self.outputs
+            ]
+
+    def forward(self) -> None:
+        self._outputs()
+
+    def backward(self) -> None:
+        self._grads()
+
+
+class GraphedProgram(Program):
+    """A program captured as two CUDA graphs (forward, backward) that replay on fixed memory."""
+
+    fwd: torch.cuda.CUDAGraph
+    bwd: torch.cuda.CUDAGraph | None
+
+    def forward(self) -> None:
+        self.fwd.replay()
+
+    def backward(self) -> None:
+        if self.bwd is not None:
+            self.bwd.replay()
+
+
+def _norm_state(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
+    return [
+        (m, {k: v.clone() for k, v in m._buffers.items() if v is not None})
+        for part in modules
+        for m in part.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+
+
+def _capture(programs: list[Program], device: torch.device, warmup: int) -> None:
+    """Turn one partition's programs into CUDA graphs sharing one memory pool, captured in the order
+    they run (forwards 0..m-1, then backwards m-1..0) so memory is reused as eager execution would."""
+    stream = torch.cuda.Stream(device)
+    pool = torch.cuda.graph_pool_handle()
+    with torch.cuda.device(device):
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for p in programs:  # warm-up: cuDNN/cuBLAS choose kernels and workspaces outside capture
+                for _ in range(warmup):
+                    p._outputs()
+                    p._grads()
+                p.outputs, p.in_grads = (), [None] * len(p.inputs)
+            if programs[0].acc:
+                torch._foreach_zero_(programs[0].acc)
+            for p in programs:
+                p.__class__ = GraphedProgram
+                assert isinstance(p, GraphedProgram)
+                p.fwd = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(p.fwd, pool=pool, stream=stream):
+                    p._outputs()
+            for p in reversed(programs):
+                assert isinstance(p, GraphedProgram)
+                if not any(g is not None for g in p.out_grads):
+                    p.bwd = None
+                    continue
+                p.bwd = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(p.bwd, pool=pool, stream=stream):
+                    p._grads()
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+
+# Where a partition's input slot is filled from: (partition, output slot) of the same micro-batch.
+Route = tuple[int, int]
+
+
+def order(devices: Sequence[torch.device], micro_batches: int,
+          needs: Callable[[int, int], list[tuple[int, int]]], backward: bool) -> list[tuple[int, int]]:
+    """The (micro-batch, partition) programs in the order to issue them.
+
+    Each device runs its programs partition by partition, all micro-batches of one partition before
+    the next (forward: lowest partition first; backward: the reverse). With one partition per device
+    this is GPipe's fill-drain; with several (devices ``[0, 1, 0, 1]``) it is a looped, breadth-first
+    schedule whose bubble shrinks with the number of partitions per device. Devices take turns, and
+    a program is issued only after the programs it ``needs``, so every event it waits for is recorded.
+    """
+    queues: dict[torch.device, list[tuple[int, int]]] = {}
+    for j, d in enumerate(devices):
+        queues.setdefault(d, []).extend((i, j) for i in range(micro_batches))
+    for q in queues.values():
+        q.sort(key=lambda ij: (-ij[1], -ij[0]) if backward else (ij[1], ij[0]))
+    issued: set[tuple[int, int]] = set()
+    out: list[tuple[int, int]] = []
+    heads = {d: 0 for d in queues}
+    while len(out) < len(devices) * micro_batches:
+        progressed = False
+        for d, q in queues.items():
+            if heads[d] < len(q) and all(n in issued for n in needs(*q[heads[d]])):
+                issued.add(q[heads[d]])
+                out.append(q[heads[d]])
+                heads[d] += 1
+                progressed = True
+        if not progressed:  # cannot happen for routes that only point forward
+            raise GraphError("the pipeline's partitions depend on each other in a cycle")
+    return out
+
+
+class Replay:
+    """Drives a step's programs: copies values between partitions (on copy streams between GPUs,
+    ordered by events, never a host sync), replays forwards in the forward order and backwards in
+    the backward order, and hands parameter gradients over as ``.grad`` once the backward is done."""
+
+    def __init__(self, stages: Sequence[Stage], programs: list[list[Program]], routes: list[list[Route]],
+                 returns: int | None) -> None:
+        self.stages = stages
+        self.programs = programs  # [partition][micro-batch]
+        self.routes = routes  # [partition][input slot] -> (partition, output slot)
+        self.returns = returns  # the last partition's carried output: None (a tensor) or k (a tuple)
+        self.devices = [s.device for s in stages]
+        m = len(programs[0])
+        self.consumers: list[list[list[tuple[int, int]]]] = [
+            [[] for _ in programs[j][0].outputs] for j in range(len(stages))
+        ]
+        for j, slots in enumerate(routes):
+            for s, (a, o) in enumerate(slots):
+                self.consumers[a][o].append((j, s))
+        sources = [sorted({a for a, _ in slots}) for slots in routes]
+        users = [sorted({b for outs in self.consumers[j] for b, _ in outs}) for j in range(len(stages))]
+        self.forward_order = order(self.devices, m, lambda i, j: [(i, a) for a in sources[j]], backward=False)
+        self.backward_order = order(self.devices, m, lambda i, j: [(i, b) for b in users[j]], backward=True)
+        self.cuda = all(d.type == "cuda" for d in self.devices)
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._events: dict[tuple[int, int, bool], torch.cuda.Event] = {}
+        self.step = 0
+        self.params: list[list[nn.Parameter]] = [programs[j][0].params for j in range(len(stages))]
+        self.acc: list[list[torch.Tensor]] = [programs[j][0].acc for j in range(len(stages))]
+        # The step's node in the caller's autograd graph needs an input that requires grad, even when
+        # the pipeline's inputs do not (the parameters reach .grad without autograd seeing them).
+        self.anchor = torch.empty(0, device=self.devices[-1], requires_grad=True)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        s = self._copy_streams.get(device)
+        if s is None:
+            s = self._copy_streams[device] = torch.cuda.Stream(device)
+        return s
+
+    def _event(self, i: int, j: int, backward: bool) -> torch.cuda.Event:
+        e = self._events.get((i, j, backward))
+        if e is None:
+            e = self._events[(i, j, backward)] = torch.cuda.Event()
+        return e
+
+    def _fence(self) -> None:
+        """Copies into fixed buffers must not overtake what still reads them from the last step."""
+        if self.cuda:
+            for d in set(self.devices):
+                self._stream(d).wait_stream(torch.cuda.current_stream(d))
+
+    def _pull(self, pairs: list[tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]], device: torch.device,
+              backward: bool) -> None:
+        """Copy each source, made by program (i, j), into its buffer on ``device``. Between GPUs the copy
+        runs on the source GPU's copy stream once the program's event has passed (torch runs a peer copy
+        on the source's current stream), so neither GPU's compute stream carries it."""
+        if not pairs:
+            return
+        if not self.cuda:
+            for dst, src, _ in pairs:
+                dst.copy_(src) if src is not None else dst.zero_()
+            return
+        compute = torch.cuda.current_stream(device)
+        arrive = self._stream(device)
+        remote = False
+        for dst, src, (i, j) in pairs:
+            if src is None:
+                with torch.cuda.stream(compute):
+                    dst.zero_()
+            elif self.devices[j] == device:
+                with torch.cuda.stream(compute):
+                    dst.copy_(src)
+            else:
+                leave = self._stream(self.devices[j])
+                leave.wait_event(self._event(i, j, backward))
+                with torch.cuda.stream(leave), torch.cuda.stream(arrive):
+                    dst.copy_(src, non_blocking=True)
+                remote = True
+        if remote:
+            compute.wait_stream(arrive)
+
+    def _run(self, i: int, j: int, backward: bool) -> None:
+        program = self.programs[j][i]
+        device = self.devices[j]
+        if self.cuda:
+            with torch.cuda.device(device):
+                program.backward() if backward else program.forward()
+                self._event(i, j, backward).record(torch.cuda.current_stream(device))
+        else:
+            program.backward() if backward else program.forward()
+
+    # -- a step -----------------------------------------------------------------------------------
+    def forward(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """Run every forward program; return the last partition's carried outputs, concatenated."""
+        self.step += 1
+        self._fence()
+        with torch.no_grad():
+            for i, j in self.forward_order:
+                program = self.programs[j][i]
+                if j == 0:
+                    for dst, src in zip(program.inputs, batches[i]):
+                        dst.copy_(src)
+                else:
+                    pairs = [(dst, self.programs[a][i].outputs[o], (i, a))
+                             for dst, (a, o) in zip(program.inputs, self.routes[j])]
+                    self._pull(pairs, self.devices[j], backward=False)
+                self._run(i, j, backward=False)
+            last = self.programs[-1]
+            k = 1 if self.returns is None else self.returns
+            return tuple(torch.cat([p.outputs[s] for p in last]) for s in range(k))
+
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[tuple[torch.Tensor | None, ...]]:
+        """Run every backward program from the gradients of the concatenated outputs; set ``.grad``;
+        return the gradients of each micro-batch's inputs."""
+        self._fence()
+        with torch.no_grad():
+            for j, acc in enumerate(self.acc):
+                if acc:
+                    with _on(self.devices[j]):
+                        torch._foreach_zero_(acc)
+            last = self.programs[-1]
+            sizes = [p.outputs[0].size(0) for p in last]
+            split = [g.split(sizes) if g is not None else None for g in grads]
+            n = len(self.stages)
+            for i, j in self.backward_order:
+                program = self.programs[j][i]
+                if j == n - 1:
+                    for s, parts in enumerate(split):
+                        buf = program.out_grads[s]
+                        if buf is not None:
+                            buf.copy_(parts[i]) if parts is not None else buf.zero_()
+                else:
+                    pairs = []
+                    for o, buf in enumerate(program.out_grads):
+                        if buf is None:
+                            continue
+                        (b, s), = self.consumers[j][o]
+                        pairs.append((buf, self.programs[b][i].in_grads[s], (i, b)))
+                    self._pull(pairs, self.devices[j], backward=True)
+                self._run(i, j, backward=True)
+            for j, (params, acc) in enumerate(zip(self.params, self.acc)):
+                with _on(self.devices[j]):
+                    _hand_over(params, acc)
+            return [tuple(g.clone() if g is not None else None for g in p.in_grads) for p in self.programs[0]]
+
+
+class _on:
+    """``torch.cuda.device(d)`` for a CUDA device, nothing for the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.inner = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self) -> None:
+        if self.inner is not None:
+            self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.inner is not None:
+            self.inner.__exit__(*exc)
+
+
+def _hand_over(params: list[nn.Parameter], acc: list[torch.Tensor]) -> None:
+    """What autograd would leave in ``.grad``: a new tensor where there was none, else the sum."""
+    fresh = [(p, a) for p, a in zip(params, acc) if p.grad is None]
+    added = [(p, a) for p, a in zip(params, acc) if p.grad is not None]
+    if fresh:
+        for (p, _), g in zip(fresh, torch._foreach_mul([a for _, a in fresh], 1.0)):
+            p.grad = g
+    if added:
+        torch._foreach_add_([p.grad for p, _ in added], [a for _, a in added])  # type: ignore[misc]
+
+
+class _Step(torch.autograd.Function):
+    """The whole pipeline step as one autograd node: its backward drives the backward programs."""
+
+    @staticmethod
+    def forward(ctx: Any, replay: Replay, m: int, anchor: torch.Tensor, *flat: torch.Tensor) -> Any:  # type: ignore[override]
+        per = len(flat) // m
+        outs = replay.forward([tuple(flat[i * per:(i + 1) * per]) for i in range(m)])
+        ctx.replay, ctx.step, ctx.m, ctx.per = replay, replay.step, m, per
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        replay: Replay = ctx.replay
+        if replay.step != ctx.step:
+            raise GraphError(
+                "this output's backward comes after a newer forward of the same pipeline: graphs=True keeps one "
+                "step's activations in fixed memory, so call backward on a step's output before the next "
+                "forward (or use graphs=False)"
+            )
+        ins = replay.backward(grads)
+        return (None, None, None, *[g for per in ins for g in per])
+
+
+def run(replay: Replay, batches: list[tuple[torch.Tensor, ...]]) -> Any:
+    """The pipeline's output for these micro-batches, differentiable through the replayed step."""
+    flat = [t for b in batches for t in b]
+    outs = _Step.apply(replay, len(batches), replay.anchor, *flat)
+    return outs[0] if replay.returns is None else tuple(outs)
+
+
+def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
+          graphs: bool, warmup: int = 2) -> Replay:
+    """Programs for these micro-batches (shapes, dtypes, grad requirements), captured as CUDA graphs
+    when ``graphs``. Building runs each partition on the real inputs, so what flows on is real data;
+    BatchNorm running statistics are restored afterwards, so building leaves no trace."""
+    saved = _norm_state([s.layers for s in stages])
+    try:
+        programs: list[list[Program]] = []
+        routes: list[list[Route]] = []
+        stashed: dict[SkipKey, tuple[int, int]] = {}
+        returns: int | None = carried
+        for j, stage in enumerate(stages):
+            device = stage.device
+            params = [p for p in stage.layers.parameters() if p.requires_grad]
+            acc = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+            if j == 0:
+                slots: list[Route] = []
+                sources: list[tuple[torch.Tensor, ...]] = [tuple(b) for b in batches]
+            else:
+                k = 1 if returns is None else returns
+                slots = [(j - 1, o) for o in range(k)] + [stashed.pop(key) for key in stage.pops]
+                sources = [tuple(programs[a][i].outputs[o] for a, o in slots) for i in range(len(batches))]
+            routes.append(slots)
+            row: list[Program] = []
+            for i, src in enumerate(sources):
+                with torch.no_grad():
+                    inputs = tuple(
+                        t.detach().to(device, copy=True).requires_grad_(
+                            t.is_floating_point() and (t.requires_grad if j == 0 else True))
+                        for t in src
+                    )
+                flat = _Flat(stage, returns)
+                row.append(Program(flat, inputs, params, acc))
+            for p in row:
+                p._outputs()  # real values for the next partition (and the output structure)
+            returns = row[0].flat.returns
+            k = 1 if returns is None else returns
+            for s, key in enumerate(stage.stashes):
+                stashed[key] = (j, k + s)
+            if graphs:
+                _capture(row, device, warmup)
+                with torch.cuda.device(device):
+                    for p in row:
+                        p.forward()
+            programs.append(row)
+        if stashed:
+            raise BoundaryError(f"skips {sorted(k[1] for k in stashed)} were stashed but no later partition popped them")
+        return Replay(stages, programs, routes, returns)
+    finally:
+        with torch.no_grad():
+            for m, buffers in saved:
+                for k, v in buffers.items():
+                    m._buffers[k].copy_(v)

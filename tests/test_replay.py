@@ -1,0 +1,130 @@
+"""The replayed step (what graphs=True runs) driven with eager programs on CPU partitions: it must compute
+what the source model computes over micro-batches, in GPipe order and in the looped order."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import resnet18
+
+import seqify
+from exactness import loss_of
+from seqify.pipeline.replay import order
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def even(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def replayed(model: nn.Module, parts: int, chunks: int, loops: int = 1) -> seqify.Pipeline:
+    seq = seqify.convert(model)
+    pipe = seqify.pipeline(seq, devices=["cpu"] * (parts // loops), loops=loops, balance=even(len(seq), parts),
+                           chunks=chunks, checkpoint="never")
+    assert len(pipe.partitions) == parts
+    pipe._replay_eager = True
+    return pipe
+
+
+def reference_step(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    out = torch.cat([model(c) for c in x.tensor_split(chunks)])
+    loss_of(out).backward()
+    return out
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: resnet18(num_classes=7), (6, 3, 32, 32)),
+        (lambda: seqify.zoo.unet(depth=3, blocks=1, channels=4), (5, 3, 32, 32)),
+    ],
+    ids=["resnet18", "unet"],
+)
+@pytest.mark.parametrize("parts, loops", [(2, 1), (4, 1), (4, 2)])
+def test_replayed_steps_follow_the_source(make, shape, parts: int, loops: int) -> None:  # type: ignore[no-untyped-def]
+    """Three SGD steps: outputs bit-equal, gradients and BatchNorm statistics as the source's, with the
+    zero_grad styles alternating (a fresh .grad, and one added into)."""
+    torch.manual_seed(0)
+    source = make().train()
+    reference = copy.deepcopy(source)
+    pipe = replayed(source, parts, chunks=3, loops=loops)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(*shape)
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        opt_ref.zero_grad(set_to_none=step % 2 == 0)
+        out = pipe(x)
+        expected = reference_step(reference, x, 3)
+        assert torch.equal(out, expected), f"step {step}"
+        loss_of(out).backward()
+        for (name, p), q in zip(source.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+        for (name, b), r in zip(source.named_buffers(), reference.buffers()):
+            assert torch.equal(b, r), f"step {step} {name}"
+        opt.step()
+        opt_ref.step()
+    assert pipe._graphed is not None
+
+
+def test_input_gradients_flow_back_and_outputs_are_fresh_tensors() -> None:
+    torch.manual_seed(0)
+    source = resnet18(num_classes=5).train()
+    reference = copy.deepcopy(source)
+    pipe = replayed(source, 2, chunks=2)
+    x = torch.randn(4, 3, 32, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out = pipe(x)
+    loss_of(out).backward()
+    loss_of(reference_step_input(reference, x_ref)).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    kept = out.detach().clone()
+    again = pipe(torch.randn(4, 3, 32, 32, requires_grad=True))
+    assert torch.equal(out.detach(), kept)  # the next step writes fixed buffers, never a returned tensor
+    assert again.data_ptr() != out.data_ptr()
+
+
+def reference_step_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([model(c) for c in x.tensor_split(2)])
+
+
+def test_a_new_batch_shape_rebuilds_the_programs() -> None:
+    torch.manual_seed(0)
+    source = resnet18(num_classes=5).train()
+    reference = copy.deepcopy(source)
+    pipe = replayed(source, 2, chunks=2)
+    for batch in (4, 6):
+        x = torch.randn(batch, 3, 32, 32)
+        out = pipe(x)
+        assert torch.equal(out, torch.cat([reference(c) for c in x.tensor_split(2)]))
+        first = pipe._graphed
+        loss_of(out).backward()
+    assert pipe._graphed is first
+
+
+def test_eval_and_no_grad_run_eagerly() -> None:
+    pipe = replayed(resnet18(num_classes=5), 2, chunks=2)
+    with torch.no_grad():
+        pipe(torch.randn(4, 3, 32, 32))
+    pipe.eval()
+    pipe(torch.randn(4, 3, 32, 32))
+    assert pipe._graphed is None
+
+
+def test_issue_order_is_fill_drain_per_device_and_looped_across_repeats() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("meta")
+    chain = lambda i, j: [(i, j - 1)] if j else []  # noqa: E731
+    two = order([cpu, gpu], 3, chain, backward=False)
+    assert [ij for ij in two if ij[1] == 0] == [(0, 0), (1, 0), (2, 0)]
+    assert [ij for ij in two if ij[1] == 1] == [(0, 1), (1, 1), (2, 1)]
+    looped = order([cpu, gpu, cpu, gpu], 2, chain, backward=False)
+    on_cpu = [ij for ij in looped if ij[1] in (0, 2)]
+    assert on_cpu == [(0, 0), (1, 0), (0, 2), (1, 2)]  # a device finishes one partition's micro-batches first
+    for k, (i, j) in enumerate(looped):  # and nothing is issued before what it reads
+        assert all(dep in looped[:k] for dep in chain(i, j))
+    back = order([cpu, gpu, cpu, gpu], 2, lambda i, j: [(i, j + 1)] if j < 3 else [], backward=True)
+    assert [ij for ij in back if ij[1] in (1, 3)] == [(1, 3), (0, 3), (1, 1), (0, 1)]

@@ -94,7 +94,7 @@ def test_skip_tensors_cross_gpus_directly_and_autocast_holds() -> None:
 
 def relative(tolerance: float):  # type: ignore[no-untyped-def]
     def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        error = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)
+        error = (got.float().to(want.device) - want.float()).norm() / want.float().norm().clamp_min(1e-12)
         assert error <= tolerance, f"{what}: relative error {error:.2e} > {tolerance:.0e}"
 
     return check

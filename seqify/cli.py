@@ -194,11 +194,16 @@ def bench(args: argparse.Namespace) -> int:
     chunks = args.chunks or [4, 8, 16]
     print(f"seqify bench: {args.model}, batch {args.batch}x3x{args.size}x{args.size}, {len(devices)} GPUs "
           f"({torch.cuda.get_device_name(0)}), balance by time, checkpoint='never'")
-    plan = balance(seq, len(devices), x[: max(1, args.batch // max(chunks))], by="time", device=devices[0])
+    parts = devices * args.loops
+    plan = balance(seq, len(parts), x[: max(1, args.batch // max(chunks))], by="time", device=devices[0])
     print(plan)
-    result = measure.sweep(seq, x, y, devices=devices, balance=plan.balance, chunks=chunks, steps=args.steps,
-                           warm=args.warm, checkpoint="never", label=args.model)
-    print(result)
+    common = dict(devices=parts, balance=plan.balance, chunks=chunks, steps=args.steps, checkpoint="never",
+                  label=args.model)
+    eager = measure.sweep(seq, x, y, warm=args.warm, **common)  # type: ignore[arg-type]
+    print(eager)
+    graphed = measure.sweep(seq, x, y, warm=args.warm + 1, graphs=True, baseline=False, **common)  # type: ignore[arg-type]
+    graphed.baseline = eager.baseline  # the first warm-up step captures the graphs
+    print(graphed)
     return OK
 
 
@@ -369,13 +374,15 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="pipeline throughput on GPUs; without GPUs, the CPU conversion-speed table",
                        formatter_class=_Formatter,
                        description="With 2 or more GPUs: balance a torchvision model by time and measure pipelined "
-                       "training throughput against one GPU for several micro-batch counts. Otherwise: how long "
+                       "training throughput against one GPU for several micro-batch counts, eager and with CUDA "
+                       "graphs (benchmarks/pipeline_bench.py adds torchgpipe and torch pipelining). Otherwise: how long "
                        "conversion takes and the converted model's speed against its source on the CPU.")
     p.add_argument("--model", default="resnet101")
-    p.add_argument("--batch", type=int, default=64, action=_Given, help="batch (CPU table: 2 unless given)")
+    p.add_argument("--batch", type=int, default=128, action=_Given, help="batch (CPU table: 2 unless given)")
     p.add_argument("--size", type=int, default=224, action=_Given, help="image side (CPU table: 128 unless given)")
     p.add_argument("--chunks", type=int, nargs="+", help="micro-batch counts (default: 4 8 16)")
     p.add_argument("--gpus", type=int, help="GPUs to use (default: all)")
+    p.add_argument("--loops", type=int, default=1, help="partitions per GPU (2: cuda:0, cuda:1, cuda:0, cuda:1)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     p.add_argument("--warm", type=int, default=1, help="untimed warm-up steps per configuration")
     p.set_defaults(run=bench, batch_given=False, size_given=False)

@@ -157,7 +157,7 @@ def demo(args: argparse.Namespace) -> int:
     checkpoint = "never" if on_gpu else "except_last"
     sweep = measure.sweep(seq, data, target, devices=devices, balance=plan.balance, chunks=runs, steps=args.steps,
                           warm=1, checkpoint=checkpoint, optimizer=optimizer, on_step=report, show=False,
-                          label=args.model)
+                          label=args.model, graphs=on_gpu)
     print(sweep)
     best = sweep.best()
     base = sweep.baseline.samples_per_s if sweep.baseline else float("nan")

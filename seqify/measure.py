@@ -269,16 +269,19 @@ class Sweep:
     balance: list[int]
     label: str = ""
     baseline: SweepPoint | None = None
+    graphs: bool = False
 
     def best(self) -> SweepPoint:
         return max(self.points, key=lambda p: p.samples_per_s)
 
     def __str__(self) -> str:
-        lines = [f"chunks sweep over {len(self.devices)} partitions {self.balance} on {', '.join(self.devices)}:"]
+        how = ", CUDA graphs" if self.graphs else ""
+        lines = [f"chunks sweep over {len(self.devices)} partitions {self.balance} on {', '.join(self.devices)}{how}:"]
         if self.baseline is not None:
             lines.append(f"  one device, no pipeline: {self.baseline.samples_per_s:8.2f} samples/s")
         for p in self.points:
-            lines.append(f"  chunks {p.chunks:3d}: {p.samples_per_s:8.2f} samples/s ({p.seconds * 1e3:.0f} ms per step)")
+            ratio = f", {p.samples_per_s / self.baseline.samples_per_s:.2f}x one device" if self.baseline else ""
+            lines.append(f"  chunks {p.chunks:3d}: {p.samples_per_s:8.2f} samples/s ({p.seconds * 1e3:.0f} ms per step{ratio})")
         return "\n".join(lines)
 
 
@@ -338,6 +341,7 @@ def sweep(
     on_step: Callable[[int, int, float, float], None] | None = None,
     show: bool = True,
     label: str = "",
+    graphs: bool = False,
 ) -> Sweep:
     """Training throughput of ``model`` (a Sequential) pipelined over ``devices`` with ``balance``, for
     each number of micro-batches in ``chunks``; with ``baseline``, also the model alone on ``devices[0]``
@@ -346,7 +350,8 @@ def sweep(
     optimizer nothing is trained. The median of ``steps`` timed steps after ``warm`` untimed ones.
     ``on_step(chunks, step, loss, seconds)`` is called after every step (warm-up steps count from
     ``-warm``). ``x`` and ``target`` are moved where they are needed. A progress bar shows on stderr (on
-    a terminal, or with ``SEQIFY_PROGRESS=1``) if ``show``.
+    a terminal, or with ``SEQIFY_PROGRESS=1``) if ``show``. ``graphs`` runs the pipelines with CUDA graphs
+    (``checkpoint='never'``; the first warm-up step captures them).
     """
     import seqify
 
@@ -354,7 +359,7 @@ def sweep(
     placed = [torch.device(d) for d in devices]
     was_training = model.training
     model.train()
-    result = Sweep(points=[], devices=[str(d) for d in placed], balance=list(balance), label=label)
+    result = Sweep(points=[], devices=[str(d) for d in placed], balance=list(balance), label=label, graphs=graphs)
     runs = ([0] if baseline else []) + list(chunks)
     try:
         for c in progress(runs, len(runs), desc="chunks sweep", enabled=show):
@@ -365,7 +370,8 @@ def sweep(
                             optimizer, report)
                 result.baseline = SweepPoint(0, x.shape[0], sec, steps)
                 continue
-            pipe = seqify.pipeline(model, devices=placed, balance=list(balance), chunks=c, checkpoint=checkpoint)
+            pipe = seqify.pipeline(model, devices=placed, balance=list(balance), chunks=c, checkpoint=checkpoint,
+                                   graphs=graphs)
             pipe.train()
             sec = _time(pipe, x.to(placed[0]), _to(target, placed[-1]), loss_fn, placed, steps, warm, optimizer, report)
             result.points.append(SweepPoint(c, x.shape[0], sec, steps))

@@ -12,7 +12,7 @@ from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
 from .stage import Stage
 
-__all__ = ["Program", "Replay", "build", "order"]
+__all__ = ["Program", "Replay", "build", "order", "run"]
 
 
 class _Flat(nn.Module):
@@ -40,7 +40,7 @@ class Program:
     """One partition on one micro-batch, on fixed tensors: ``forward()`` reads ``inputs`` and writes
     ``outputs``; ``backward()`` reads ``out_grads`` and writes ``in_grads``, adding the parameters'
     gradients into the partition's accumulators. The driver only ever copies into ``inputs`` and
-    ``out_grads``; eager programs (any device) and captured CUDA graphs behave the same."""
+    ``out_grads``; run eagerly (any device) or replayed from captured CUDA graphs, it behaves the same."""
 
     def __init__(self, flat: _Flat, inputs: tuple[torch.Tensor, ...], params: list[nn.Parameter],
                  acc: list[torch.Tensor]) -> None:
@@ -51,6 +51,7 @@ class Program:
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.out_grads: list[torch.Tensor | None] = []
         self.in_grads: list[torch.Tensor | None] = [None] * len(inputs)
+        self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None] | None = None  # (forward, backward)
 
     def _grads(self) -> None:
         """Differentiate outputs by inputs and parameters; add the parameters' part into ``acc``."""
@@ -77,24 +78,16 @@ class Program:
             ]
 
     def forward(self) -> None:
-        self._outputs()
+        if self.graphs is None:
+            self._outputs()
+        else:
+            self.graphs[0].replay()
 
     def backward(self) -> None:
-        self._grads()
-
-
-class GraphedProgram(Program):
-    """A program captured as two CUDA graphs (forward, backward) that replay on fixed memory."""
-
-    fwd: torch.cuda.CUDAGraph
-    bwd: torch.cuda.CUDAGraph | None
-
-    def forward(self) -> None:
-        self.fwd.replay()
-
-    def backward(self) -> None:
-        if self.bwd is not None:
-            self.bwd.replay()
+        if self.graphs is None:
+            self._grads()
+        elif self.graphs[1] is not None:
+            self.graphs[1].replay()
 
 
 def _norm_state(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
@@ -121,20 +114,19 @@ def _capture(programs: list[Program], device: torch.device, warmup: int) -> None
                 p.outputs, p.in_grads = (), [None] * len(p.inputs)
             if programs[0].acc:
                 torch._foreach_zero_(programs[0].acc)
+            forwards = []
             for p in programs:
-                p.__class__ = GraphedProgram
-                assert isinstance(p, GraphedProgram)
-                p.fwd = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(p.fwd, pool=pool, stream=stream):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     p._outputs()
-            for p in reversed(programs):
-                assert isinstance(p, GraphedProgram)
-                if not any(g is not None for g in p.out_grads):
-                    p.bwd = None
-                    continue
-                p.bwd = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(p.bwd, pool=pool, stream=stream):
-                    p._grads()
+                forwards.append(graph)
+            for p, graph in reversed(list(zip(programs, forwards))):
+                backward = None
+                if any(g is not None for g in p.out_grads):
+                    backward = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(backward, pool=pool, stream=stream):
+                        p._grads()
+                p.graphs = (graph, backward)
         torch.cuda.current_stream(device).wait_stream(stream)
 
 

@@ -27,6 +27,7 @@ import seqify
 from nets import KINDS, PipeCase, Program, ProgramNet, build, example_inputs, features, pipe_cases, programs
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False)
+REPLAY_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False)
 PIPE_FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False)
 
 
@@ -108,6 +109,18 @@ def splits_a_parameter(seq: seqify.Sequential, balance: list[int]) -> bool:
     cuts=(0,), chunks=2, checkpoint="never",
 ))
 def test_pipeline_equals_the_source_micro_batch_by_micro_batch(case: PipeCase) -> None:
+    check_pipeline(case, replay=False)
+
+
+@REPLAY_FUZZ
+@given(case=pipe_cases())
+def test_replayed_step_equals_the_source_micro_batch_by_micro_batch(case: PipeCase) -> None:
+    """The driver of graphs=True (fixed programs, gradients summed per partition, handed over as .grad),
+    run with eager programs on CPU partitions."""
+    check_pipeline(PipeCase(case.program, case.cuts, case.chunks, "never"), replay=True)
+
+
+def check_pipeline(case: PipeCase, replay: bool) -> None:
     torch.manual_seed(0)
     net = build(case.program)
     inputs = example_inputs(case.program, batch=5)
@@ -122,7 +135,9 @@ def test_pipeline_equals_the_source_micro_batch_by_micro_batch(case: PipeCase) -
             seqify.pipeline(seq, **options)
         return
     pipe = seqify.pipeline(seq, **options)
+    pipe._replay_eager = replay
     got = pipe(*[x.clone() for x in inputs])
+    assert (pipe._graphed is not None or pipe.graph_error is not None) == replay  # replayed, or said why not
     loss_of(got).backward()
     expected = micro_batched(reference, tuple(x.clone() for x in inputs), case.chunks)
     loss_of(expected).backward()

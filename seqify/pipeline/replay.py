@@ -10,9 +10,14 @@ from torch import nn
 
 from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
+from .microbatch import is_tensors
 from .stage import Stage
 
-__all__ = ["Program", "Replay", "build", "order", "run"]
+__all__ = ["Program", "Replay", "Unreplayable", "build", "order", "run"]
+
+
+class Unreplayable(Exception):
+    """A partition takes or returns something other than tensors: the step cannot be fixed programs."""
 
 
 class _Flat(nn.Module):
@@ -31,6 +36,9 @@ class _Flat(nn.Module):
         x: Any = tensors[0] if self.carried is None else tuple(tensors[:k])
         # fresh(): copies of what a layer modifies in place (a program's inputs are leaves autograd guards)
         y, out = stage.fresh(x, dict(zip(stage.pops, tensors[k:])))
+        if not is_tensors(y) or not all(isinstance(out[key], torch.Tensor) for key in stage.stashes):
+            what = type(y).__name__ if not is_tensors(y) else "a skip that is not a tensor"
+            raise Unreplayable(f"partition {stage.index} returns {what}; only tensors and tuples of tensors replay")
         ys = (y,) if isinstance(y, torch.Tensor) else tuple(y)
         self.returns = None if isinstance(y, torch.Tensor) else len(ys)
         return ys + tuple(out[key] for key in stage.stashes)
@@ -52,10 +60,12 @@ class Program:
         self.out_grads: list[torch.Tensor | None] = []
         self.in_grads: list[torch.Tensor | None] = [None] * len(inputs)
         self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None] | None = None  # (forward, backward)
+        self.touched = [False] * len(params)  # which parameters some backward reached (the others keep .grad)
 
     def _grads(self) -> None:
         """Differentiate outputs by inputs and parameters; add the parameters' part into ``acc``."""
-        wrt_inputs = [k for k, t in enumerate(self.inputs) if t.requires_grad]
+        first = {id(t): k for k, t in reversed(list(enumerate(self.inputs)))}
+        wrt_inputs = [k for k, t in enumerate(self.inputs) if t.requires_grad and first[id(t)] == k]
         outs = [(o, g) for o, g in zip(self.outputs, self.out_grads) if g is not None]
         if not outs or not (wrt_inputs or self.params):
             return
@@ -65,6 +75,8 @@ class Program:
         )
         for k, g in zip(wrt_inputs, grads):
             self.in_grads[k] = g
+        for k, g in enumerate(grads[len(wrt_inputs):]):
+            self.touched[k] = self.touched[k] or g is not None
         used = [(a, g) for a, g in zip(self.acc, grads[len(wrt_inputs):]) if g is not None]
         if used:
             torch._foreach_add_([a for a, _ in used], [g for _, g in used])
@@ -90,13 +102,10 @@ class Program:
             self.graphs[1].replay()
 
 
-def _norm_state(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
-    return [
-        (m, {k: v.clone() for k, v in m._buffers.items() if v is not None})
-        for part in modules
-        for m in part.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-    ]
+def _buffers(modules: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every buffer with a copy: building runs the partitions, which may update running statistics or
+    counters, and must leave them as it found them."""
+    return [(b, b.clone()) for part in modules for b in part.buffers()]
 
 
 def _capture(programs: list[Program], device: torch.device, warmup: int) -> None:
@@ -224,14 +233,20 @@ class Replay:
         on the source's current stream), so neither GPU's compute stream carries it."""
         if not pairs:
             return
+        done: set[int] = set()
         if not self.cuda:
             for dst, src, _ in pairs:
-                dst.copy_(src) if src is not None else dst.zero_()
+                if id(dst) not in done:
+                    done.add(id(dst))
+                    dst.copy_(src) if src is not None else dst.zero_()
             return
         compute = torch.cuda.current_stream(device)
         arrive = self._stream(device)
         remote = False
         for dst, src, (i, j) in pairs:
+            if id(dst) in done:  # one buffer behind two slots
+                continue
+            done.add(id(dst))
             if src is None:
                 with torch.cuda.stream(compute):
                     dst.zero_()
@@ -307,8 +322,9 @@ class Replay:
                     self._pull(pairs, self.devices[j], backward=True)
                 self._run(i, j, backward=True)
             for j, (params, acc) in enumerate(zip(self.params, self.acc)):
+                reached = [any(p.touched[k] for p in self.programs[j]) for k in range(len(params))]
                 with _on(self.devices[j]):
-                    _hand_over(params, acc)
+                    _hand_over([p for p, r in zip(params, reached) if r], [a for a, r in zip(acc, reached) if r])
             return [tuple(g.clone() if g is not None else None for g in p.in_grads) for p in self.programs[0]]
 
 
@@ -328,7 +344,8 @@ class _on:
 
 
 def _hand_over(params: list[nn.Parameter], acc: list[torch.Tensor]) -> None:
-    """What autograd would leave in ``.grad``: a new tensor where there was none, else the sum."""
+    """What autograd would leave in ``.grad``: a new tensor where there was none, else the sum (for the
+    parameters a backward reached; autograd leaves the others alone too)."""
     fresh = [(p, a) for p, a in zip(params, acc) if p.grad is None]
     added = [(p, a) for p, a in zip(params, acc) if p.grad is not None]
     if fresh:
@@ -369,12 +386,30 @@ def run(replay: Replay, batches: list[tuple[torch.Tensor, ...]]) -> Any:
     return outs[0] if replay.returns is None else tuple(outs)
 
 
+def _reach(replay: Replay) -> None:
+    """Run the backward once, last partition first, to learn which outputs a gradient reaches: an output
+    its consumer does not differentiate by gets no gradient buffer, so parameters that only feed it keep
+    ``.grad`` as autograd would (None), not zeros."""
+    programs = replay.programs
+    for j in reversed(range(len(programs))):
+        for i, p in enumerate(programs[j]):
+            for o, consumers in enumerate(replay.consumers[j]):
+                if consumers and p.out_grads[o] is not None:
+                    (b, s), = consumers
+                    if programs[b][i].in_grads[s] is None:
+                        p.out_grads[o] = None
+            p._grads()
+    for acc in replay.acc:
+        if acc:
+            torch._foreach_zero_(acc)
+
+
 def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
           graphs: bool, warmup: int = 2) -> Replay:
     """Programs for these micro-batches (shapes, dtypes, grad requirements), captured as CUDA graphs
-    when ``graphs``. Building runs each partition on the real inputs, so what flows on is real data;
-    BatchNorm running statistics are restored afterwards, so building leaves no trace."""
-    saved = _norm_state([s.layers for s in stages])
+    when ``graphs``. Building runs the step once eagerly on the real inputs (so what flows on is real
+    data) and restores every buffer afterwards (running statistics, counters): it leaves no trace."""
+    saved = _buffers([s.layers for s in stages])
     try:
         programs: list[list[Program]] = []
         routes: list[list[Route]] = []
@@ -394,12 +429,16 @@ def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carr
             routes.append(slots)
             row: list[Program] = []
             for i, src in enumerate(sources):
+                # One tensor arriving through two slots (carried and popped, say) is one buffer, as it is
+                # one tensor in the source: an in-place change through one name shows through the other.
+                made: dict[int, torch.Tensor] = {}
                 with torch.no_grad():
-                    inputs = tuple(
-                        t.detach().to(device, copy=True).requires_grad_(
-                            t.is_floating_point() and (t.requires_grad if j == 0 else True))
-                        for t in src
-                    )
+                    for t in src:
+                        if id(t) not in made:
+                            # needs a gradient exactly when the value it copies does (as in eager runs: an
+                            # in-place op on a value that needs none saves nothing for backward)
+                            made[id(t)] = t.detach().to(device, copy=True).requires_grad_(t.requires_grad)
+                inputs = tuple(made[id(t)] for t in src)
                 flat = _Flat(stage, returns)
                 row.append(Program(flat, inputs, params, acc))
             for p in row:
@@ -408,17 +447,16 @@ def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carr
             k = 1 if returns is None else returns
             for s, key in enumerate(stage.stashes):
                 stashed[key] = (j, k + s)
-            if graphs:
-                _capture(row, device, warmup)
-                with torch.cuda.device(device):
-                    for p in row:
-                        p.forward()
             programs.append(row)
         if stashed:
             raise BoundaryError(f"skips {sorted(k[1] for k in stashed)} were stashed but no later partition popped them")
-        return Replay(stages, programs, routes, returns)
+        replay = Replay(stages, programs, routes, returns)
+        _reach(replay)
+        if graphs:
+            for stage, row in zip(stages, programs):
+                _capture(row, stage.device, warmup)
+        return replay
     finally:
         with torch.no_grad():
-            for m, buffers in saved:
-                for k, v in buffers.items():
-                    m._buffers[k].copy_(v)
+            for b, copy in saved:
+                b.copy_(copy)

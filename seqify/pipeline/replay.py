@@ -399,6 +399,11 @@ def _reach(replay: Replay) -> None:
                     if programs[b][i].in_grads[s] is None:
                         p.out_grads[o] = None
             p._grads()
+    for row in programs:
+        for p in row:
+            # Let this pass's autograd graph go: its nodes remember the stream they ran on, and a node
+            # kept alive into a capture would make the captured backward wait on that stream.
+            p.outputs = tuple(o.detach() for o in p.outputs)
     for acc in replay.acc:
         if acc:
             torch._foreach_zero_(acc)

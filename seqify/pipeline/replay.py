@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -108,35 +109,31 @@ def _buffers(modules: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Ten
     return [(b, b.clone()) for part in modules for b in part.buffers()]
 
 
-def _capture(programs: list[Program], device: torch.device, warmup: int) -> None:
+def _capture(programs: list[Program], device: torch.device, warmup: int, stream: torch.cuda.Stream) -> None:
     """Turn one partition's programs into CUDA graphs sharing one memory pool, captured in the order
     they run (forwards 0..m-1, then backwards m-1..0) so memory is reused as eager execution would."""
-    stream = torch.cuda.Stream(device)
     pool = torch.cuda.graph_pool_handle()
-    with torch.cuda.device(device):
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for p in programs:  # warm-up: cuDNN/cuBLAS choose kernels and workspaces outside capture
-                for _ in range(warmup):
-                    p._outputs()
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        for p in programs:  # warm-up: cuDNN/cuBLAS choose kernels and workspaces outside capture
+            for _ in range(warmup):
+                p._outputs()
+                p._grads()
+            p.outputs, p.in_grads = (), [None] * len(p.inputs)
+        if programs[0].acc:
+            torch._foreach_zero_(programs[0].acc)
+        forwards = []
+        for p in programs:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                p._outputs()
+            forwards.append(graph)
+        for p, graph in reversed(list(zip(programs, forwards))):
+            backward = None
+            if any(g is not None for g in p.out_grads):
+                backward = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(backward, pool=pool, stream=stream):
                     p._grads()
-                p.outputs, p.in_grads = (), [None] * len(p.inputs)
-            if programs[0].acc:
-                torch._foreach_zero_(programs[0].acc)
-            forwards = []
-            for p in programs:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    p._outputs()
-                forwards.append(graph)
-            for p, graph in reversed(list(zip(programs, forwards))):
-                backward = None
-                if any(g is not None for g in p.out_grads):
-                    backward = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(backward, pool=pool, stream=stream):
-                        p._grads()
-                p.graphs = (graph, backward)
-        torch.cuda.current_stream(device).wait_stream(stream)
+            p.graphs = (graph, backward)
 
 
 # Where a partition's input slot is filled from: (partition, output slot) of the same micro-batch.
@@ -386,35 +383,93 @@ def run(replay: Replay, batches: list[tuple[torch.Tensor, ...]]) -> Any:
     return outs[0] if replay.returns is None else tuple(outs)
 
 
+def _leaves(roots: list[torch.Tensor]) -> set[int]:
+    """The leaf tensors (by id) that a backward from ``roots`` reaches: those autograd would not call unused."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack: list[Any] = []
+    for t in roots:
+        if t.grad_fn is None:
+            if t.requires_grad:
+                found.add(id(t))
+        else:
+            stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.add(id(variable))
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
 def _reach(replay: Replay) -> None:
-    """Run the backward once, last partition first, to learn which outputs a gradient reaches: an output
-    its consumer does not differentiate by gets no gradient buffer, so parameters that only feed it keep
-    ``.grad`` as autograd would (None), not zeros."""
+    """Which outputs a gradient reaches, last partition first, from the autograd graph of the build pass
+    (read, not run): an output its consumer does not differentiate by gets no gradient buffer, so
+    parameters that only feed it keep ``.grad`` as autograd would (None), not zeros. Then the graph is
+    let go: its nodes remember the stream they ran on, which a captured backward must not wait on."""
     programs = replay.programs
+    reaches: dict[tuple[int, int], list[bool]] = {}
     for j in reversed(range(len(programs))):
         for i, p in enumerate(programs[j]):
             for o, consumers in enumerate(replay.consumers[j]):
                 if consumers and p.out_grads[o] is not None:
                     (b, s), = consumers
-                    if programs[b][i].in_grads[s] is None:
+                    if not reaches[(i, b)][s]:
                         p.out_grads[o] = None
-            p._grads()
+            leaves = _leaves([o for o, g in zip(p.outputs, p.out_grads) if g is not None])
+            first = {id(t): k for k, t in reversed(list(enumerate(p.inputs)))}
+            reaches[(i, j)] = [first[id(t)] == k and id(t) in leaves for k, t in enumerate(p.inputs)]
     for row in programs:
         for p in row:
-            # Let this pass's autograd graph go: its nodes remember the stream they ran on, and a node
-            # kept alive into a capture would make the captured backward wait on that stream.
             p.outputs = tuple(o.detach() for o in p.outputs)
-    for acc in replay.acc:
-        if acc:
-            torch._foreach_zero_(acc)
 
 
 def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
           graphs: bool, warmup: int = 2) -> Replay:
     """Programs for these micro-batches (shapes, dtypes, grad requirements), captured as CUDA graphs
     when ``graphs``. Building runs the step once eagerly on the real inputs (so what flows on is real
-    data) and restores every buffer afterwards (running statistics, counters): it leaves no trace."""
+    data) and restores every buffer afterwards (running statistics, counters): it leaves no trace.
+
+    With graphs everything here runs on a side stream per device: autograd remembers the stream each
+    node ran on, and a captured backward must never reach back to a device's default stream."""
+    if not graphs:
+        return _build(stages, batches, carried, None, warmup)
+    streams = {d: torch.cuda.Stream(d) for d in dict.fromkeys(s.device for s in stages)}
+    with ExitStack() as scope:
+        for d, stream in streams.items():
+            stream.wait_stream(torch.cuda.current_stream(d))
+            scope.enter_context(torch.cuda.stream(stream))
+        replay = _build(stages, batches, carried, streams, warmup)
+    for d, stream in streams.items():
+        torch.cuda.current_stream(d).wait_stream(stream)
+    return replay
+
+
+def _check_shared(seen: dict[int, tuple[int, int]], values: Sequence[torch.Tensor], partition: int) -> None:
+    """Refuse a micro-batch in which two different tensors sharing memory, or one tensor going to two
+    partitions, cross into partitions (``seen``: storage -> (tensor id, partition))."""
+    for t in values:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen[key] = (id(t), partition)
+        elif seen[key] != (id(t), partition):
+            raise Unreplayable(
+                f"partition {partition} receives a tensor that shares memory with another value crossing "
+                "partitions, and some partition changes its inputs in place"
+            )
+
+
+def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
+           streams: dict[torch.device, torch.cuda.Stream] | None, warmup: int) -> Replay:
     saved = _buffers([s.layers for s in stages])
+    # Where some partition changes what it receives in place, a value must reach it as the one tensor
+    # (or view of one tensor) it is in the source; fixed buffers are copies, so such steps run eagerly.
+    mutating = any(st.mutates_input or st.mutated_skips for st in stages[1:])
+    crossing: list[dict[int, tuple[int, int]]] = [{} for _ in batches]
     try:
         programs: list[list[Program]] = []
         routes: list[list[Route]] = []
@@ -431,6 +486,9 @@ def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carr
                 k = 1 if returns is None else returns
                 slots = [(j - 1, o) for o in range(k)] + [stashed.pop(key) for key in stage.pops]
                 sources = [tuple(programs[a][i].outputs[o] for a, o in slots) for i in range(len(batches))]
+                if mutating:
+                    for i, src in enumerate(sources):
+                        _check_shared(crossing[i], src, j)
             routes.append(slots)
             row: list[Program] = []
             for i, src in enumerate(sources):
@@ -457,9 +515,9 @@ def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carr
             raise BoundaryError(f"skips {sorted(k[1] for k in stashed)} were stashed but no later partition popped them")
         replay = Replay(stages, programs, routes, returns)
         _reach(replay)
-        if graphs:
+        if streams is not None:
             for stage, row in zip(stages, programs):
-                _capture(row, stage.device, warmup)
+                _capture(row, stage.device, warmup, streams[stage.device])
         return replay
     finally:
         with torch.no_grad():

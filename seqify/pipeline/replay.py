@@ -383,49 +383,30 @@ def run(replay: Replay, batches: list[tuple[torch.Tensor, ...]]) -> Any:
     return outs[0] if replay.returns is None else tuple(outs)
 
 
-def _leaves(roots: list[torch.Tensor]) -> set[int]:
-    """The leaf tensors (by id) that a backward from ``roots`` reaches: those autograd would not call unused."""
-    found: set[int] = set()
-    seen: set[int] = set()
-    stack: list[Any] = []
-    for t in roots:
-        if t.grad_fn is None:
-            if t.requires_grad:
-                found.add(id(t))
-        else:
-            stack.append(t.grad_fn)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            found.add(id(variable))
-        stack.extend(n for n, _ in node.next_functions)
-    return found
-
-
-def _reach(replay: Replay) -> None:
-    """Which outputs a gradient reaches, last partition first, from the autograd graph of the build pass
-    (read, not run): an output its consumer does not differentiate by gets no gradient buffer, so
-    parameters that only feed it keep ``.grad`` as autograd would (None), not zeros. Then the graph is
-    let go: its nodes remember the stream they ran on, which a captured backward must not wait on."""
+def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None, warmup: int) -> None:
+    """Run each partition's backward once, last partition first (captured, with ``streams``), and learn
+    which outputs a gradient reaches: an output whose consumer gets no gradient for it (autograd's
+    unused input) gets no gradient buffer, so parameters that only feed it keep ``.grad`` as autograd
+    would (None), not zeros."""
     programs = replay.programs
-    reaches: dict[tuple[int, int], list[bool]] = {}
     for j in reversed(range(len(programs))):
-        for i, p in enumerate(programs[j]):
+        row = programs[j]
+        for i, p in enumerate(row):
             for o, consumers in enumerate(replay.consumers[j]):
                 if consumers and p.out_grads[o] is not None:
                     (b, s), = consumers
-                    if not reaches[(i, b)][s]:
+                    if programs[b][i].in_grads[s] is None:
                         p.out_grads[o] = None
-            leaves = _leaves([o for o, g in zip(p.outputs, p.out_grads) if g is not None])
-            first = {id(t): k for k, t in reversed(list(enumerate(p.inputs)))}
-            reaches[(i, j)] = [first[id(t)] == k and id(t) in leaves for k, t in enumerate(p.inputs)]
-    for row in programs:
-        for p in row:
-            p.outputs = tuple(o.detach() for o in p.outputs)
+        if streams is None:
+            for p in row:
+                p._grads()
+                p.outputs = tuple(o.detach() for o in p.outputs)  # the build pass's graph is done with
+        else:
+            device = replay.devices[j]
+            _capture(row, device, warmup, streams[device])
+    for acc in replay.acc:
+        if acc:
+            torch._foreach_zero_(acc)
 
 
 def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
@@ -514,10 +495,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
         if stashed:
             raise BoundaryError(f"skips {sorted(k[1] for k in stashed)} were stashed but no later partition popped them")
         replay = Replay(stages, programs, routes, returns)
-        _reach(replay)
-        if streams is not None:
-            for stage, row in zip(stages, programs):
-                _capture(row, stage.device, warmup, streams[stage.device])
+        _reach(replay, streams, warmup)
         return replay
     finally:
         with torch.no_grad():

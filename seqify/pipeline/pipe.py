@@ -406,31 +406,34 @@ class Pipeline(nn.Module):
             flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
             try:
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
-                    replay = build(self.stages, flat, carried, graphs=self.graphs)
+                    replay = build(self.stages, flat, carried, self.graphs, self._transfer)
             except SeqifyError:
                 raise
             except Exception as e:
-                if not self.graphs:
-                    if isinstance(e, Unreplayable):  # tests' eager programs: run as the plain pipeline
-                        self._replay_eager = False
-                        self.graph_error = str(e)
-                        return None
+                if not (self.graphs or isinstance(e, Unreplayable)):
                     raise
-                # Some layers cannot be captured (host syncs, CPU tensors, data-dependent shapes): say so
-                # once and run eagerly from now on.
-                self.graphs = False
-                self.graph_error = traceback.format_exc()
-                warnings.warn(
-                    f"seqify.pipeline(graphs=True): capturing CUDA graphs failed ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}); running eagerly instead (pipe.graph_error has the trace)",
-                    GraphWarning,
-                    stacklevel=3,
-                )
-                for d in self.devices:
-                    torch.cuda.synchronize(d)
+                self._fall_back(e)
                 return None
             self._graphed = (key, replay)
         return self._graphed[1]
+
+    def _fall_back(self, error: Exception) -> None:
+        """Run eagerly from now on: some layers cannot be captured (host syncs, CPU tensors,
+        data-dependent shapes) or the step cannot be fixed programs (non-tensor outputs, aliasing
+        values changed in place). With graphs=True say so, once."""
+        self.graph_error = traceback.format_exc()
+        if self.graphs:
+            self.graphs = False
+            warnings.warn(
+                f"seqify.pipeline(graphs=True): capturing CUDA graphs failed ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); running eagerly instead (pipe.graph_error has "
+                "the trace)",
+                GraphWarning,
+                stacklevel=4,
+            )
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+        self._replay_eager = False
 
     def _run(self, values: list[Any]) -> list[Any]:
         m, n = len(values), len(self.stages)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
 from .microbatch import is_tensors
 from .stage import Stage
+from .transfer import Transfer
 
 __all__ = ["Program", "Replay", "Unreplayable", "build", "order", "run"]
 
@@ -177,7 +178,7 @@ class Replay:
     the backward order, and hands parameter gradients over as ``.grad`` once the backward is done."""
 
     def __init__(self, stages: Sequence[Stage], programs: list[list[Program]], routes: list[list[Route]],
-                 returns: int | None) -> None:
+                 returns: int | None, transfer: Transfer) -> None:
         self.stages = stages
         self.programs = programs  # [partition][micro-batch]
         self.routes = routes  # [partition][input slot] -> (partition, output slot)
@@ -195,22 +196,18 @@ class Replay:
         self.forward_order = order(self.devices, m, lambda i, j: [(i, a) for a in sources[j]], backward=False)
         self.backward_order = order(self.devices, m, lambda i, j: [(i, b) for b in users[j]], backward=True)
         self.cuda = all(d.type == "cuda" for d in self.devices)
-        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.transfer = transfer  # its copy streams, one per device
         self._events: dict[tuple[int, int, bool], torch.cuda.Event] = {}
         self.step = 0
-        self.params: list[list[nn.Parameter]] = [programs[j][0].params for j in range(len(stages))]
         self.acc: list[list[torch.Tensor]] = [programs[j][0].acc for j in range(len(stages))]
+        # Per partition, the parameters some backward reaches and their sums (set once the first
+        # backward has run: the others keep .grad as autograd would leave it).
+        self.handoff: list[tuple[list[nn.Parameter], list[torch.Tensor]]] = []
         # The step's node in the caller's autograd graph needs an input that requires grad, even when
         # the pipeline's inputs do not (the parameters reach .grad without autograd seeing them).
         self.anchor = torch.empty(0, device=self.devices[-1], requires_grad=True)
 
     # -- plumbing ---------------------------------------------------------------------------------
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        s = self._copy_streams.get(device)
-        if s is None:
-            s = self._copy_streams[device] = torch.cuda.Stream(device)
-        return s
-
     def _event(self, i: int, j: int, backward: bool) -> torch.cuda.Event:
         e = self._events.get((i, j, backward))
         if e is None:
@@ -221,43 +218,31 @@ class Replay:
         """Copies into fixed buffers must not overtake what still reads them from the last step."""
         if self.cuda:
             for d in set(self.devices):
-                self._stream(d).wait_stream(torch.cuda.current_stream(d))
+                self.transfer.stream(d).wait_stream(torch.cuda.current_stream(d))
 
     def _pull(self, pairs: list[tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]], device: torch.device,
               backward: bool) -> None:
         """Copy each source, made by program (i, j), into its buffer on ``device``. Between GPUs the copy
         runs on the source GPU's copy stream once the program's event has passed (torch runs a peer copy
         on the source's current stream), so neither GPU's compute stream carries it."""
-        if not pairs:
-            return
         done: set[int] = set()
-        if not self.cuda:
-            for dst, src, _ in pairs:
-                if id(dst) not in done:
-                    done.add(id(dst))
-                    dst.copy_(src) if src is not None else dst.zero_()
-            return
-        compute = torch.cuda.current_stream(device)
-        arrive = self._stream(device)
         remote = False
         for dst, src, (i, j) in pairs:
             if id(dst) in done:  # one buffer behind two slots
                 continue
             done.add(id(dst))
             if src is None:
-                with torch.cuda.stream(compute):
-                    dst.zero_()
-            elif self.devices[j] == device:
-                with torch.cuda.stream(compute):
-                    dst.copy_(src)
+                dst.zero_()
+            elif self.devices[j] == device:  # the compute stream, after the program that made it
+                dst.copy_(src)
             else:
-                leave = self._stream(self.devices[j])
+                leave = self.transfer.stream(self.devices[j])
                 leave.wait_event(self._event(i, j, backward))
-                with torch.cuda.stream(leave), torch.cuda.stream(arrive):
+                with torch.cuda.stream(leave), torch.cuda.stream(self.transfer.stream(device)):
                     dst.copy_(src, non_blocking=True)
                 remote = True
         if remote:
-            compute.wait_stream(arrive)
+            torch.cuda.current_stream(device).wait_stream(self.transfer.stream(device))
 
     def _run(self, i: int, j: int, backward: bool) -> None:
         program = self.programs[j][i]
@@ -318,26 +303,15 @@ class Replay:
                         pairs.append((buf, self.programs[b][i].in_grads[s], (i, b)))
                     self._pull(pairs, self.devices[j], backward=True)
                 self._run(i, j, backward=True)
-            for j, (params, acc) in enumerate(zip(self.params, self.acc)):
-                reached = [any(p.touched[k] for p in self.programs[j]) for k in range(len(params))]
+            for j, (params, acc) in enumerate(self.handoff):
                 with _on(self.devices[j]):
-                    _hand_over([p for p, r in zip(params, reached) if r], [a for a, r in zip(acc, reached) if r])
+                    _hand_over(params, acc)
             return [tuple(g.clone() if g is not None else None for g in p.in_grads) for p in self.programs[0]]
 
 
-class _on:
-    """``torch.cuda.device(d)`` for a CUDA device, nothing for the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.inner = torch.cuda.device(device) if device.type == "cuda" else None
-
-    def __enter__(self) -> None:
-        if self.inner is not None:
-            self.inner.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.inner is not None:
-            self.inner.__exit__(*exc)
+def _on(device: torch.device) -> Any:
+    """``torch.cuda.device(device)`` for a CUDA device, nothing for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _hand_over(params: list[nn.Parameter], acc: list[torch.Tensor]) -> None:
@@ -407,10 +381,14 @@ def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None
     for acc in replay.acc:
         if acc:
             torch._foreach_zero_(acc)
+    for row in programs:
+        reached = [any(p.touched[k] for p in row) for k in range(len(row[0].params))]
+        replay.handoff.append(([w for w, r in zip(row[0].params, reached) if r],
+                               [a for a, r in zip(row[0].acc, reached) if r]))
 
 
 def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
-          graphs: bool, warmup: int = 2) -> Replay:
+          graphs: bool, transfer: Transfer, warmup: int = 2) -> Replay:
     """Programs for these micro-batches (shapes, dtypes, grad requirements), captured as CUDA graphs
     when ``graphs``. Building runs the step once eagerly on the real inputs (so what flows on is real
     data) and restores every buffer afterwards (running statistics, counters): it leaves no trace.
@@ -418,19 +396,19 @@ def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carr
     With graphs everything here runs on a side stream per device: autograd remembers the stream each
     node ran on, and a captured backward must never reach back to a device's default stream."""
     if not graphs:
-        return _build(stages, batches, carried, None, warmup)
+        return _build(stages, batches, carried, None, transfer, warmup)
     streams = {d: torch.cuda.Stream(d) for d in dict.fromkeys(s.device for s in stages)}
     with ExitStack() as scope:
         for d, stream in streams.items():
             stream.wait_stream(torch.cuda.current_stream(d))
             scope.enter_context(torch.cuda.stream(stream))
-        replay = _build(stages, batches, carried, streams, warmup)
+        replay = _build(stages, batches, carried, streams, transfer, warmup)
     for d, stream in streams.items():
         torch.cuda.current_stream(d).wait_stream(stream)
     return replay
 
 
-def _check_shared(seen: dict[int, tuple[int, int]], values: Sequence[torch.Tensor], partition: int) -> None:
+def _check_aliasing(seen: dict[int, tuple[int, int]], values: Sequence[torch.Tensor], partition: int) -> None:
     """Refuse a micro-batch in which two different tensors sharing memory, or one tensor going to two
     partitions, cross into partitions (``seen``: storage -> (tensor id, partition))."""
     for t in values:
@@ -445,7 +423,7 @@ def _check_shared(seen: dict[int, tuple[int, int]], values: Sequence[torch.Tenso
 
 
 def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
-           streams: dict[torch.device, torch.cuda.Stream] | None, warmup: int) -> Replay:
+           streams: dict[torch.device, torch.cuda.Stream] | None, transfer: Transfer, warmup: int) -> Replay:
     saved = _buffers([s.layers for s in stages])
     # Where some partition changes what it receives in place, a value must reach it as the one tensor
     # (or view of one tensor) it is in the source; fixed buffers are copies, so such steps run eagerly.
@@ -469,7 +447,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                 sources = [tuple(programs[a][i].outputs[o] for a, o in slots) for i in range(len(batches))]
                 if mutating:
                     for i, src in enumerate(sources):
-                        _check_shared(crossing[i], src, j)
+                        _check_aliasing(crossing[i], src, j)
             routes.append(slots)
             row: list[Program] = []
             for i, src in enumerate(sources):
@@ -494,7 +472,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
             programs.append(row)
         if stashed:
             raise BoundaryError(f"skips {sorted(k[1] for k in stashed)} were stashed but no later partition popped them")
-        replay = Replay(stages, programs, routes, returns)
+        replay = Replay(stages, programs, routes, returns, transfer)
         _reach(replay, streams, warmup)
         return replay
     finally:

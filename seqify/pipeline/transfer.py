@@ -22,7 +22,8 @@ class Transfer:
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The copy stream of ``device`` (made on first use)."""
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
@@ -36,7 +37,7 @@ class Transfer:
         if device.type != "cuda" and t.device.type != "cuda":
             return t.to(device)
         copy_device = device if device.type == "cuda" else t.device
-        stream = self._stream(copy_device)
+        stream = self.stream(copy_device)
         if t.device.type == "cuda":
             if ready is not None:
                 stream.wait_event(ready)

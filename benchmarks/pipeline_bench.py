@@ -9,7 +9,8 @@ with CUDA graphs) for each chunk count, looped placements (``--loops 2``: four p
 cuda:0, cuda:1, cuda:0, cuda:1, CUDA-graphed, run breadth-first), torchgpipe 0.0.7 over a hand-flattened Sequential when it is
 installed, and torch.distributed.pipelining with hand-cut stages (through torchrun, --anchors).
 Prints a table of samples/s, the ratio to the one-GPU baseline of the same precision, and the peak
-memory per GPU; writes the rows as JSON to DIR/pipeline_bench.json.
+memory per GPU; writes the rows as JSON to DIR/pipeline_bench_PRECISION.json. seqify.distributed
+(distributed_bench.py) runs with --anchors in fp32 only.
 """
 
 from __future__ import annotations
@@ -86,6 +87,19 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
         opt.step()
 
     return step
+
+
+def torchrun(script: str, args: list[str], label: str) -> None:
+    """Run a benchmarks/ script on 2 processes under torchrun; keep the JSON rows it prints."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            ROWS.append(json.loads(line))
+            print(line, flush=True)
+    if done.returncode:
+        failed(label, RuntimeError(done.stderr[-300:]))
 
 
 def fresh() -> nn.Module:
@@ -172,18 +186,11 @@ def main() -> None:
                         pipe = seqify.pipeline(seq, gpus=2, loops=loops, balance=plan_balance, chunks=chunks,
                                                checkpoint="never", graphs=graphs)
                         opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
-
-                        def step(pipe: seqify.Pipeline = pipe, opt: torch.optim.Optimizer = opt, bf16: bool = bf16) -> None:
-                            opt.zero_grad(set_to_none=True)
-                            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-                                out = pipe(x)
-                            nn.functional.cross_entropy(out.float(), y1).backward()
-                            opt.step()
-
-                        record(name, timed(step, args.warm, args.steps), B, balance=plan_balance)
+                        record(name, timed(train_step(pipe, opt, x, y1, bf16), args.warm, args.steps), B,
+                               balance=plan_balance)
                         if graphs and pipe.graph_error:
                             failed(name + " (graphs fell back to eager)", RuntimeError(pipe.graph_error[-300:]))
-                        del seq, pipe, opt, step
+                        del seq, pipe, opt
                     except Exception as e:
                         failed(name, e)
                     cleanup()
@@ -212,31 +219,12 @@ def main() -> None:
                         failed(name, e)
                     cleanup()
     if args.anchors:
-        here = os.path.dirname(os.path.abspath(__file__))
+        common = ["--batch", str(B), "--res", str(args.res), "--steps", str(args.steps), "--warm", str(args.warm),
+                  "--out", args.out, "--chunks", *[str(c) for c in args.chunks if c <= 16]]
         for bf16 in precisions:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   os.path.join(here, "torchpp_anchor.py"), "--batch", str(B), "--res", str(args.res),
-                   "--steps", str(args.steps), "--warm", str(args.warm), "--out", args.out,
-                   "--chunks", *[str(c) for c in args.chunks if c <= 16]] + (["--bf16"] if bf16 else [])
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            for line in done.stdout.splitlines():
-                if line.startswith("{"):
-                    ROWS.append(json.loads(line))
-                    print(line, flush=True)
-            if done.returncode:
-                failed("torchpp" + ("-bf16" if bf16 else ""), RuntimeError(done.stderr[-300:]))
+            torchrun("torchpp_anchor.py", common + (["--bf16"] if bf16 else []), "torchpp" + ("-bf16" if bf16 else ""))
         if False in precisions:  # seqify.distributed, fp32
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   os.path.join(here, "distributed_bench.py"), "--batch", str(B), "--res", str(args.res),
-                   "--steps", str(args.steps), "--warm", str(args.warm), "--out", args.out,
-                   "--chunks", *[str(c) for c in args.chunks if c <= 16]]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            for line in done.stdout.splitlines():
-                if line.startswith("{"):
-                    ROWS.append(json.loads(line))
-                    print(line, flush=True)
-            if done.returncode:
-                failed("seqify-distributed", RuntimeError(done.stderr[-300:]))
+            torchrun("distributed_bench.py", common, "seqify-distributed")
 
     with open(os.path.join(args.out, f"pipeline_bench_{args.precision}.json"), "w") as f:
         json.dump(ROWS, f, indent=1)

@@ -10,14 +10,14 @@ DIR/torchpp.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
 import torchvision
 from torch import nn
+
+import ranks
 
 
 def halves(r: torchvision.models.ResNet) -> tuple[nn.Module, nn.Module]:
@@ -68,32 +68,12 @@ def main() -> None:
                             sched.step(target=y, losses=[])
                     opt.step()
 
-                for _ in range(args.warm):
-                    step()
-                torch.cuda.synchronize()
-                dist.barrier()
-                torch.cuda.reset_peak_memory_stats(device)
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    step()
-                torch.cuda.synchronize()
-                dist.barrier()
-                sec = (time.perf_counter() - start) / args.steps
-                peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
-                peaks = [torch.zeros_like(peak) for _ in range(world)]
-                dist.all_gather(peaks, peak)
-                row = dict(name=name, batch=args.batch, sec_per_step=round(sec, 4),
-                           samples_per_s=round(args.batch / sec, 1), peak_gib=[round(float(v), 2) for v in peaks])
+                sec, peaks = ranks.measure(step, args.warm, args.steps, device)
+                r = ranks.row(name, args.batch, sec, peaks)
             except Exception as e:  # one broken configuration must not hide the rest
-                row = dict(name=name, error=f"{type(e).__name__}: {str(e)[:300]}")
-            rows.append(row)
-            if rank == 0:
-                print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache()
-    if rank == 0:
-        with open(os.path.join(args.out, "torchpp.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-    dist.destroy_process_group()
+                r = ranks.error_row(name, e)
+            ranks.report(rows, r)
+    ranks.finish(rows, os.path.join(args.out, "torchpp.json"))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -15,6 +16,7 @@ import torch
 from .convert import convert
 from .demo import NOT_EXACT, OK, _bit_equal, _gpus, _section, demo
 from .errors import SeqifyError
+from .partition.cost import BY
 
 __all__ = ["main"]
 
@@ -111,14 +113,15 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     if args.stages:
         device = args.device if args.by in ("time", "memory") else None
         plan = balance(seq, args.stages, x, by=args.by, device=device)
-    part_of = [j for j, n in enumerate(plan.balance) for _ in range(n)] if plan else [0] * len(seq)
     if not args.no_layers:
         _section(f"layers ({len(seq)})")
-        rows = [("#", "stage", "name", "type", "params", "what")] if plan else [("#", "name", "type", "params", "what")]
+        part_of = [str(j) for j, n in enumerate(plan.balance) for _ in range(n)] if plan else []
+        rows = [("#", "stage", "name", "type", "params", "what")]
         for i, (name, layer) in enumerate(seq.named_children()):
             params = sum(p.numel() for p in layer.parameters())
-            row = (str(i), name, type(layer).__name__, f"{params:,}", _describe(layer))
-            rows.append((row[0], str(part_of[i]), *row[1:]) if plan else row)
+            rows.append((str(i), part_of[i] if plan else "", name, type(layer).__name__, f"{params:,}", _describe(layer)))
+        if plan is None:  # no stage column
+            rows = [(r[0], *r[2:]) for r in rows]
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
@@ -157,18 +160,15 @@ def inspect_cmd(args: argparse.Namespace) -> int:
 
 
 def _timed_steps(model: torch.nn.Module, x: torch.Tensor, steps: int, devices: Sequence[torch.device], desc: str) -> float:
+    from .measure import _sync
     from .progress import progress
 
     times = []
     for _ in progress(range(steps), steps, desc=desc):
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
+        _sync(devices)
         start = time.perf_counter()
         model(x).float().square().mean().backward()
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
+        _sync(devices)
         times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     return statistics.median(times)
@@ -319,11 +319,11 @@ def _parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"seqify {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add = functools.partial(sub.add_parser, formatter_class=_Formatter)  # every subcommand: defaults shown
 
-    p = sub.add_parser(
+    p = add(
         "demo",
         help="convert ResNet-101, prove it exact, balance it, train it pipelined, plot it",
-        formatter_class=_Formatter,
         description="The whole tour on this machine: convert a torchvision model and check it against the source "
         "(eval and train forward bit-equal, gradients, BatchNorm statistics); balance it over the devices (by "
         "FLOPs on CPU, by measured time on GPUs); train it pipelined for a few steps at several micro-batch "
@@ -335,7 +335,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=224, help="image side of the exactness check")
     p.add_argument("--devices", help="comma-separated partition devices, e.g. cpu,cpu,cpu or cuda:0,cuda:1 "
                    "(default: every GPU, else cpu,cpu)")
-    p.add_argument("--by", choices=["time", "memory", "flops", "params"],
+    p.add_argument("--by", choices=BY,
                    help="balance cost model (default: time on GPUs, flops on CPU)")
     p.add_argument("--train-batch", type=int, help="training batch (default: 64 on GPUs, 8 on CPU)")
     p.add_argument("--train-size", type=int, help="training image side (default: 224 on GPUs, 64 on CPU)")
@@ -349,34 +349,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=5, help="how many skips to list")
     p.set_defaults(run=demo)
 
-    p = sub.add_parser("convert", help="convert the model SPEC names and save it (torch.save)", formatter_class=_Formatter,
-                       description="Build the model, convert it, check the conversion on a random input (eval forward "
-                       "bit-equal; exit code 1 if not) and save the seqify.Sequential with torch.save. Load it with "
-                       "torch.load(path, weights_only=False) where seqify is installed.")
+    p = add("convert", help="convert the model SPEC names and save it (torch.save)",
+            description="Build the model, convert it, check the conversion on a random input (eval forward "
+            "bit-equal; exit code 1 if not) and save the seqify.Sequential with torch.save. Load it with "
+            "torch.load(path, weights_only=False) where seqify is installed.")
     _model_options(p)
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to save, e.g. model.pt")
     p.add_argument("--no-check", action="store_true", help="skip the exactness check")
     p.set_defaults(run=convert_cmd)
 
-    p = sub.add_parser("inspect", help="print a model's layers, skips, opaque parts and a partition plan",
-                       formatter_class=_Formatter,
-                       description="Convert the model SPEC names and print what the conversion made: every layer "
-                       "(with its partition), every skip, the opaque layers and the guards; with --stages, the "
-                       "optimal partition plan for the input.")
+    p = add("inspect", help="print a model's layers, skips, opaque parts and a partition plan",
+            description="Convert the model SPEC names and print what the conversion made: every layer "
+            "(with its partition), every skip, the opaque layers and the guards; with --stages, the "
+            "optimal partition plan for the input.")
     _model_options(p)
     p.add_argument("--stages", type=int, default=0, help="partitions to plan for (0: no plan)")
-    p.add_argument("--by", default="flops", choices=["time", "memory", "flops", "params"], help="balance cost model")
+    p.add_argument("--by", default="flops", choices=BY, help="balance cost model")
     p.add_argument("--device", default=None, help="where --by time/memory measure (default: CPU)")
     p.add_argument("--no-layers", action="store_true", help="leave out the layer table")
     p.add_argument("--plots", metavar="DIR", help="also write skips (and plan) plots into DIR")
     p.set_defaults(run=inspect_cmd)
 
-    p = sub.add_parser("bench", help="pipeline throughput on GPUs; without GPUs, the CPU conversion-speed table",
-                       formatter_class=_Formatter,
-                       description="With 2 or more GPUs: balance a torchvision model by time and measure pipelined "
-                       "training throughput against one GPU for several micro-batch counts, eager and with CUDA "
-                       "graphs (benchmarks/pipeline_bench.py adds torchgpipe and torch pipelining). Otherwise: how long "
-                       "conversion takes and the converted model's speed against its source on the CPU.")
+    p = add("bench", help="pipeline throughput on GPUs; without GPUs, the CPU conversion-speed table",
+            description="With 2 or more GPUs: balance a torchvision model by time and measure pipelined "
+            "training throughput against one GPU for several micro-batch counts, eager and with CUDA "
+            "graphs (benchmarks/pipeline_bench.py adds torchgpipe and torch pipelining). Otherwise: how long "
+            "conversion takes and the converted model's speed against its source on the CPU.")
     p.add_argument("--model", default="resnet101")
     p.add_argument("--batch", type=int, default=128, action=_Given, help="batch (CPU table: 2 unless given)")
     p.add_argument("--size", type=int, default=224, action=_Given, help="image side (CPU table: 128 unless given)")
@@ -387,8 +385,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warm", type=int, default=1, help="untimed warm-up steps per configuration")
     p.set_defaults(run=bench, batch_given=False, size_given=False)
 
-    p = sub.add_parser("zoo", help="list the zoo, or check that every zoo model converts and pipelines exactly",
-                       formatter_class=_Formatter)
+    p = add("zoo", help="list the zoo, or check that every zoo model converts and pipelines exactly")
     p.add_argument("names", nargs="*", help="zoo names (default: all)")
     p.add_argument("--family", help="only this family, e.g. ResNet, ViT")
     p.add_argument("--check", action="store_true", help="convert and pipeline each model in a small configuration")

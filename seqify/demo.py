@@ -6,6 +6,7 @@ import argparse
 import copy
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,20 +17,22 @@ __all__ = ["demo", "OK", "NOT_EXACT"]
 
 OK, NOT_EXACT = 0, 1
 
-def _bit_equal(a: object, b: object) -> bool:
+
+def _leaves_match(a: object, b: object, same: Callable[[torch.Tensor, torch.Tensor], bool]) -> bool:
     la = torch.utils._pytree.tree_leaves(a)
     lb = torch.utils._pytree.tree_leaves(b)
     return len(la) == len(lb) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
+        same(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
     )
 
 
+def _bit_equal(a: object, b: object) -> bool:
+    return _leaves_match(a, b, torch.equal)
+
+
 def _close(a: object, b: object) -> bool:
-    la = torch.utils._pytree.tree_leaves(a)
-    lb = torch.utils._pytree.tree_leaves(b)
-    return len(la) == len(lb) and all(
-        torch.allclose(x.float().cpu(), y.float().cpu(), rtol=1e-3, atol=1e-4) if isinstance(x, torch.Tensor) else x == y
-        for x, y in zip(la, lb)
+    return _leaves_match(
+        a, b, lambda x, y: torch.allclose(x.float().cpu(), y.float().cpu(), rtol=1e-3, atol=1e-4)
     )
 
 
@@ -134,11 +137,13 @@ def demo(args: argparse.Namespace) -> int:
     print("exact: yes" if exact else "exact: NO")
 
     _section(f"3. balance: {len(devices)} partitions by {by}", clock=True)
-    micro = max(1, train_batch // chunks)
-    probe = torch.randn(micro if by == "time" else 1, 3, train_size if by == "time" else 224,
-                        train_size if by == "time" else 224)
-    plan = balance(seq, len(devices), probe, by=by, device=devices[0] if by in ("time", "memory") else None)
-    print(f"sample {'x'.join(map(str, probe.shape))}{' on ' + str(devices[0]) if by in ('time', 'memory') else ''}")
+    if by == "time":
+        probe = torch.randn(max(1, train_batch // chunks), 3, train_size, train_size)
+    else:
+        probe = torch.randn(1, 3, 224, 224)
+    measured = by in ("time", "memory")
+    plan = balance(seq, len(devices), probe, by=by, device=devices[0] if measured else None)
+    print(f"sample {'x'.join(map(str, probe.shape))}{' on ' + str(devices[0]) if measured else ''}")
     print(plan)
 
     _section(f"4. pipelined training: batch {train_batch}x3x{train_size}x{train_size}, SGD, "
@@ -219,6 +224,3 @@ def _demo_plots(folder: str, seq: Any, plan: Any, timeline: Any, sweep: Any, nam
 
     plt.close("all")
     print(f"plots written to {folder}/: " + ", ".join(sorted({p.name for p in made})))
-
-
-# -- convert / inspect ------------------------------------------------------------------------------------

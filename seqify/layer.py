@@ -84,16 +84,6 @@ class Layer(Skippable):
     def forward(self, input: Any) -> Any:
         return self._fn(self, input)
 
-    def mutated_inputs(self) -> set[str]:
-        """Names of received values (carried in or popped) that an op modifies in place."""
-        received = set(self.inputs) | {name for _, name in self.pops}
-        found: set[str] = set()
-        for op in self.ops:
-            for target in _mutated(self, op):
-                if target in received:
-                    found.add(target)
-        return found
-
     @property
     def code(self) -> str:
         """The generated source of this layer's forward."""
@@ -116,33 +106,6 @@ class Layer(Skippable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fn = _compile(self)
-
-
-_INPLACE_OPERATORS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.setitem,
-}
-
-
-def _mutated(layer: nn.Module, op: Op) -> list[str]:
-    """Local names ``op`` may modify in place."""
-    first = op.args[0] if op.args else None
-    names = [a.name for a in op.kwargs.values() if isinstance(a, Ref)] if "out" in op.kwargs else []
-    if not isinstance(first, Ref):
-        return names
-    if op.kind == "call_method":
-        inplace = op.target.endswith("_") and not op.target.startswith("_")
-    elif op.kind == "call_module":
-        inplace = bool(getattr(getattr(layer, op.target), "inplace", False))
-    else:
-        name = getattr(op.target, "__name__", "")
-        inplace = (
-            op.target in _INPLACE_OPERATORS
-            or bool(op.kwargs.get("inplace", False))
-            or (name.endswith("_") and not name.startswith("_"))
-        )
-    return names + [first.name] if inplace else names
 
 
 def _describe(op: Op) -> str:

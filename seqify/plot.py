@@ -21,9 +21,10 @@ _MB = float(1 << 20)
 def available() -> bool:
     """Whether matplotlib can be imported."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
     except ImportError:
         return False
+    del matplotlib  # imported only to see that it can be
     return True
 
 
@@ -222,16 +223,14 @@ def plot_timeline(timeline: Any, path: str | os.PathLike[str] | None = None, *, 
     end = max(b.end for b in timeline.boxes) * ms
     for b in timeline.boxes:
         color = colors[b.micro_batch % len(colors)] if b.micro_batch >= 0 else "grey"
-        y0, h = (0.15, 0.7) if b.kind != "recompute" else (0.15, 0.35)
-        y = rows - 1 - b.partition + y0
-        if b.kind == "forward":
-            ax.broken_barh([(b.start * ms, b.seconds * ms)], (y, h), facecolors=color, edgecolors="black", linewidth=0.5)
-        elif b.kind == "backward":
-            ax.broken_barh([(b.start * ms, b.seconds * ms)], (y, h), facecolors=color, edgecolors="black",
-                           linewidth=0.5, alpha=0.55)
-        else:
-            ax.broken_barh([(b.start * ms, b.seconds * ms)], (y, h), facecolors="none", edgecolors="black",
-                           hatch="///", linewidth=0.4)
+        h = 0.35 if b.kind == "recompute" else 0.7
+        y = rows - 1 - b.partition + 0.15
+        style = {
+            "forward": {"facecolors": color, "linewidth": 0.5},
+            "backward": {"facecolors": color, "linewidth": 0.5, "alpha": 0.55},
+            "recompute": {"facecolors": "none", "hatch": "///", "linewidth": 0.4},
+        }[b.kind]
+        ax.broken_barh([(b.start * ms, b.seconds * ms)], (y, h), edgecolors="black", **style)
         if b.kind != "recompute" and b.seconds * ms > end / 60:
             ax.text((b.start + b.seconds / 2) * ms, y + h / 2, f"{'F' if b.kind == 'forward' else 'B'}{b.micro_batch}",
                     ha="center", va="center", fontsize=7)

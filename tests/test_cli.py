@@ -208,7 +208,7 @@ def test_demo_small(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypa
     assert not (tmp_path / "none").exists()
 
 
-def test_process_exit_codes(tmp_path: Path) -> None:
+def test_process_exit_codes() -> None:
     """Through a real process, as scripts see it."""
     done = subprocess.run([sys.executable, "-m", "seqify", "inspect", "nothing:here"], capture_output=True, text=True,
                           timeout=120)

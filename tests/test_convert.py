@@ -340,13 +340,8 @@ def test_in_place_ops_on_values_read_again_later() -> None:
     assert_exact(InPlace(), (torch.randn(3, 4),), train=True)
 
 
-class Aliased(nn.Module):
+class Aliased(InPlace):
     """``+=`` modifies the tensor an alias also names: the alias must see the change."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
+from seqify.demo import _bit_equal
 from seqify.progress import progress
 
 from .catalog import ENTRIES, entry, get
@@ -33,29 +34,25 @@ class Check:
         return self.exact and self.pipelined
 
 
-def _equal(a: object, b: object) -> bool:
-    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
-    return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb))
-
-
 def check(name: str) -> Check:
     """Build ``name`` in its small configuration, convert it and check it (eval mode, no gradients)."""
     import seqify
 
     start = time.perf_counter()
-    kwargs, side = entry(name).small
+    e = entry(name)
+    kwargs, side = e.small
     torch.manual_seed(0)
     seq, source = get(name, return_source=True, **kwargs)
     source.eval()
     seq.eval()
-    x = torch.randn(2, ENTRIES[name].in_channels, side, side)
+    x = torch.randn(2, e.in_channels, side, side)
     with torch.no_grad():
         expected = source(x)
-        exact = _equal(seq(x), expected)
+        exact = _bit_equal(seq(x), expected)
         pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance="params", chunks=2)
         per_batch = [source(x[:1]), source(x[1:])]
         joined = pytree.tree_map(lambda a, b: torch.cat([a, b]), per_batch[0], per_batch[1])
-        pipelined = _equal(pipe(x), joined)
+        pipelined = _bit_equal(pipe(x), joined)
     return Check(name, len(seq), len(seq.skips), exact, pipelined, time.perf_counter() - start)
 
 

@@ -1,7 +1,7 @@
 """How training throughput depends on the number of micro-batches (chunks), with a plot.
 
     python examples/chunks_sweep.py                                    # every GPU (or cpu,cpu), ResNet-101
-    python examples/chunks_sweep.py --model resnet18 --batch 8 --size 32 --chunks 1 2 4 --steps 1
+    python examples/chunks_sweep.py --model resnet18 --batch 8 --size 32 --chunks 1 2 4 --steps 1   # a quick run on a CPU
 
 More micro-batches shrink the pipeline's fill and drain bubble ((stages - 1) / (chunks + stages - 1) of
 the time is idle) but make each kernel smaller; the sweep finds the best trade on your hardware. On a

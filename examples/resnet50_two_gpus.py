@@ -11,7 +11,11 @@ where chunks=6 is the tutorial's batch 120 / split_size 20, and the rest of the 
 is unchanged. Without two GPUs it runs on two CPU devices.
 
     python examples/resnet50_two_gpus.py                          # the tutorial's sizes
-    python examples/resnet50_two_gpus.py --batch 8 --size 32 --batches 1 --repeats 1
+    python examples/resnet50_two_gpus.py --batch 8 --size 32 --batches 1 --repeats 1   # a quick run on a CPU
+
+The tutorial's sizes take about a second a run on two GPUs but many minutes on a CPU (the example warns).
+BatchNorm in training mode needs more than one sample per micro-batch, so --chunks is lowered to at most
+--batch // 2 (the example prints when it does).
 """
 
 from __future__ import annotations
@@ -59,9 +63,18 @@ def main() -> None:
     devices = [torch.device("cuda:0"), torch.device("cuda:1")] if two else [torch.device("cpu")] * 2
     print(f"devices: {[str(d) for d in devices]}{'' if two else ' (no 2 GPUs here: two CPU partitions)'}")
 
+    chunks = max(1, min(args.chunks, args.batch // 2))  # BatchNorm (train) needs >= 2 samples per micro-batch
+    if chunks != args.chunks:
+        print(f"chunks: {chunks} instead of {args.chunks}: {args.batch} samples in {args.chunks} micro-batches "
+              "would leave some with 1 sample, which BatchNorm cannot normalise in training mode", flush=True)
+    if not two and args.batch * args.size**2 * args.batches * args.repeats > 8 * 32**2 * 4:
+        print(f"note: {2 * args.repeats} training runs of {args.batches} batches of {args.batch}x3x{args.size}x"
+              f"{args.size} on a CPU take many minutes; for a quick run: --batch 8 --size 32 --batches 1 "
+              "--repeats 1", flush=True)
+
     # The whole port: seqify converts torchvision's ResNet-50 and splits it over the two devices.
     pipe = seqify.pipeline(torchvision.models.resnet50(num_classes=NUM_CLASSES), devices=devices, balance="params",
-                           chunks=args.chunks)
+                           chunks=chunks)
     print(f"{pipe}: partition 0 ends at layer {pipe.stages[0].names[-1]!r}")
 
     single = torchvision.models.resnet50(num_classes=NUM_CLASSES).to(devices[0])
@@ -80,7 +93,12 @@ def main() -> None:
 
         plt = plot._plt()
         fig, ax = plt.subplots()
-        ax.bar(range(len(means)), means, yerr=stds, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
+        spread = stds if args.repeats > 1 else None  # one run has no spread to show
+        ax.bar(range(len(means)), means, yerr=spread, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
+        ax.set_title(f"ResNet-50 training, {args.batches} batch{'es' if args.batches > 1 else ''} of {args.batch}x3x"
+                     f"{args.size}x{args.size}, {chunks} micro-batches, "
+                     f"{'mean +- std of ' + str(args.repeats) + ' runs' if args.repeats > 1 else '1 run'}",
+                     fontsize=9)
         ax.set_ylabel("ResNet50 execution time (s)")
         ax.set_xticks(range(len(means)))
         ax.set_xticklabels(list(runs))

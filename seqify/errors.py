@@ -25,6 +25,7 @@ __all__ = [
     "ZooError",
     "PlotError",
     "SpecError",
+    "SampleError",
 ]
 
 
@@ -119,3 +120,7 @@ class PlotError(SeqifyError):
 
 class SpecError(SeqifyError):
     """A SPEC (``torchvision:NAME``, ``zoo:NAME``, ``FILE.py:FACTORY``) that names no model, or a builder that fails."""
+
+
+class SampleError(SeqifyError):
+    """The input the command line builds (``--size``, ``--batch``, ``--shape``) does not fit the model."""

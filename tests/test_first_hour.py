@@ -201,3 +201,38 @@ def test_for_cli_removes_tracer_internals_and_speaks_options() -> None:
                    "balance by='time' (measured) (DataDependentOutputException: aten._local_scalar_dense.default)")
     assert "Proxy" not in text and "sum_1" not in text and "aten" not in text
     assert "--by time" in text and "by='time'" not in text
+
+
+def test_zoo_module_exits_2_on_an_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from seqify.zoo.__main__ import main as zoo_main
+
+    assert zoo_main(["resnett"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean resnet50" in err and "Traceback" not in err
+
+
+# -- progress on long waits -------------------------------------------------------------------------------
+
+
+def test_long_waits_print_lines_in_a_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a terminal a long wait still says how far it got: plain lines, no bar, nothing for short waits."""
+    import io
+    import sys
+
+    from seqify import progress as module
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.delenv("SEQIFY_PROGRESS", raising=False)
+    assert list(module.progress(range(4), 4, "fast")) == [0, 1, 2, 3] and err.getvalue() == ""
+    clock = iter(range(0, 1000, 4))  # every item takes 4 s
+    monkeypatch.setattr(module.time, "perf_counter", lambda: float(next(clock)))
+    assert list(module.progress(range(6), 6, "zoo: checking")) == list(range(6))
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "zoo: checking: 1/6, 4 s" and lines[-1].startswith("zoo: checking: 6/6 done in")
+    assert "\r" not in err.getvalue() and "[" not in err.getvalue()
+    monkeypatch.setenv("SEQIFY_PROGRESS", "0")
+    err.truncate(0)
+    err.seek(0)
+    clock = iter(range(0, 1000, 4))
+    assert list(module.progress(range(3), 3, "quiet")) == [0, 1, 2] and err.getvalue() == ""

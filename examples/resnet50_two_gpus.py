@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import timeit
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -89,23 +90,28 @@ def main() -> None:
         stds.append(statistics.pstdev(times))
         print(f"{name:18s} {means[-1]:.3f} s +- {stds[-1]:.3f} per run of {args.batches} batches")
     if args.plot:
-        from seqify import plot
-
-        plt = plot._plt()
-        fig, ax = plt.subplots()
-        spread = stds if args.repeats > 1 else None  # one run has no spread to show
-        ax.bar(range(len(means)), means, yerr=spread, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
-        ax.set_title(f"ResNet-50 training, {args.batches} batch{'es' if args.batches > 1 else ''} of {args.batch}x3x"
-                     f"{args.size}x{args.size}, {chunks} micro-batches, "
-                     f"{'mean +- std of ' + str(args.repeats) + ' runs' if args.repeats > 1 else '1 run'}",
-                     fontsize=9)
-        ax.set_ylabel("ResNet50 execution time (s)")
-        ax.set_xticks(range(len(means)))
-        ax.set_xticklabels(list(runs))
-        ax.yaxis.grid(True)
-        fig.tight_layout()
+        fig = bar_chart(list(runs), means, stds, args.repeats,
+                        f"ResNet-50 training, {args.batches} batch{'es' if args.batches > 1 else ''} of {args.batch}x3x"
+                        f"{args.size}x{args.size}, {chunks} micro-batches on {devices[0].type}")
         fig.savefig(args.plot)
         print(f"plot: {args.plot}")
+
+
+def bar_chart(names: list[str], means: list[float], stds: list[float], repeats: int, title: str) -> Any:
+    """The tutorial's bar chart, titled; error bars only when several runs give a spread to show."""
+    from seqify import plot
+
+    plt = plot._plt()
+    fig, ax = plt.subplots()
+    spread = stds if repeats > 1 else None  # one run has no spread
+    ax.bar(range(len(means)), means, yerr=spread, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
+    ax.set_title(f"{title}\n{f'mean and std of {repeats} runs' if repeats > 1 else 'one run'}", fontsize=9)
+    ax.set_ylabel("ResNet50 execution time (s)")
+    ax.set_xticks(range(len(means)))
+    ax.set_xticklabels(names)
+    ax.yaxis.grid(True)
+    fig.tight_layout()
+    return fig
 
 
 if __name__ == "__main__":

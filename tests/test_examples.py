@@ -61,6 +61,7 @@ PROMISES: dict[str, list[str]] = {
 @pytest.mark.parametrize("name", sorted(PROMISES))
 def test_quick_command_from_the_docstring(name: str, tmp_path: Path) -> None:
     out = run_quick(name, tmp_path)
+    assert "note:" not in out, f"examples/{name}: its quick command warns that it is slow:\n{out}"
     for text in PROMISES[name]:
         assert text in out, f"examples/{name}: {text!r} missing from its output:\n{out}"
     if name == "chunks_sweep.py" and "plot skipped" not in out:

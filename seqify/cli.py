@@ -66,15 +66,19 @@ def _convert(module: torch.nn.Module, x: torch.Tensor, example: bool) -> Any:
     try:
         seq = convert(module, (x,) if example else None)
     except UntraceableError as e:
+        if DATA_DEPENDENT in str(e):
+            raise UntraceableError(data_dependent_advice(str(e))) from e
         if example or "example_inputs" not in str(e):
             raise
         # Would the example input help? Only for branches on shapes: try it, and advise what fits.
         try:
             convert(module, (x,))
-        except UntraceableError as again:
+        except SeqifyError as again:
             if DATA_DEPENDENT in str(again):
                 raise UntraceableError(data_dependent_advice(str(again))) from e
-            raise
+            raise e from None  # the example does not help either: the first message stands
+        except Exception:
+            raise e from None
         raise UntraceableError(f"{e}\nThis input's shape resolves it: add --example "
                                "(the conversion is then valid for inputs shaped like it).") from e
     print(f"converted in {time.perf_counter() - start:.2f} s{' (specialised to the example input)' if example else ''}")

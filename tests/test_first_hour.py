@@ -177,6 +177,9 @@ def test_a_branch_on_values_is_not_told_to_add_example(capsys: pytest.CaptureFix
     code, _, err = run(capsys, "inspect", f"{nets}:value_branch", "--shape", "2x4")
     assert_user_error(code, err, "if x.sum() > 0", "submodule", "no example input")
     assert "example_inputs" not in err and "add --example" not in err and "sum_1" not in err
+    code, _, err = run(capsys, "inspect", f"{nets}:value_branch", "--shape", "2x4", "--example")
+    assert_user_error(code, err, "if x.sum() > 0", "submodule", "no example input")
+    assert "add --example" not in err
 
 
 def test_a_branch_on_shapes_is_told_to_add_example(capsys: pytest.CaptureFixture[str], nets: Path) -> None:

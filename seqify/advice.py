@@ -18,6 +18,7 @@ _INTERNALS: list[tuple[re.Pattern[str], str]] = [
 # Python-API hints that have a command-line spelling.
 _CLI_SYNTAX: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"\bby='(\w+)'"), r"--by \1"),
+    (re.compile(r"\bdevice='([\w:]+)'"), r"--device \1"),
     (re.compile(r"\bpass example_inputs=\.\.\. to seqify\.convert\b"), "add --example (with --shape or --size)"),
     (re.compile(r"\bpass example_inputs to seqify\.convert so shape-dependent code can be resolved"),
      "if it depends on shapes only, not on values, --example (with --shape or --size) resolves it"),

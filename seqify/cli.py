@@ -62,6 +62,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
 def _convert(module: torch.nn.Module, x: torch.Tensor, example: bool) -> Any:
     from .advice import DATA_DEPENDENT, data_dependent_advice
 
+    print(f"converting {type(module).__name__} ...", flush=True)  # large models take seconds: say so first
     start = time.perf_counter()
     try:
         seq = convert(module, (x,) if example else None)

@@ -204,6 +204,7 @@ def test_for_cli_removes_tracer_internals_and_speaks_options() -> None:
                    "balance by='time' (measured) (DataDependentOutputException: aten._local_scalar_dense.default)")
     assert "Proxy" not in text and "sum_1" not in text and "aten" not in text
     assert "--by time" in text and "by='time'" not in text
+    assert for_cli("profile with device='cpu' or balance by='flops'") == "profile with --device cpu or balance --by flops"
 
 
 def test_zoo_module_exits_2_on_an_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:

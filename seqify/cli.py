@@ -284,7 +284,7 @@ def _bench_cpu(args: argparse.Namespace) -> int:
     try:
         _timed_steps(model, x, 1, cpu, "warm-up")
     except Exception as e:
-        raise SeqifyError(f"{args.model} fails to train on a {batch}x3x{size}x{size} batch ({type(e).__name__}: "
+        raise SampleError(f"{args.model} fails to train on a {batch}x3x{size}x{size} batch ({type(e).__name__}: "
                           f"{e}); try a larger --batch or --size") from e
     src = _timed_steps(model, x, args.steps, cpu, "source forward+backward")
     conv = _timed_steps(seq, x, args.steps, cpu, "converted forward+backward")

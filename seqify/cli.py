@@ -9,11 +9,12 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .advice import DATA_DEPENDENT, costs_depend_on_data, data_dependent_advice, for_cli
 from .convert import convert
 from .demo import NOT_EXACT, OK, _bit_equal, _gpus, _section, demo
 from .errors import BalanceError, SampleError, SeqifyError, SpecError, UntraceableError
@@ -60,8 +61,6 @@ def _load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
 
 
 def _convert(module: torch.nn.Module, x: torch.Tensor, example: bool) -> Any:
-    from .advice import DATA_DEPENDENT, data_dependent_advice
-
     print(f"converting {type(module).__name__} ...", flush=True)  # large models take seconds: say so first
     start = time.perf_counter()
     try:
@@ -108,8 +107,6 @@ def _run_check(module: torch.nn.Module, seq: Any, x: torch.Tensor) -> bool:
 def convert_cmd(args: argparse.Namespace) -> int:
     model, x = _load(args)
     seq = _convert(model.module, x, args.example)
-    from .advice import for_cli
-
     print(for_cli(seq.summary()))
     ok = True
     if not args.no_check:
@@ -135,10 +132,6 @@ def _describe(layer: torch.nn.Module) -> str:
 
 
 def inspect_cmd(args: argparse.Namespace) -> int:
-    from .partition import balance
-
-    from .advice import for_cli
-
     model, x = _load(args)
     seq = _convert(model.module, x, args.example)
     print(for_cli(seq.summary()))
@@ -200,8 +193,6 @@ def _plan(seq: Any, args: argparse.Namespace, x: torch.Tensor) -> Any:
     try:
         return balance(seq, args.stages, x, by=by, device=device)
     except BalanceError as e:
-        from .advice import costs_depend_on_data, for_cli
-
         if args.by is not None or not costs_depend_on_data(str(e)):
             raise
         print(f"note: {for_cli(str(e)).split('; balance')[0]}; balancing by measured time on {args.device or 'cpu'} instead "
@@ -337,7 +328,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     pass
 
 
-def _count(least: int) -> Any:
+def _count(least: int) -> Callable[[str], int]:
     """An argparse type: an integer of at least ``least`` (a usage error, exit 2, otherwise)."""
 
     def parse(text: str) -> int:
@@ -487,8 +478,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except SeqifyError as e:
-        from .advice import for_cli
-
         text = for_cli(str(e))
         hint = ""
         if "example_inputs" in text and getattr(args, "spec", None):

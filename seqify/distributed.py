@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import BalanceError, BoundaryError, DeviceError
+from .dist_checkpoint import load, merge, save
+from .errors import BalanceError, BoundaryError, DeviceError, PeerError, SeqifyError
 from .pipeline.checkpoint import checkpointed, norms_of
 from .pipeline.microbatch import gather, scatter
 from .pipeline.pipe import CHECKPOINT, _check_balance, _place
@@ -21,7 +23,7 @@ from .pipeline.stage import Stage
 from .sequential import Sequential
 from .skip.layout import routes
 
-__all__ = ["DistributedStage", "stage", "init", "SCHEDULES"]
+__all__ = ["DistributedStage", "stage", "init", "save", "load", "merge", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b")
 _DTYPES = [
@@ -48,6 +50,25 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+@contextmanager
+def _peer(me: str, peer: int, what: str) -> Iterator[None]:
+    """Turns a failed send, receive or all-reduce (a peer died, or stayed silent past the process-group
+    timeout) into a :class:`PeerError` naming both ranks and what to do."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise DistBackendError or a plain RuntimeError
+        if isinstance(e, SeqifyError):
+            raise
+        who = f"rank {peer}" if peer >= 0 else "a data-parallel replica"
+        raise PeerError(
+            f"{me} lost {who} while {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
+            f"The peer process died or did not answer within the process-group timeout "
+            "(seqify.distributed.init(timeout_s=...)). Look in its log (or its node's) for the first error; "
+            "the rest of the job stops too. Restart the job and resume from the last "
+            "seqify.distributed.save(...) with seqify.distributed.load(...)."
+        ) from e
+
+
 @dataclass(frozen=True)
 class _Route:
     index: int
@@ -60,8 +81,9 @@ class _Link:
     """Sends and receives tensors, tuples of tensors or None, with a small header so receivers need
     no shapes in advance."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, me: str = "this rank") -> None:
         self.device = device
+        self.me = me
         self.pending: list[Any] = []
 
     def send(self, value: Any, dst: int) -> list[torch.Tensor]:
@@ -87,13 +109,18 @@ class _Link:
             header[base + 1] = t.dim()
             header[base + 2:base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         sent = [header.to(self.device)] + [t.detach().contiguous() for t in tensors]
-        for t in sent:
-            self.pending.append((dist.isend(t, dst), t))
+        with _peer(self.me, dst, "sending activations"):
+            for t in sent:
+                self.pending.append((dist.isend(t, dst), t, dst))
         return list(tensors)
+
+    def _recv(self, t: torch.Tensor, src: int, what: str) -> None:
+        with _peer(self.me, src, what):
+            dist.irecv(t, src).wait()
 
     def recv(self, src: int) -> Any:
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.irecv(header, src).wait()
+        self._recv(header, src, "receiving activations")
         header = header.cpu()
         kind, n = int(header[0]), int(header[1])
         tensors = []
@@ -102,7 +129,7 @@ class _Link:
             dtype = _DTYPES[int(header[base])]
             shape = [int(d) for d in header[base + 2:base + 2 + int(header[base + 1])]]
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.irecv(t, src).wait()
+            self._recv(t, src, "receiving activations")
             tensors.append(t)
         if kind == 2:
             return None
@@ -113,22 +140,24 @@ class _Link:
             if t.is_floating_point():
                 g = t.grad if t.grad is not None else torch.zeros_like(t)
                 g = g.contiguous()
-                self.pending.append((dist.isend(g, dst), g))
+                with _peer(self.me, dst, "sending gradients"):
+                    self.pending.append((dist.isend(g, dst), g, dst))
 
     def recv_grads(self, like: Sequence[torch.Tensor], src: int) -> list[torch.Tensor | None]:
         grads: list[torch.Tensor | None] = []
         for t in like:
             if t.is_floating_point():
                 g = torch.empty_like(t)
-                dist.irecv(g, src).wait()
+                self._recv(g, src, "receiving gradients")
                 grads.append(g)
             else:
                 grads.append(None)
         return grads
 
     def flush(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
+        for work, _, peer in self.pending:
+            with _peer(self.me, peer, "waiting for its sends to arrive"):
+                work.wait()
         self.pending.clear()
 
 
@@ -221,6 +250,11 @@ class DistributedStage(nn.Module):
     def rank_of(self, stage_index: int) -> int:
         return self.replica * self.stages + stage_index
 
+    @property
+    def me(self) -> str:
+        rank = dist.get_rank() if dist.is_initialized() else self.rank_of(self.index)
+        return f"rank {rank} (stage {self.index + 1}/{self.stages}, replica {self.replica + 1}/{self.replicas})"
+
     def __repr__(self) -> str:
         return (f"DistributedStage({self.index + 1}/{self.stages}, replica {self.replica + 1}/{self.replicas}, "
                 f"{len(self.partition)} layers on {self.device}, chunks={self.chunks})")
@@ -248,7 +282,8 @@ class DistributedStage(nn.Module):
         """Every stage learns the micro-batch sizes the first stage made (for loss weights and 1F1B)."""
         count = torch.tensor([len(micro)], dtype=torch.int64, device=self.device)
         if self.stages > 1 and not self.is_first:
-            dist.recv(count, self.rank_of(0))
+            with _peer(self.me, self.rank_of(0), "receiving the micro-batch sizes"):
+                dist.recv(count, self.rank_of(0))
         sizes = torch.tensor(
             [_leaves(v)[0].size(0) for v in micro] if self.is_first else [0] * int(count[0]),
             dtype=torch.int64, device=self.device,
@@ -256,10 +291,12 @@ class DistributedStage(nn.Module):
         if self.stages > 1:
             if self.is_first:
                 for j in range(1, self.stages):
-                    dist.send(count, self.rank_of(j))
-                    dist.send(sizes, self.rank_of(j))
+                    with _peer(self.me, self.rank_of(j), "sending the micro-batch sizes"):
+                        dist.send(count, self.rank_of(j))
+                        dist.send(sizes, self.rank_of(j))
             else:
-                dist.recv(sizes, self.rank_of(0))
+                with _peer(self.me, self.rank_of(0), "receiving the micro-batch sizes"):
+                    dist.recv(sizes, self.rank_of(0))
         return [int(v) for v in sizes.tolist()]
 
     def order(self, m: int) -> list[tuple[str, int]]:
@@ -291,7 +328,7 @@ class DistributedStage(nn.Module):
         sizes = self._sizes(micro)
         m, batch = len(sizes), sum(sizes)
         targets = scatter(target.to(self.device), m) if self.is_last and target is not None else [None] * m
-        link = _Link(self.device)
+        link = _Link(self.device, self.me)
         grad = torch.is_grad_enabled()
         stop = 0 if not grad else {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         saved: dict[int, tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], Any, dict[int, list[torch.Tensor]]]] = {}
@@ -367,7 +404,8 @@ class DistributedStage(nn.Module):
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self._dp_group)
+        with _peer(self.me, -1, "averaging gradients over data-parallel replicas"):
+            dist.all_reduce(flat, group=self._dp_group)
         flat /= self.replicas
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
@@ -377,7 +415,7 @@ class DistributedStage(nn.Module):
         """Inference over the pipeline: the output (source structure) on the last stage, None elsewhere."""
         micro = self._micro_inputs(inputs if len(inputs) != 1 else inputs[0]) if self.is_first else []
         m = len(self._sizes(micro))
-        link = _Link(self.device)
+        link = _Link(self.device, self.me)
         outs = []
         for i in range(m):
             x = micro[i] if self.is_first else link.recv(self.rank_of(self.index - 1))

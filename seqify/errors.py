@@ -25,6 +25,7 @@ __all__ = [
     "ZooError",
     "PlotError",
     "SpecError",
+    "PeerError",
 ]
 
 
@@ -119,3 +120,7 @@ class PlotError(SeqifyError):
 
 class SpecError(SeqifyError):
     """A SPEC (``torchvision:NAME``, ``zoo:NAME``, ``FILE.py:FACTORY``) that names no model, or a builder that fails."""
+
+
+class PeerError(SeqifyError):
+    """A distributed pipeline's peer rank died or stopped answering within the process-group timeout."""

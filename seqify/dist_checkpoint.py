@@ -111,7 +111,7 @@ def save(
         torch.save(record, file + ".tmp")
         os.replace(file + ".tmp", file)  # a job killed while saving leaves the previous file whole
     if dist.is_initialized():
-        with _peer(stage.me, -1, "waiting for every stage to write its checkpoint"):
+        with _peer(stage.me, list(range(dist.get_world_size())), "waiting for every stage to write its checkpoint"):
             dist.barrier()
 
 

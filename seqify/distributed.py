@@ -51,7 +51,7 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
 
 
 @contextmanager
-def _peer(me: str, peer: int, what: str) -> Iterator[None]:
+def _peer(me: str, peer: int | list[int], what: str) -> Iterator[None]:
     """Turns a failed send, receive or all-reduce (a peer died, or stayed silent past the process-group
     timeout) into a :class:`PeerError` naming both ranks and what to do."""
     try:
@@ -59,13 +59,14 @@ def _peer(me: str, peer: int, what: str) -> Iterator[None]:
     except RuntimeError as e:  # gloo and NCCL raise DistBackendError or a plain RuntimeError
         if isinstance(e, SeqifyError):
             raise
-        who = f"rank {peer}" if peer >= 0 else "a data-parallel replica"
+        who = f"rank {peer}" if isinstance(peer, int) else f"one of ranks {peer}"
+        cause = (str(e).splitlines() or [type(e).__name__])[0]
+        cause = cause.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source location and advice
         raise PeerError(
-            f"{me} lost {who} while {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
-            f"The peer process died or did not answer within the process-group timeout "
-            "(seqify.distributed.init(timeout_s=...)). Look in its log (or its node's) for the first error; "
-            "the rest of the job stops too. Restart the job and resume from the last "
-            "seqify.distributed.save(...) with seqify.distributed.load(...)."
+            f"{me} lost {who} while {what} ({cause}). The peer process died or did not answer within the "
+            "process-group timeout (seqify.distributed.init(timeout_s=...)). Look in its log (or its node's) for "
+            "the first error; the rest of the job stops too. Restart the job and resume from the last "
+            "seqify.distributed.save(stage, path, optimizer) with seqify.distributed.load(stage, path, optimizer)."
         ) from e
 
 
@@ -404,7 +405,8 @@ class DistributedStage(nn.Module):
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
-        with _peer(self.me, -1, "averaging gradients over data-parallel replicas"):
+        others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
+        with _peer(self.me, others, "averaging gradients over data-parallel replicas"):
             dist.all_reduce(flat, group=self._dp_group)
         flat /= self.replicas
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):

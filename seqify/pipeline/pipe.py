@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError
+from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, ScheduleError
 from ..sequential import Sequential
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import norms_of
@@ -29,6 +29,8 @@ from .placement import (  # noqa: F401  (names other modules import from here)
 )
 from .replay import Replay, run
 from .replayed import GraphWarning, Replayer
+from .schedule import SCHEDULES, Schedule, make, round_robin, v_shape
+from .scheduled import ScheduledStep, loss_weights
 from .transfer import Transfer
 
 __all__ = ["Pipeline", "pipeline", "resolve_devices", "GraphWarning"]
@@ -53,6 +55,8 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool = False,
         graphs: bool = False,
         plan: Any = None,
+        schedule: str | Schedule = "gpipe",
+        placement: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT:
@@ -88,6 +92,12 @@ class Pipeline(nn.Module):
         self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
         self._eager = Eager(self.stages, self._transfer, self.skip_partitions, self._norms, self._deferred)
         self._replayer = Replayer(self.stages, self.devices, self._transfer, self.partitions.parameters, graphs)
+        self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
+        self.placement = _placement(placement, self.devices)
+        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+            raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a Schedule")
+        self.schedule = schedule
+        self._schedules: dict[int, Schedule] = {}
         self.training = model.training
         # A model that may modify its input in place gets micro-batches that are copies: views of one
         # tensor share autograd's version counter, so one micro-batch's change would invalidate what
@@ -175,6 +185,50 @@ class Pipeline(nn.Module):
             raise
         return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
 
+    def schedule_for(self, micro_batches: int) -> Schedule:
+        """The pipeline's schedule for this many micro-batches (built once per count)."""
+        got = self._schedules.get(micro_batches)
+        if got is None:
+            got = self._schedules[micro_batches] = make(self.schedule, self.placement, micro_batches)
+        return got
+
+    def step(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+             reduction: str | None = None) -> torch.Tensor:
+        """One training step that owns the loss: forward, ``loss_fn(output, target)`` per micro-batch and
+        backward, in the order of the pipeline's schedule. Gradients accumulate in ``.grad`` as
+        ``loss_fn(model(x), target).backward()`` on one device would leave them; returns that loss,
+        detached. ``reduction`` ('mean' or 'sum', default ``loss_fn.reduction`` or 'mean') says how
+        ``loss_fn`` reduces over samples, so micro-batch losses are weighed to add up to the batch's."""
+        if not (self.training and torch.is_grad_enabled()):
+            raise ScheduleError("pipe.step trains: call pipe.train() and run it with gradients enabled (not under "
+                                "torch.no_grad()); for inference call pipe(x)")
+        reduction = reduction or getattr(loss_fn, "reduction", "mean")
+        model = self.model
+        if isinstance(model, Sequential):
+            carried = model.flatten_inputs(x) if not isinstance(x, tuple) else model.flatten_inputs(*x)
+        else:
+            carried = x
+        if self.schedule == "gpipe" and (self.graphs or self._replay_eager):
+            out = self(*x) if isinstance(x, tuple) and isinstance(model, Sequential) else self(x)
+            loss = loss_fn(out, self._transfer(target, self.devices[-1]))
+            loss.backward()
+            return loss.detach()
+        carried = self._transfer(carried, self.devices[0])
+        batches = scatter(carried, self.chunks)
+        if self._copy_input:
+            batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
+        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
+        targets = _split_like(self._transfer(target, self.devices[-1]), sizes)
+        unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
+        saved = self._save_statistics() if self._statistics else None
+        try:
+            return self._stepper(self.schedule_for(len(batches)), batches, targets, loss_fn,
+                                 loss_weights(sizes, reduction), self._checkpoint_stop(len(batches)), unflatten)
+        except BaseException:
+            if saved:
+                self._restore_statistics(saved)
+            raise
+
     def _save_statistics(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
         """Copy the running statistics this forward may update, once per mini-batch (not per micro-batch),
         into copies kept from step to step: one fused copy per device and dtype."""
@@ -210,6 +264,34 @@ class Pipeline(nn.Module):
         return self._eager.forward(values, self._checkpoint_stop(len(values)), self.on_transfer)
 
 
+def _placement(placement: Sequence[int] | None, devices: Sequence[torch.device]) -> tuple[int, ...]:
+    """Which pipeline device (0..d-1) each partition runs on: given, or one partition per device."""
+    if placement is None:
+        return tuple(range(len(devices)))
+    placement = tuple(placement)
+    if len(placement) != len(devices) or set(placement) != set(range(max(placement, default=-1) + 1)):
+        raise ScheduleError(f"placement {placement}: give each of the {len(devices)} partitions a device number "
+                            "0..d-1, every number used")
+    return placement
+
+
+def _split_like(target: Any, sizes: list[int]) -> list[Any]:
+    """``target`` cut along the batch dimension into micro-batches of ``sizes`` (tensors, or tuples,
+    lists and dicts of them; anything else is given to every micro-batch whole)."""
+    if isinstance(target, torch.Tensor):
+        if target.dim() == 0 or target.size(0) != sum(sizes):
+            raise BoundaryError(f"target has shape {tuple(target.shape)} but the batch has {sum(sizes)} samples; "
+                                "pipe.step splits the target along its first dimension like the input")
+        return list(target.split(sizes))
+    if isinstance(target, (tuple, list)):
+        parts = [_split_like(t, sizes) for t in target]
+        return [type(target)(p[i] for p in parts) for i in range(len(sizes))]
+    if isinstance(target, dict):
+        parts_d = {k: _split_like(v, sizes) for k, v in target.items()}
+        return [{k: v[i] for k, v in parts_d.items()} for i in range(len(sizes))]
+    return [target] * len(sizes)
+
+
 def pipeline(
     model: nn.Module,
     *,
@@ -223,6 +305,7 @@ def pipeline(
     loops: int = 1,
     example_inputs: Any = None,
     sample: Any = None,
+    schedule: str | Schedule = "gpipe",
     **convert_options: Any,
 ) -> Pipeline:
     """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
@@ -254,6 +337,12 @@ def pipeline(
             transfers. A ``balance`` list then has ``loops`` entries per device.
         sample: an input batch (or micro-batch) for the 'time', 'memory' and 'flops' strategies;
             defaults to ``example_inputs``.
+        schedule: the order of forward and backward work in :meth:`Pipeline.step`: 'gpipe'
+            (fill-drain), '1f1b', 'interleaved' (several partitions per device: ``loops > 1``), 'zb-h1'
+            (zero bubble: backward split into input and weight gradients; with ``loops=2`` the partitions
+            are placed in a V: cuda:0, cuda:1, cuda:1, cuda:0), or a
+            :class:`~seqify.pipeline.schedule.Schedule`. ``pipe(x)`` followed by ``loss.backward()``
+            always runs fill-drain.
 
     Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
     the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
@@ -271,11 +360,19 @@ def pipeline(
     chunks = _check_chunks(chunks)
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
         raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
+    if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+        raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a seqify.pipeline.schedule.Schedule")
+    v = schedule == "zb-h1" and loops == 2
+
+    def lay(devs: list[torch.device]) -> tuple[list[torch.device], tuple[int, ...]]:
+        if v:
+            return devs + devs[::-1], v_shape(len(devs))
+        return devs * loops, round_robin(len(devs), loops)
     if isinstance(balance, str) or balance is None:
         strategy = balance or "params"
         if strategy not in STRATEGIES:
             raise BalanceError(f"balance={strategy!r}: use a list of layer counts or one of {STRATEGIES}")
-        placed = resolve_devices(gpus, devices, None) * loops
+        placed, slots = lay(resolve_devices(gpus, devices, None))
         if len(placed) > layers:
             raise BalanceError(f"{len(placed)} partitions but the model has only {layers} layers; use fewer devices")
         from ..partition import balance as make_plan
@@ -283,7 +380,8 @@ def pipeline(
         probe = sample if sample is not None else example_inputs
         plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
         return Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
-                        deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan)
+                        deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
+                        placement=slots)
     counts = _counts(balance, layers)
     if len(counts) > layers:
         raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
@@ -291,6 +389,6 @@ def pipeline(
         raise BalanceError(
             f"balance has {len(counts)} partitions, not a multiple of loops={loops}: give loops partitions per device"
         )
-    placed = resolve_devices(gpus, devices, len(counts) // loops) * loops
+    placed, slots = lay(resolve_devices(gpus, devices, len(counts) // loops))
     return Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
-                    deferred_batch_norm=deferred_batch_norm, graphs=graphs)
+                    deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots)

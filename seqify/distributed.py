@@ -15,17 +15,17 @@ import torch.distributed as dist
 from torch import nn
 
 from .dist_checkpoint import load, merge, save
-from .errors import BalanceError, BoundaryError, DeviceError, PeerError, SeqifyError
+from .errors import BalanceError, BoundaryError, DeviceError, PeerError, ScheduleError, SeqifyError
 from .pipeline.checkpoint import checkpointed, norms_of
 from .pipeline.microbatch import gather, scatter
 from .pipeline.pipe import CHECKPOINT, _check_balance, _place
+from .pipeline.schedule import SCHEDULES, Schedule, make
 from .pipeline.stage import Stage
 from .sequential import Sequential
 from .skip.layout import routes
 
 __all__ = ["DistributedStage", "stage", "init", "save", "load", "merge", "SCHEDULES"]
 
-SCHEDULES = ("gpipe", "1f1b")
 _DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool,
@@ -182,9 +182,10 @@ def _requiring_grad(value: Any) -> tuple[Any, list[torch.Tensor]]:
 class DistributedStage(nn.Module):
     """This process's partition of a pipeline that spans processes (one stage per rank).
 
-    ``step(inputs, target, loss_fn)`` runs one mini-batch through a GPipe schedule (every micro-batch
-    forward, then every backward in reverse) or 1F1B (``schedule='1f1b'``: a backward after each forward
-    once the pipeline is full, which bounds the activations kept), exchanging activations with the
+    ``step(inputs, target, loss_fn)`` runs one mini-batch in the order of a shared schedule
+    (``seqify.pipeline.schedule``: 'gpipe', every forward then every backward; '1f1b', a backward after
+    each forward once the pipeline is full, which bounds the activations kept; 'zb-h1'; or a ``Schedule``
+    with one partition per rank), exchanging activations with the
     neighbouring stages and skips directly with the stage that pops (or stashed) them. It returns the mini-batch
     loss on the last stage and ``None`` elsewhere; gradients are left in this stage's parameters (and
     averaged over data-parallel replicas), ready for ``optimizer.step()``.
@@ -201,11 +202,12 @@ class DistributedStage(nn.Module):
         device: torch.device,
         chunks: int = 1,
         checkpoint: str = "never",
-        schedule: str = "gpipe",
+        schedule: str | Schedule = "gpipe",
     ) -> None:
         super().__init__()
-        if schedule not in SCHEDULES:
-            raise BalanceError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
+        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+            raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
+                                "seqify.pipeline.schedule.Schedule with one partition per rank")
         if checkpoint not in CHECKPOINT:
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
         names = list(model._modules)
@@ -301,19 +303,29 @@ class DistributedStage(nn.Module):
         return [int(v) for v in sizes.tolist()]
 
     def order(self, m: int) -> list[tuple[str, int]]:
-        """This stage's work for ``m`` micro-batches: ('F', i) forwards and ('B', i) backwards.
+        """This stage's work for ``m`` micro-batches, ('F', i) forwards and ('B', i) backwards, read from
+        the shared schedule (``seqify.pipeline.schedule``: one partition per rank, rank = device).
 
-        GPipe: every forward, then every backward in reverse. 1F1B: as many forwards as stages after
-        this one, then one backward after each forward, so at most that many micro-batches keep their
-        activations at once."""
-        if self.schedule == "gpipe":
-            return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-        warm = min(self.stages - self.index - 1, m)
-        work = [("F", i) for i in range(warm)]
-        for f, b in zip(range(warm, m), range(m)):
-            work += [("F", f), ("B", b)]
-        work += [("B", b) for b in range(m - warm, m)]
-        return work
+        A split schedule's W (weight gradients, zero-bubble) runs inside its B here: the order is the
+        schedule's, the split is not (yet). Messages between two ranks are matched in the order they are
+        posted, so every rank must meet the micro-batches in the same order, forwards and backwards."""
+        plan = make(self.schedule, tuple(range(self.stages)), m)
+        lists = plan.per_device()
+        if len(lists) != self.stages:
+            raise ScheduleError(
+                f"schedule {plan.name!r} places partitions on {len(lists)} devices; seqify.distributed runs one "
+                f"partition per rank, placement {tuple(range(self.stages))}: build it with that placement"
+            )
+        for kind in ("F", "B"):
+            seen = [[a.microbatch for a in actions if a.kind == kind] for actions in lists]
+            odd = next((j for j, got in enumerate(seen) if got != seen[0]), None)
+            if odd is not None:
+                raise ScheduleError(
+                    f"schedule {plan.name!r} runs {kind} of the micro-batches in order {seen[0]} on rank 0 and "
+                    f"{seen[odd]} on rank {odd}; seqify.distributed matches messages in the order they are sent, "
+                    "so every rank needs the same order (gpipe, 1f1b and zb-h1 have it)"
+                )
+        return [(a.kind, a.microbatch) for a in lists[self.index] if a.kind != "W"]
 
     def step(
         self,
@@ -442,7 +454,7 @@ def stage(
     balance: Sequence[int] | str | None = None,
     chunks: int = 1,
     checkpoint: str = "never",
-    schedule: str = "gpipe",
+    schedule: str | Schedule = "gpipe",
     device: torch.device | str | None = None,
     sample: Any = None,
     example_inputs: Any = None,

@@ -20,7 +20,7 @@ import seqify.distributed as sd
 
 pytestmark = pytest.mark.timeout(240)
 WORKER = Path(__file__).with_name("dist_worker.py")
-TINY = ["--model", "tiny", "--balance", "3,3", "--chunks", "2", "--batch", "8"]  # 2 stages; the skip crosses
+TINY = ["--model", "tiny", "--balance", "3,3", "--chunks", "2", "--batch", "8", "--schedule", "zb-h1"]  # skip crosses
 
 
 def free_port() -> int:

@@ -241,6 +241,7 @@ class DistributedStage(nn.Module):
         self.runner = Stage(index, part, device, pops, stashes)
         self._norms = norms_of(part)
         self._dp_group: Any = None
+        self._orders: dict[int, list[tuple[str, int]]] = {}  # per micro-batch count: built once
 
     @property
     def is_first(self) -> bool:
@@ -309,6 +310,8 @@ class DistributedStage(nn.Module):
         A split schedule's W (weight gradients, zero-bubble) runs inside its B here: the order is the
         schedule's, the split is not (yet). Messages between two ranks are matched in the order they are
         posted, so every rank must meet the micro-batches in the same order, forwards and backwards."""
+        if m in self._orders:
+            return self._orders[m]
         plan = make(self.schedule, tuple(range(self.stages)), m)
         lists = plan.per_device()
         if len(lists) != self.stages:
@@ -325,7 +328,8 @@ class DistributedStage(nn.Module):
                     f"{seen[odd]} on rank {odd}; seqify.distributed matches messages in the order they are sent, "
                     "so every rank needs the same order (gpipe, 1f1b and zb-h1 have it)"
                 )
-        return [(a.kind, a.microbatch) for a in lists[self.index] if a.kind != "W"]
+        self._orders[m] = [(a.kind, a.microbatch) for a in lists[self.index] if a.kind != "W"]
+        return self._orders[m]
 
     def step(
         self,

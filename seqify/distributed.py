@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .dist_checkpoint import load, merge, save
+from .dist_replay import RankPrograms
 from .errors import BalanceError, BoundaryError, DeviceError, PeerError, ScheduleError, SeqifyError
 from .pipeline.checkpoint import checkpointed, norms_of
 from .pipeline.microbatch import gather, scatter
@@ -30,6 +31,7 @@ _DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool,
 ]
+_OUT = -1  # where a last stage running programs keeps the leaves its loss starts from
 _MAX_TENSORS = 16
 _MAX_DIMS = 8
 _SLOT = 2 + _MAX_DIMS
@@ -137,9 +139,13 @@ class _Link:
         return tensors[0] if kind == 0 else tuple(tensors)
 
     def send_grads(self, tensors: Sequence[torch.Tensor], dst: int) -> None:
-        for t in tensors:
+        self.send_values(tensors, [t.grad for t in tensors], dst)
+
+    def send_values(self, like: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], dst: int) -> None:
+        """The gradients of ``like``'s floating-point tensors (zeros where ``None``), for ``recv_grads``."""
+        for t, g in zip(like, grads):
             if t.is_floating_point():
-                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                g = g if g is not None else torch.zeros_like(t)
                 g = g.contiguous()
                 with _peer(self.me, dst, "sending gradients"):
                     self.pending.append((dist.isend(g, dst), g, dst))
@@ -203,8 +209,11 @@ class DistributedStage(nn.Module):
         chunks: int = 1,
         checkpoint: str = "never",
         schedule: str | Schedule = "gpipe",
+        graphs: bool = False,
     ) -> None:
         super().__init__()
+        if graphs and checkpoint != "never":
+            raise BalanceError(f"graphs=True with checkpoint={checkpoint!r}: captured graphs need checkpoint='never'")
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
             raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
                                 "seqify.pipeline.schedule.Schedule with one partition per rank")
@@ -242,6 +251,8 @@ class DistributedStage(nn.Module):
         self._norms = norms_of(part)
         self._dp_group: Any = None
         self._orders: dict[int, list[tuple[str, int]]] = {}  # per micro-batch count: built once
+        self.graphs = graphs
+        self._programs = RankPrograms(self.runner, device, graphs) if graphs else None
 
     @property
     def is_first(self) -> bool:
@@ -350,20 +361,30 @@ class DistributedStage(nn.Module):
         stop = 0 if not grad else {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         saved: dict[int, tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], Any, dict[int, list[torch.Tensor]]]] = {}
         losses: list[torch.Tensor] = []
+        # graphs=True: fixed programs per micro-batch; received values are copied in, not made leaves
+        prog = self._programs if grad else None
+        if prog is not None:
+            prog.begin(sizes)
+
+        def take(value: Any) -> tuple[Any, list[torch.Tensor]]:
+            return (value, _leaves(value)) if prog is not None else _requiring_grad(value)
 
         def forward(i: int) -> None:
             x_leaves: list[torch.Tensor] = []
             if self.is_first:
                 x = micro[i]
             else:
-                x, x_leaves = _requiring_grad(link.recv(self.rank_of(self.index - 1)))
+                x, x_leaves = take(link.recv(self.rank_of(self.index - 1)))
             skips_in: dict[Any, Any] = {}
             received: dict[int, list[torch.Tensor]] = {}
             for r in self.routes:
                 if r.dst == self.index:
-                    value, received[r.index] = _requiring_grad(link.recv(self.rank_of(r.src)))
+                    value, received[r.index] = take(link.recv(self.rank_of(r.src)))
                     skips_in[self._key[r.index]] = value
-            y, skips_out = self._forward(x, skips_in, i < stop)
+            if prog is None:
+                y, skips_out = self._forward(x, skips_in, i < stop)
+            else:
+                y, skips_out = prog.forward(i, x, skips_in, needs_grad=not self.is_first)
             sent: dict[int, list[torch.Tensor]] = {}
             if not self.is_last:
                 link.send(y, self.rank_of(self.index + 1))
@@ -371,13 +392,39 @@ class DistributedStage(nn.Module):
                 if r.src == self.index:
                     sent[r.index] = link.send(skips_out[self._key[r.index]], self.rank_of(r.dst))
             if self.is_last:
+                if prog is not None:  # the loss on leaves: a program's outputs carry no autograd history
+                    sent[_OUT] = [t.detach().requires_grad_(t.is_floating_point()) for t in _leaves(y)]
+                    y = sent[_OUT][0] if isinstance(y, torch.Tensor) else tuple(sent[_OUT])
                 out = self.model.unflatten_outputs(y) if isinstance(self.model, Sequential) else y
                 assert loss_fn is not None
                 y = loss_fn(out, targets[i]) * (sizes[i] / batch)  # the mini-batch mean, piece by piece
                 losses.append(y.detach())
             saved[i] = (x_leaves, received, y, sent)
 
+        def backward_program(i: int) -> None:
+            assert prog is not None
+            x_leaves, received, y, sent = saved.pop(i)
+            if self.is_last:
+                y.backward()
+                grads = [t.grad for t in sent.pop(_OUT)]
+            else:
+                grads = link.recv_grads(_leaves(y), self.rank_of(self.index + 1))
+            for r in self.routes:
+                if r.src == self.index:
+                    grads += link.recv_grads(sent[r.index], self.rank_of(r.dst))
+            in_grads = prog.backward(i, grads)
+            if not self.is_first:
+                link.send_values(x_leaves, in_grads[:len(x_leaves)], self.rank_of(self.index - 1))
+            at = len(x_leaves)
+            for r in self.routes:
+                if r.dst == self.index:
+                    n = len(received[r.index])
+                    link.send_values(received[r.index], in_grads[at:at + n], self.rank_of(r.src))
+                    at += n
+
         def backward(i: int) -> None:
+            if prog is not None:
+                return backward_program(i)
             x_leaves, received, y, sent = saved.pop(i)
             outputs: list[torch.Tensor] = []
             grads: list[torch.Tensor | None] = []
@@ -407,6 +454,8 @@ class DistributedStage(nn.Module):
                     forward(i)
                 else:
                     backward(i)
+            if prog is not None:
+                prog.finish(grad, self.order(m))
             if grad:
                 self._all_reduce_grads()
             link.flush()
@@ -459,6 +508,7 @@ def stage(
     chunks: int = 1,
     checkpoint: str = "never",
     schedule: str | Schedule = "gpipe",
+    graphs: bool = False,
     device: torch.device | str | None = None,
     sample: Any = None,
     example_inputs: Any = None,
@@ -469,6 +519,8 @@ def stage(
     ``r // stages``; ``balance`` fixes the number of stages (a list of layer counts), or a strategy name
     ('params', 'flops', 'time', 'memory') splits the model into ``world_size`` stages. Rank 0 decides
     the balance and broadcasts it, so every rank agrees. Every rank must build the same model (seed it).
+    ``graphs=True`` runs each micro-batch's forward and backward as fixed programs, captured as CUDA
+    graphs after the first step (eager programs on the CPU); the sends and receives stay between them.
     """
     if not dist.is_initialized():
         init()
@@ -496,7 +548,8 @@ def stage(
         raise DeviceError(f"world size {world} is not a multiple of the {stages} pipeline stages; launch stages x replicas processes")
     replicas = world // stages
     result = DistributedStage(model, counts, index=rank % stages, replica=rank // stages, replicas=replicas,
-                              device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule)
+                              device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                              graphs=graphs)
     if replicas > 1:
         for s in range(stages):
             group = dist.new_group([d * stages + s for d in range(replicas)])

@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--resume", action="store_true", help="load --ckpt first, then run the remaining steps")
     p.add_argument("--ckpt", default="")
     p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--graphs", action="store_true", help="fixed programs per micro-batch (CUDA graphs on GPUs)")
     args = p.parse_args()
     if args.backend == "nccl":
         torch.backends.cudnn.allow_tf32 = False
@@ -84,7 +85,7 @@ def main() -> None:
     else:
         balance = [int(b) for b in args.balance.split(",")]
     stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                     sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
+                     graphs=args.graphs, sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
     if rank == args.fail_rank:
         raise RuntimeError(f"planned failure on rank {rank}")
     if args.steps > 1 or args.resume:

@@ -191,3 +191,19 @@ def test_killing_a_node_ends_the_job_with_a_peer_error(tmp_path: Path) -> None:
     assert "lost rank" in log or "lost one of ranks" in log, log[-3000:]
     assert "seqify.distributed.load(stage, path, optimizer)" in log  # what to do
     assert took < 60, took  # within the 20 s process-group timeout plus torchrun's shutdown
+
+
+def test_fixed_programs_per_micro_batch_train_like_one_process(tmp_path: Path) -> None:
+    """graphs=True on CPU: each micro-batch's forward and backward as a fixed program (eager here, CUDA
+    graphs on GPUs), reused step after step by copying received values in; equal to one process."""
+    standalone(tmp_path, 2, *TINY[:-1], "1f1b", "--steps", "3", "--graphs")
+    history = one_process(steps=3, replicas=1)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in results:
+        if r["stage"] == 1:
+            assert all(abs(r["losses"][step] - history[step]["losses"][0]) < 1e-6 for step in range(3))
+        for n, g in r["grads"].items():
+            close(g, history[2]["grads"][n], n)
+        for n, p in r["params"].items():
+            close(p, history[2]["state"][n], n)
+    assert {n for r in results for n in r["grads"]} == {n for n, _ in worker.build("tiny").named_parameters()}

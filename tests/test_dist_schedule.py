@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import seqify
 import seqify.distributed as sd
 from seqify.errors import ScheduleError
 from seqify.pipeline.schedule import Action, Schedule, make
@@ -68,3 +69,9 @@ def test_ranks_meeting_micro_batches_in_different_orders_are_refused() -> None:
 def test_unknown_schedule_names_the_choices() -> None:
     with pytest.raises(ScheduleError, match="zb-h1"):
         stages("pipedream")
+
+
+def test_graphs_with_checkpointing_is_refused() -> None:
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(seqify.BalanceError, match="checkpoint='never'"):
+        sd.DistributedStage(seq, [1, 1], index=0, device=torch.device("cpu"), graphs=True, checkpoint="always")

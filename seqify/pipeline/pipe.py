@@ -91,9 +91,10 @@ class Pipeline(nn.Module):
         self._transfer = Transfer()
         self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
         self._eager = Eager(self.stages, self._transfer, self.skip_partitions, self._norms, self._deferred)
-        self._replayer = Replayer(self.stages, self.devices, self._transfer, self.partitions.parameters, graphs)
-        self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
         self.placement = _placement(placement, self.devices)
+        self._replayer = Replayer(self.stages, self.devices, self._transfer, self.partitions.parameters, graphs,
+                                  self.placement)
+        self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
             raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a Schedule")
         self.schedule = schedule

@@ -693,3 +693,22 @@ def test_memory_cap_below_every_plan_names_the_smallest_cap() -> None:
         seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2, memory_cap=100, sample=torch.randn(4, 4))
     with raises(seqify.MemoryCapError, "memory_cap='lots'", "40GiB"):
         seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], memory_cap="lots", sample=torch.randn(4, 4))
+
+
+# -- seqify.distributed checkpoints (a lost peer, PeerError, is tested in test_dist_nodes.py) -----------
+
+
+def test_distributed_checkpoint_errors_name_the_file_and_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import seqify.distributed as sd
+
+    seq = seqify.convert(Lin())
+    saved = [sd.DistributedStage(seq, [2, 2], index=i, device=torch.device("cpu")) for i in range(2)]
+    for s in saved:
+        sd.save(s, tmp_path)
+    other = sd.DistributedStage(seq, [1, 3], index=0, device=torch.device("cpu"))
+    with raises(seqify.StateDictError, "stage0.pt", "balance [2, 2]", "[1, 3]", "merge(path)"):
+        sd.load(other, tmp_path)
+    with raises(seqify.StateDictError, "holds no optimizer state", "optimizer="):
+        sd.load(saved[0], tmp_path, torch.optim.SGD(saved[0].parameters(), lr=0.1))
+    with raises(seqify.StateDictError, "does not exist", "seqify.distributed.save"):
+        sd.merge(tmp_path / "elsewhere")

@@ -104,7 +104,8 @@ def one_process(steps: int, replicas: int = 2, chunks: int = 2, batch: int = 8) 
             opt.zero_grad()
             total, losses = 0.0, []
             for r in range(replicas):
-                xs, ys = x[r * batch // replicas:(r + 1) * batch // replicas], y[r * batch // replicas:(r + 1) * batch // replicas]
+                shard = slice(r * batch // replicas, (r + 1) * batch // replicas)
+                xs, ys = x[shard], y[shard]
                 loss = sum(nn.functional.cross_entropy(model(a), b) * (len(a) / len(xs))
                            for a, b in zip(xs.tensor_split(chunks), ys.tensor_split(chunks)))
                 losses.append(float(loss.detach()))

@@ -35,7 +35,8 @@ def by_hand(order: list[list[tuple[str, int]]], m: int) -> Schedule:
                 done.add((d, i, kind))
                 progress = True
         if not progress:  # an order that cannot run: issue the rest as given, for check() to refuse
-            actions += [Action(d, d, i, kind) for d, work in enumerate(todo) for kind, i in work]  # type: ignore[arg-type]
+            rest = [Action(d, d, i, kind) for d, work in enumerate(todo) for kind, i in work]  # type: ignore[arg-type]
+            actions += rest
             break
     return Schedule("by-hand", tuple(range(len(order))), m, tuple(actions))
 

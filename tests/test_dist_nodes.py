@@ -34,6 +34,7 @@ def node(rank: int, port: int, out: Path, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(WORKER.parent))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=seqify{port}",
+           f"--rdzv-conf=is_host={int(rank == 0)}",  # node 0 hosts the rendezvous store, whoever starts first
            "--local-addr=127.0.0.1", "--max-restarts=0", str(WORKER), "--out", str(out), *args]
     log = open(out / f"node{rank}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
@@ -71,7 +72,6 @@ def kill_node(agent: subprocess.Popen[str]) -> None:
 def two_nodes(out: Path, *args: str, timeout: float = 150) -> None:
     port = free_port()
     first = node(0, port, out, *args)
-    time.sleep(0.5)  # node 0 hosts the rendezvous store
     second = node(1, port, out, *args)
     try:
         codes = [first.wait(timeout), second.wait(timeout)]
@@ -171,7 +171,6 @@ def test_killing_a_node_ends_the_job_with_a_peer_error(tmp_path: Path) -> None:
     port = free_port()
     args = [*TINY, "--steps", "100000", "--timeout", "20"]
     first = node(0, port, tmp_path, *args)
-    time.sleep(0.5)
     second = node(1, port, tmp_path, *args)
     try:
         deadline = time.monotonic() + 150

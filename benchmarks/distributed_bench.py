@@ -1,9 +1,10 @@
 """Training throughput of seqify.distributed (one stage per process, NCCL) on ResNet-101.
 
-    torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 16 --out DIR
+    torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 16 \
+        --schedules gpipe 1f1b zb-h1 --graphs both --out DIR
 
-Balanced by FLOPs by default (``--balance``), GPipe schedule; rank 0 prints one JSON row per chunk count
-and writes them to DIR/distributed.json.
+Balanced by FLOPs by default (``--balance``); rank 0 prints one JSON row per schedule and chunk count, with
+every rank's peak allocated and reserved GiB, and writes them to DIR/distributed.json.
 """
 
 from __future__ import annotations
@@ -29,16 +30,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--balance", default="flops")
+    p.add_argument("--schedules", nargs="+", default=["gpipe"], help="shared schedules: gpipe 1f1b zb-h1")
+    p.add_argument("--graphs", choices=["off", "on", "both"], default="off", help="rows with graphs=True too")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     sd.init()
     rows = []
-    for chunks in args.chunks:
-        name = f"seqify-distributed-c{chunks}"
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
+    for schedule, graphs, chunks in [(s, g, c) for s in args.schedules for g in modes for c in args.chunks]:
+        name = f"seqify-distributed-{schedule}{'-graphs' if graphs else ''}-c{chunks}"
         try:
             torch.manual_seed(0)
             seq = seqify.convert(torchvision.models.resnet101())
-            stage = sd.stage(seq, balance=args.balance, chunks=chunks, sample=torch.randn(2, 3, args.res, args.res))
+            stage = sd.stage(seq, balance=args.balance, chunks=chunks, schedule=schedule, graphs=graphs,
+                             sample=torch.randn(2, 3, args.res, args.res))
             opt = torch.optim.SGD(stage.parameters(), lr=0.01)
             x = torch.randn(args.batch, 3, args.res, args.res, device=stage.device)
             y = torch.randint(0, 1000, (args.batch,), device=stage.device)
@@ -49,7 +54,7 @@ def main() -> None:
                 opt.step()
 
             sec, peaks = ranks.measure(step, args.warm, args.steps, stage.device)
-            r = ranks.row(name, args.batch, sec, peaks, balance=stage.balance)
+            r = ranks.row(name, args.batch, sec, peaks, reserved_gib=ranks.reserved(stage.device), balance=stage.balance)
             del stage, opt, seq
         except Exception as e:  # one broken configuration must not hide the rest
             r = ranks.error_row(name, e)

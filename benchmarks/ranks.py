@@ -31,6 +31,14 @@ def measure(step: Callable[[], None], warm: int, steps: int, device: torch.devic
     return sec, [round(float(v), 2) for v in peaks]
 
 
+def reserved(device: torch.device) -> list[float]:
+    """Every rank's peak reserved GiB (the caching allocator's pool) since the last reset."""
+    peak = torch.tensor([torch.cuda.max_memory_reserved(device) / 2**30], device=device)
+    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, peak)
+    return [round(float(v), 2) for v in peaks]
+
+
 def row(name: str, batch: int, sec: float, peaks: list[float], **extra: Any) -> dict[str, Any]:
     return dict(name=name, batch=batch, sec_per_step=round(sec, 4), samples_per_s=round(batch / sec, 1),
                 peak_gib=peaks, **extra)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,21 +14,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import BalanceError, BoundaryError, DeviceError
+from .dist_checkpoint import load, merge, save
+from .dist_replay import RankPrograms
+from .errors import BalanceError, BoundaryError, DeviceError, PeerError, ScheduleError, SeqifyError
 from .pipeline.checkpoint import checkpointed, norms_of
 from .pipeline.microbatch import gather, scatter
 from .pipeline.pipe import CHECKPOINT, _check_balance, _place
+from .pipeline.schedule import SCHEDULES, Schedule, make
 from .pipeline.stage import Stage
 from .sequential import Sequential
 from .skip.layout import routes
 
-__all__ = ["DistributedStage", "stage", "init", "SCHEDULES"]
+__all__ = ["DistributedStage", "stage", "init", "save", "load", "merge", "SCHEDULES"]
 
-SCHEDULES = ("gpipe", "1f1b")
 _DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool,
 ]
+_OUT = -1  # where a last stage running programs keeps the leaves its loss starts from
 _MAX_TENSORS = 16
 _MAX_DIMS = 8
 _SLOT = 2 + _MAX_DIMS
@@ -48,6 +52,26 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+@contextmanager
+def _peer(me: str, peer: int | list[int], what: str) -> Iterator[None]:
+    """Turns a failed send, receive or all-reduce (a peer died, or stayed silent past the process-group
+    timeout) into a :class:`PeerError` naming both ranks and what to do."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise DistBackendError or a plain RuntimeError
+        if isinstance(e, SeqifyError):
+            raise
+        who = f"rank {peer}" if isinstance(peer, int) else f"one of ranks {peer}"
+        cause = (str(e).splitlines() or [type(e).__name__])[0]
+        cause = cause.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source location and advice
+        raise PeerError(
+            f"{me} lost {who} while {what} ({cause}). The peer process died or did not answer within the "
+            "process-group timeout (seqify.distributed.init(timeout_s=...)). Look in its log (or its node's) for "
+            "the first error; the rest of the job stops too. Restart the job and resume from the last "
+            "seqify.distributed.save(stage, path, optimizer) with seqify.distributed.load(stage, path, optimizer)."
+        ) from e
+
+
 @dataclass(frozen=True)
 class _Route:
     index: int
@@ -60,8 +84,9 @@ class _Link:
     """Sends and receives tensors, tuples of tensors or None, with a small header so receivers need
     no shapes in advance."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, me: str = "this rank") -> None:
         self.device = device
+        self.me = me
         self.pending: list[Any] = []
 
     def send(self, value: Any, dst: int) -> list[torch.Tensor]:
@@ -87,13 +112,18 @@ class _Link:
             header[base + 1] = t.dim()
             header[base + 2:base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         sent = [header.to(self.device)] + [t.detach().contiguous() for t in tensors]
-        for t in sent:
-            self.pending.append((dist.isend(t, dst), t))
+        with _peer(self.me, dst, "sending activations"):
+            for t in sent:
+                self.pending.append((dist.isend(t, dst), t, dst))
         return list(tensors)
+
+    def _recv(self, t: torch.Tensor, src: int, what: str) -> None:
+        with _peer(self.me, src, what):
+            dist.irecv(t, src).wait()
 
     def recv(self, src: int) -> Any:
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.irecv(header, src).wait()
+        self._recv(header, src, "receiving activations")
         header = header.cpu()
         kind, n = int(header[0]), int(header[1])
         tensors = []
@@ -102,33 +132,39 @@ class _Link:
             dtype = _DTYPES[int(header[base])]
             shape = [int(d) for d in header[base + 2:base + 2 + int(header[base + 1])]]
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.irecv(t, src).wait()
+            self._recv(t, src, "receiving activations")
             tensors.append(t)
         if kind == 2:
             return None
         return tensors[0] if kind == 0 else tuple(tensors)
 
     def send_grads(self, tensors: Sequence[torch.Tensor], dst: int) -> None:
-        for t in tensors:
+        self.send_values(tensors, [t.grad for t in tensors], dst)
+
+    def send_values(self, like: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], dst: int) -> None:
+        """The gradients of ``like``'s floating-point tensors (zeros where ``None``), for ``recv_grads``."""
+        for t, g in zip(like, grads):
             if t.is_floating_point():
-                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                g = g if g is not None else torch.zeros_like(t)
                 g = g.contiguous()
-                self.pending.append((dist.isend(g, dst), g))
+                with _peer(self.me, dst, "sending gradients"):
+                    self.pending.append((dist.isend(g, dst), g, dst))
 
     def recv_grads(self, like: Sequence[torch.Tensor], src: int) -> list[torch.Tensor | None]:
         grads: list[torch.Tensor | None] = []
         for t in like:
             if t.is_floating_point():
                 g = torch.empty_like(t)
-                dist.irecv(g, src).wait()
+                self._recv(g, src, "receiving gradients")
                 grads.append(g)
             else:
                 grads.append(None)
         return grads
 
     def flush(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
+        for work, _, peer in self.pending:
+            with _peer(self.me, peer, "waiting for its sends to arrive"):
+                work.wait()
         self.pending.clear()
 
 
@@ -152,9 +188,10 @@ def _requiring_grad(value: Any) -> tuple[Any, list[torch.Tensor]]:
 class DistributedStage(nn.Module):
     """This process's partition of a pipeline that spans processes (one stage per rank).
 
-    ``step(inputs, target, loss_fn)`` runs one mini-batch through a GPipe schedule (every micro-batch
-    forward, then every backward in reverse) or 1F1B (``schedule='1f1b'``: a backward after each forward
-    once the pipeline is full, which bounds the activations kept), exchanging activations with the
+    ``step(inputs, target, loss_fn)`` runs one mini-batch in the order of a shared schedule
+    (``seqify.pipeline.schedule``: 'gpipe', every forward then every backward; '1f1b', a backward after
+    each forward once the pipeline is full, which bounds the activations kept; 'zb-h1'; or a ``Schedule``
+    with one partition per rank), exchanging activations with the
     neighbouring stages and skips directly with the stage that pops (or stashed) them. It returns the mini-batch
     loss on the last stage and ``None`` elsewhere; gradients are left in this stage's parameters (and
     averaged over data-parallel replicas), ready for ``optimizer.step()``.
@@ -171,11 +208,15 @@ class DistributedStage(nn.Module):
         device: torch.device,
         chunks: int = 1,
         checkpoint: str = "never",
-        schedule: str = "gpipe",
+        schedule: str | Schedule = "gpipe",
+        graphs: bool = False,
     ) -> None:
         super().__init__()
-        if schedule not in SCHEDULES:
-            raise BalanceError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
+        if graphs and checkpoint != "never":
+            raise BalanceError(f"graphs=True with checkpoint={checkpoint!r}: captured graphs need checkpoint='never'")
+        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+            raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
+                                "seqify.pipeline.schedule.Schedule with one partition per rank")
         if checkpoint not in CHECKPOINT:
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
         names = list(model._modules)
@@ -209,6 +250,9 @@ class DistributedStage(nn.Module):
         self.runner = Stage(index, part, device, pops, stashes)
         self._norms = norms_of(part)
         self._dp_group: Any = None
+        self._orders: dict[int, list[tuple[str, int]]] = {}  # per micro-batch count: built once
+        self.graphs = graphs
+        self._programs = RankPrograms(self.runner, device, graphs) if graphs else None
 
     @property
     def is_first(self) -> bool:
@@ -220,6 +264,11 @@ class DistributedStage(nn.Module):
 
     def rank_of(self, stage_index: int) -> int:
         return self.replica * self.stages + stage_index
+
+    @property
+    def me(self) -> str:
+        rank = dist.get_rank() if dist.is_initialized() else self.rank_of(self.index)
+        return f"rank {rank} (stage {self.index + 1}/{self.stages}, replica {self.replica + 1}/{self.replicas})"
 
     def __repr__(self) -> str:
         return (f"DistributedStage({self.index + 1}/{self.stages}, replica {self.replica + 1}/{self.replicas}, "
@@ -248,7 +297,8 @@ class DistributedStage(nn.Module):
         """Every stage learns the micro-batch sizes the first stage made (for loss weights and 1F1B)."""
         count = torch.tensor([len(micro)], dtype=torch.int64, device=self.device)
         if self.stages > 1 and not self.is_first:
-            dist.recv(count, self.rank_of(0))
+            with _peer(self.me, self.rank_of(0), "receiving the micro-batch sizes"):
+                dist.recv(count, self.rank_of(0))
         sizes = torch.tensor(
             [_leaves(v)[0].size(0) for v in micro] if self.is_first else [0] * int(count[0]),
             dtype=torch.int64, device=self.device,
@@ -256,26 +306,41 @@ class DistributedStage(nn.Module):
         if self.stages > 1:
             if self.is_first:
                 for j in range(1, self.stages):
-                    dist.send(count, self.rank_of(j))
-                    dist.send(sizes, self.rank_of(j))
+                    with _peer(self.me, self.rank_of(j), "sending the micro-batch sizes"):
+                        dist.send(count, self.rank_of(j))
+                        dist.send(sizes, self.rank_of(j))
             else:
-                dist.recv(sizes, self.rank_of(0))
+                with _peer(self.me, self.rank_of(0), "receiving the micro-batch sizes"):
+                    dist.recv(sizes, self.rank_of(0))
         return [int(v) for v in sizes.tolist()]
 
     def order(self, m: int) -> list[tuple[str, int]]:
-        """This stage's work for ``m`` micro-batches: ('F', i) forwards and ('B', i) backwards.
+        """This stage's work for ``m`` micro-batches, ('F', i) forwards and ('B', i) backwards, read from
+        the shared schedule (``seqify.pipeline.schedule``: one partition per rank, rank = device).
 
-        GPipe: every forward, then every backward in reverse. 1F1B: as many forwards as stages after
-        this one, then one backward after each forward, so at most that many micro-batches keep their
-        activations at once."""
-        if self.schedule == "gpipe":
-            return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-        warm = min(self.stages - self.index - 1, m)
-        work = [("F", i) for i in range(warm)]
-        for f, b in zip(range(warm, m), range(m)):
-            work += [("F", f), ("B", b)]
-        work += [("B", b) for b in range(m - warm, m)]
-        return work
+        A split schedule's W (weight gradients, zero-bubble) runs inside its B here: the order is the
+        schedule's, the split is not (yet). Messages between two ranks are matched in the order they are
+        posted, so every rank must meet the micro-batches in the same order, forwards and backwards."""
+        if m in self._orders:
+            return self._orders[m]
+        plan = make(self.schedule, tuple(range(self.stages)), m)
+        lists = plan.per_device()
+        if len(lists) != self.stages:
+            raise ScheduleError(
+                f"schedule {plan.name!r} places partitions on {len(lists)} devices; seqify.distributed runs one "
+                f"partition per rank, placement {tuple(range(self.stages))}: build it with that placement"
+            )
+        for kind in ("F", "B"):
+            seen = [[a.microbatch for a in actions if a.kind == kind] for actions in lists]
+            odd = next((j for j, got in enumerate(seen) if got != seen[0]), None)
+            if odd is not None:
+                raise ScheduleError(
+                    f"schedule {plan.name!r} runs {kind} of the micro-batches in order {seen[0]} on rank 0 and "
+                    f"{seen[odd]} on rank {odd}; seqify.distributed matches messages in the order they are sent, "
+                    "so every rank needs the same order (gpipe, 1f1b and zb-h1 have it)"
+                )
+        self._orders[m] = [(a.kind, a.microbatch) for a in lists[self.index] if a.kind != "W"]
+        return self._orders[m]
 
     def step(
         self,
@@ -291,25 +356,35 @@ class DistributedStage(nn.Module):
         sizes = self._sizes(micro)
         m, batch = len(sizes), sum(sizes)
         targets = scatter(target.to(self.device), m) if self.is_last and target is not None else [None] * m
-        link = _Link(self.device)
+        link = _Link(self.device, self.me)
         grad = torch.is_grad_enabled()
         stop = 0 if not grad else {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         saved: dict[int, tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], Any, dict[int, list[torch.Tensor]]]] = {}
         losses: list[torch.Tensor] = []
+        # graphs=True: fixed programs per micro-batch; received values are copied in, not made leaves
+        prog = self._programs if grad else None
+        if prog is not None:
+            prog.begin(sizes)
+
+        def take(value: Any) -> tuple[Any, list[torch.Tensor]]:
+            return (value, _leaves(value)) if prog is not None else _requiring_grad(value)
 
         def forward(i: int) -> None:
             x_leaves: list[torch.Tensor] = []
             if self.is_first:
                 x = micro[i]
             else:
-                x, x_leaves = _requiring_grad(link.recv(self.rank_of(self.index - 1)))
+                x, x_leaves = take(link.recv(self.rank_of(self.index - 1)))
             skips_in: dict[Any, Any] = {}
             received: dict[int, list[torch.Tensor]] = {}
             for r in self.routes:
                 if r.dst == self.index:
-                    value, received[r.index] = _requiring_grad(link.recv(self.rank_of(r.src)))
+                    value, received[r.index] = take(link.recv(self.rank_of(r.src)))
                     skips_in[self._key[r.index]] = value
-            y, skips_out = self._forward(x, skips_in, i < stop)
+            if prog is None:
+                y, skips_out = self._forward(x, skips_in, i < stop)
+            else:
+                y, skips_out = prog.forward(i, x, skips_in, needs_grad=not self.is_first)
             sent: dict[int, list[torch.Tensor]] = {}
             if not self.is_last:
                 link.send(y, self.rank_of(self.index + 1))
@@ -317,13 +392,39 @@ class DistributedStage(nn.Module):
                 if r.src == self.index:
                     sent[r.index] = link.send(skips_out[self._key[r.index]], self.rank_of(r.dst))
             if self.is_last:
+                if prog is not None:  # the loss on leaves: a program's outputs carry no autograd history
+                    sent[_OUT] = [t.detach().requires_grad_(t.is_floating_point()) for t in _leaves(y)]
+                    y = sent[_OUT][0] if isinstance(y, torch.Tensor) else tuple(sent[_OUT])
                 out = self.model.unflatten_outputs(y) if isinstance(self.model, Sequential) else y
                 assert loss_fn is not None
                 y = loss_fn(out, targets[i]) * (sizes[i] / batch)  # the mini-batch mean, piece by piece
                 losses.append(y.detach())
             saved[i] = (x_leaves, received, y, sent)
 
+        def backward_program(i: int) -> None:
+            assert prog is not None
+            x_leaves, received, y, sent = saved.pop(i)
+            if self.is_last:
+                y.backward()
+                grads = [t.grad for t in sent.pop(_OUT)]
+            else:
+                grads = link.recv_grads(_leaves(y), self.rank_of(self.index + 1))
+            for r in self.routes:
+                if r.src == self.index:
+                    grads += link.recv_grads(sent[r.index], self.rank_of(r.dst))
+            in_grads = prog.backward(i, grads)
+            if not self.is_first:
+                link.send_values(x_leaves, in_grads[:len(x_leaves)], self.rank_of(self.index - 1))
+            at = len(x_leaves)
+            for r in self.routes:
+                if r.dst == self.index:
+                    n = len(received[r.index])
+                    link.send_values(received[r.index], in_grads[at:at + n], self.rank_of(r.src))
+                    at += n
+
         def backward(i: int) -> None:
+            if prog is not None:
+                return backward_program(i)
             x_leaves, received, y, sent = saved.pop(i)
             outputs: list[torch.Tensor] = []
             grads: list[torch.Tensor | None] = []
@@ -353,6 +454,8 @@ class DistributedStage(nn.Module):
                     forward(i)
                 else:
                     backward(i)
+            if prog is not None:
+                prog.finish(grad, self.order(m))
             if grad:
                 self._all_reduce_grads()
             link.flush()
@@ -367,7 +470,9 @@ class DistributedStage(nn.Module):
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self._dp_group)
+        others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
+        with _peer(self.me, others, "averaging gradients over data-parallel replicas"):
+            dist.all_reduce(flat, group=self._dp_group)
         flat /= self.replicas
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
@@ -377,7 +482,7 @@ class DistributedStage(nn.Module):
         """Inference over the pipeline: the output (source structure) on the last stage, None elsewhere."""
         micro = self._micro_inputs(inputs if len(inputs) != 1 else inputs[0]) if self.is_first else []
         m = len(self._sizes(micro))
-        link = _Link(self.device)
+        link = _Link(self.device, self.me)
         outs = []
         for i in range(m):
             x = micro[i] if self.is_first else link.recv(self.rank_of(self.index - 1))
@@ -402,7 +507,8 @@ def stage(
     balance: Sequence[int] | str | None = None,
     chunks: int = 1,
     checkpoint: str = "never",
-    schedule: str = "gpipe",
+    schedule: str | Schedule = "gpipe",
+    graphs: bool = False,
     device: torch.device | str | None = None,
     sample: Any = None,
     example_inputs: Any = None,
@@ -413,6 +519,8 @@ def stage(
     ``r // stages``; ``balance`` fixes the number of stages (a list of layer counts), or a strategy name
     ('params', 'flops', 'time', 'memory') splits the model into ``world_size`` stages. Rank 0 decides
     the balance and broadcasts it, so every rank agrees. Every rank must build the same model (seed it).
+    ``graphs=True`` runs each micro-batch's forward and backward as fixed programs, captured as CUDA
+    graphs after the first step (eager programs on the CPU); the sends and receives stay between them.
     """
     if not dist.is_initialized():
         init()
@@ -440,7 +548,8 @@ def stage(
         raise DeviceError(f"world size {world} is not a multiple of the {stages} pipeline stages; launch stages x replicas processes")
     replicas = world // stages
     result = DistributedStage(model, counts, index=rank % stages, replica=rank // stages, replicas=replicas,
-                              device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule)
+                              device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                              graphs=graphs)
     if replicas > 1:
         for s in range(stages):
             group = dist.new_group([d * stages + s for d in range(replicas)])

@@ -26,6 +26,9 @@ __all__ = [
     "PlotError",
     "SpecError",
     "SampleError",
+    "ScheduleError",
+    "MemoryCapError",
+    "PeerError",
 ]
 
 
@@ -124,3 +127,15 @@ class SpecError(SeqifyError):
 
 class SampleError(SeqifyError):
     """The input the command line builds (``--size``, ``--batch``, ``--shape``) does not fit the model."""
+
+
+class ScheduleError(SeqifyError):
+    """A pipeline schedule that is unknown, does not fit the placement, or breaks an ordering rule."""
+
+
+class MemoryCapError(SeqifyError):
+    """No schedule and checkpointing choice fits ``memory_cap``; the message gives the smallest cap that does."""
+
+
+class PeerError(SeqifyError):
+    """A distributed pipeline's peer rank died or stopped answering within the process-group timeout."""

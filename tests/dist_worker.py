@@ -1,34 +1,56 @@
-"""One rank of a distributed pipeline test: run one training step, save loss and gradients (torchrun)."""
+"""One rank of a distributed pipeline test: run training steps, save losses, gradients, parameters (torchrun)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.nn.functional as F
-import torchvision
+from torch import nn
 
 import seqify
 import seqify.distributed as sd
 
 
+class Tiny(nn.Module):
+    """A few Linear layers and a skip that crosses stages (balance 3,3 cuts between stash and pop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 3)
+        self.register_buffer("unused", torch.arange(3.0))  # forward never reads it; checkpoints keep it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.c(torch.relu(self.b(h)) + h)
+
+
 def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if name == "tiny":
+        return Tiny()
     if name == "resnet18":
+        import torchvision
+
         return torchvision.models.resnet18(num_classes=10)
     return seqify.zoo.unet(depth=3, blocks=1, channels=4, out_channels=2)
 
 
-def data(name: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
+def data(name: str, batch: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1 + step)
+    if name == "tiny":
+        return torch.randn(batch, 6, generator=g), torch.randint(0, 3, (batch,), generator=g)
     if name == "resnet18":
         return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
     return torch.randn(batch, 3, 16, 16, generator=g), torch.randn(batch, 2, 16, 16, generator=g)
 
 
 def loss_fn(name: str):  # type: ignore[no-untyped-def]
-    return F.cross_entropy if name == "resnet18" else F.mse_loss
+    return F.mse_loss if name == "unet" else F.cross_entropy
 
 
 def main() -> None:
@@ -43,12 +65,18 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--backend", default="gloo")
     p.add_argument("--schedule", default="gpipe")
+    p.add_argument("--steps", type=int, default=1, help="SGD steps (more than 1: train() below)")
+    p.add_argument("--save-after", type=int, default=0, help="checkpoint to --ckpt after this many steps")
+    p.add_argument("--resume", action="store_true", help="load --ckpt first, then run the remaining steps")
+    p.add_argument("--ckpt", default="")
+    p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--graphs", action="store_true", help="fixed programs per micro-batch (CUDA graphs on GPUs)")
     args = p.parse_args()
     if args.backend == "nccl":
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cudnn.deterministic = True
         torch.backends.cuda.matmul.allow_tf32 = False
-    sd.init(args.backend, timeout_s=60)
+    sd.init(args.backend, timeout_s=args.timeout)
     rank = torch.distributed.get_rank()
     model = build(args.model).train()
     seq = seqify.convert(model)
@@ -57,9 +85,12 @@ def main() -> None:
     else:
         balance = [int(b) for b in args.balance.split(",")]
     stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                     sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
+                     graphs=args.graphs, sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
     if rank == args.fail_rank:
         raise RuntimeError(f"planned failure on rank {rank}")
+    if args.steps > 1 or args.resume:
+        train(args, model, stage)
+        return
     x, y = data(args.model, args.batch)
     if args.backend == "nccl":
         x, y = x.to(stage.device), y.to(stage.device)
@@ -74,6 +105,42 @@ def main() -> None:
     out = None if out is None else out.cpu()
     torch.save({"loss": loss, "grads": grads, "replica": stage.replica, "stage": stage.index,
                 "balance": stage.balance, "output": out}, os.path.join(args.out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def train(args: argparse.Namespace, model: nn.Module, stage: sd.DistributedStage) -> None:
+    """``--steps`` SGD steps (momentum) of the pipeline; saves after ``--save-after`` or resumes from ``--ckpt``.
+
+    With ``--steps`` far above what the test waits for, the job runs until the test kills a node; each
+    rank touches ``started{rank}`` after its first step so the test knows training is under way."""
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    first = sd.load(stage, args.ckpt, opt) if args.resume else 0
+    losses: dict[int, float] = {}
+    rank = torch.distributed.get_rank()
+    shard = slice(stage.replica * args.batch // stage.replicas, (stage.replica + 1) * args.batch // stage.replicas)
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.005)  # a step of the tiny model is short: keep the ranks mid-step while the kill test strikes
+        return loss_fn(args.model)(out, target)
+
+    for step in range(first, args.steps):
+        x, y = data(args.model, args.batch, step)
+        opt.zero_grad()
+        loss = stage.step(x[shard] if stage.is_first else None, y[shard] if stage.is_last else None,
+                          loss_fn=slow_loss)
+        opt.step()
+        if loss is not None:
+            losses[step] = float(loss)
+        if step == first:
+            open(os.path.join(args.out, f"started{rank}"), "w").close()
+        if step + 1 == args.save_after:
+            sd.save(stage, args.ckpt, opt, extra=step + 1)
+    torch.save({"losses": losses, "stage": stage.index, "replica": stage.replica,
+                "params": {names[id(p)]: p.detach().clone() for p in stage.partition.parameters()},
+                "grads": {names[id(p)]: p.grad.clone() for p in stage.partition.parameters() if p.grad is not None},
+                "optimizer": opt.state_dict()},
+               os.path.join(args.out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 

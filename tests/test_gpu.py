@@ -185,3 +185,58 @@ def test_distributed_nccl_matches_one_process(tmp_path) -> None:  # type: ignore
     for r in results:
         for n, g in r["grads"].items():
             torch.testing.assert_close(g, grads[n], rtol=1e-3, atol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("schedule,loops", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2)])
+def test_scheduled_step_on_two_gpus_matches_eager_gpipe(schedule: str, loops: int) -> None:
+    """pipe.step under each schedule, across two GPUs (copies on copy streams, gradients sent back),
+    leaves the gradients and loss GPipe's pipe(x) + loss.backward() leaves."""
+    torch.manual_seed(0)
+    source = torchvision.models.resnet18(num_classes=10).train()
+    twin = copy.deepcopy(source)
+    seq, seq2 = seqify.convert(source), seqify.convert(twin)
+    n = len(seq)
+    cuts = [n // (2 * loops)] * (2 * loops - 1)
+    reference = seqify.pipeline(seq, gpus=2, loops=loops, balance=cuts + [n - sum(cuts)], chunks=4,
+                                checkpoint="never", schedule="interleaved" if loops > 1 else "gpipe")
+    pipe = seqify.pipeline(seq2, gpus=2, loops=loops, balance=cuts + [n - sum(cuts)], chunks=4, checkpoint="never",
+                           schedule=schedule)
+    x = torch.randn(14, 3, 64, 64, device="cuda:0")
+    y = torch.randint(0, 10, (14,), device="cuda:0")
+    expected = torch.nn.functional.cross_entropy(reference(x), y.to(reference.devices[-1]))
+    expected.backward()
+    got = pipe.step(x, y, torch.nn.functional.cross_entropy)
+    close = relative(1e-4)
+    close(got, expected.detach(), "loss")
+    for (name, p), q in zip(source.named_parameters(), twin.parameters()):
+        close(q.grad, p.grad, f"grad {name}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_distributed_graphs_match_eager(tmp_path, schedule: str) -> None:  # type: ignore[no-untyped-def]
+    """seqify.distributed with graphs=True (each rank's micro-batches replayed from CUDA graphs, NCCL sends
+    and receives between them) trains 3 steps like the eager ranks: losses and parameters."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=str(here))
+    runs = {}
+    for graphs in (False, True):
+        out = tmp_path / f"graphs{graphs}"
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "--max-restarts=0", str(here / "dist_worker.py"), "--out", str(out), "--model", "resnet18",
+               "--balance", "params", "--chunks", "4", "--batch", "16", "--steps", "3", "--schedule", schedule,
+               "--backend", "nccl", *(["--graphs"] if graphs else [])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[graphs] = [torch.load(out / f"rank{r}.pt", map_location="cpu", weights_only=False) for r in range(2)]
+    for eager, graphed in zip(runs[False], runs[True]):
+        assert eager["stage"] == graphed["stage"]
+        for step, loss in eager["losses"].items():
+            assert abs(graphed["losses"][step] - loss) < 1e-4, step
+        for n, p in eager["params"].items():
+            torch.testing.assert_close(graphed["params"][n], p, rtol=1e-4, atol=1e-5, msg=n)

@@ -25,6 +25,7 @@ __all__ = [
     "ZooError",
     "PlotError",
     "SpecError",
+    "TuneError",
 ]
 
 
@@ -119,3 +120,8 @@ class PlotError(SeqifyError):
 
 class SpecError(SeqifyError):
     """A SPEC (``torchvision:NAME``, ``zoo:NAME``, ``FILE.py:FACTORY``) that names no model, or a builder that fails."""
+
+
+class TuneError(SeqifyError):
+    """The tuner cannot pick or apply a pipeline configuration: no candidate fits ``memory_cap``, no sample
+    to measure, or a saved configuration that does not fit the model or the devices."""

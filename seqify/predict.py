@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .partition.cost import TRAINING_FACTOR
 
@@ -54,6 +54,11 @@ class LayerModel:
 
     def __len__(self) -> int:
         return len(self.fixed_s)
+
+    def scaled(self, factor: float) -> LayerModel:
+        """Every layer's time times ``factor`` (bytes unchanged)."""
+        return replace(self, fixed_s=tuple(v * factor for v in self.fixed_s),
+                       per_sample_s=tuple(v * factor for v in self.per_sample_s))
 
     def seconds(self, start: int, stop: int, batch: float) -> float:
         """Forward+backward seconds of layers ``start..stop-1`` at micro-batch ``batch``."""

@@ -231,6 +231,21 @@ def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int,
     return fitted, hi
 
 
+def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
+            *, steps: int, warm: int) -> LayerModel:
+    """Scale the layer times so the model on one device predicts its measured step: profiling a layer
+    alone adds or hides per-call costs a whole step does not have (on CPU, an autograd call per layer).
+    Left as profiled where the model does not fit one device."""
+    alone = Candidate((len(layers),), (str(device),), 1, "never")
+    predicted = predict(alone, layers, cal, batch).seconds
+    try:
+        measured = step_seconds(model.to(device).train(), pytree.tree_map(
+            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample), [device], steps=steps, warm=warm)
+    except torch.OutOfMemoryError:
+        return layers
+    return layers.scaled(measured / predicted) if predicted > 0 else layers
+
+
 # -- candidates --------------------------------------------------------------------------------------------
 
 
@@ -296,6 +311,8 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
             for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graph_set, sched_set):
                 if graphs and (ckpt != "never" or sched != "gpipe"):
                     continue
+                if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
+                    continue  # one micro-batch, the last: the same run as checkpoint='never'
                 out.append((Candidate(bal, placed, m, ckpt, graphs, sched), strategy, loops))
     return out
 
@@ -374,6 +391,7 @@ def tune(
         cal = calibrate(placed)
         lo = max(2 if batch >= 2 else 1, batch // max(c for c in CHUNKS if c <= batch))
         layers, hi = layer_model(model, sample, placed[0], lo=lo, show=show)
+        layers = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
         found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s)
         if not found:
             raise TuneError(f"no candidate configuration: {len(model)} layers cannot make {len(placed)} partitions "

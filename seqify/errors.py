@@ -25,6 +25,8 @@ __all__ = [
     "ZooError",
     "PlotError",
     "SpecError",
+    "ScheduleError",
+    "MemoryCapError",
     "TuneError",
 ]
 
@@ -120,6 +122,14 @@ class PlotError(SeqifyError):
 
 class SpecError(SeqifyError):
     """A SPEC (``torchvision:NAME``, ``zoo:NAME``, ``FILE.py:FACTORY``) that names no model, or a builder that fails."""
+
+
+class ScheduleError(SeqifyError):
+    """A pipeline schedule that is unknown, does not fit the placement, or breaks an ordering rule."""
+
+
+class MemoryCapError(SeqifyError):
+    """No schedule and checkpointing choice fits ``memory_cap``; the message gives the smallest cap that does."""
 
 
 class TuneError(SeqifyError):

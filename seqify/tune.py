@@ -18,7 +18,6 @@ fingerprint, input shapes and dtypes, devices, options) in ``$SEQIFY_CACHE_DIR/t
 from __future__ import annotations
 
 import hashlib
-import inspect
 import itertools
 import json
 import os
@@ -250,13 +249,10 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
 
 
 def _schedules() -> tuple[str, ...]:
-    """The schedules ``seqify.pipeline`` accepts (``('gpipe',)`` until it takes ``schedule=``)."""
-    if "schedule" not in inspect.signature(pipeline).parameters:
-        return ("gpipe",)
-    from .pipeline import schedule as module
-
-    names = getattr(module, "SCHEDULES", ("gpipe", "1f1b"))
-    return tuple(n for n in names if n in ("gpipe", "1f1b"))  # the ones predict.tasks_order simulates
+    """The schedules the tuner compares. Only fill-drain for now: ``pipe(x)`` with ``loss.backward()``
+    always runs GPipe's order (the other schedules act in ``pipe.step``, which the timed steps do not
+    use yet); :func:`seqify.predict.tasks_order` already simulates '1f1b' for when they do."""
+    return ("gpipe",)
 
 
 def _plans(model: nn.Module, sample: Any, hi: LayerCosts, parts: int, by: Sequence[str],
@@ -430,7 +426,7 @@ def _trial(c: Candidate, by: str, loops: int, p: Any) -> Trial:
 
 
 def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
-    out: dict[str, Any] = dict(devices=list(devices) * t.loops, balance=list(t.balance), chunks=t.chunks,
+    out: dict[str, Any] = dict(devices=list(devices), loops=t.loops, balance=list(t.balance), chunks=t.chunks,
                                checkpoint=t.checkpoint, graphs=t.graphs)
     if t.schedule is not None:
         out["schedule"] = t.schedule

@@ -68,8 +68,8 @@ class PipeConfig:
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments of ``seqify.pipeline`` that build this configuration."""
-        out: dict[str, Any] = dict(devices=self.partitions, balance=list(self.balance), chunks=self.chunks,
-                                   checkpoint=self.checkpoint, graphs=self.graphs)
+        out: dict[str, Any] = dict(devices=list(self.devices), loops=self.loops, balance=list(self.balance),
+                                   chunks=self.chunks, checkpoint=self.checkpoint, graphs=self.graphs)
         if self.schedule is not None:
             out["schedule"] = self.schedule
         return out

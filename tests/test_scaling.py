@@ -97,15 +97,15 @@ def test_scaling_benchmark_smoke(tmp_path) -> None:
     out = tmp_path / "scaling.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--tiny", "--device", "cpu", "--gpus", "1", "2",
-         "--models", "resnet101", "unet", "--out", str(out)],
+         "--models", "unet", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={**__import__("os").environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")},
     )
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert {r["model"] for r in rows} == {"resnet101", "unet"}
-    for model in ("resnet101", "unet"):
+    assert {r["model"] for r in rows} == {"unet"}
+    for model in ("unet",):
         for scaling in ("strong", "weak"):
             mine = {r["gpus"]: r for r in rows if r["model"] == model and r["scaling"] == scaling and r["runner"] == "seqify"}
             assert set(mine) == {1, 2}

@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .errors import SeqifyError, TuneError
+from .errors import MemoryCapError, SeqifyError, TuneError
 from .partition.balancer import split
 from .partition.cost import LayerCosts, default_transfer_cost, flop_costs, time_costs
 from .partition.graph import dataflow, live_bytes
@@ -396,7 +396,7 @@ def tune(
         fits = [t for t in trials if memory_cap is None or t.memory_bytes <= memory_cap]
         if not fits:
             least = min(trials, key=lambda t: t.memory_bytes)
-            raise TuneError(
+            raise MemoryCapError(
                 f"no configuration fits memory_cap={memory_cap / 2**20:.1f} MB per device: the least memory "
                 f"predicted is {least.memory_bytes / 2**20:.1f} MB ({least.label()}); raise memory_cap, use more "
                 "devices, or a smaller mini-batch"

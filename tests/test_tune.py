@@ -158,7 +158,7 @@ def test_auto_without_a_sample_says_what_to_pass() -> None:
 
 def test_memory_cap_is_respected_or_refused() -> None:
     _, seq, x = source_and_seq()
-    with pytest.raises(seqify.TuneError, match="raise memory_cap"):
+    with pytest.raises(seqify.MemoryCapError, match="raise memory_cap"):
         seqify.tune(seq, x, devices=CPU2, memory_cap=16, top=0, show=False)
     x = torch.randn(64, 6, dtype=torch.float64)  # activations outweigh parameters: checkpointing matters
     free = seqify.tune(seq, x, devices=CPU2, top=0, show=False, cache=False)

@@ -670,3 +670,26 @@ def test_errors_in_the_model_itself_keep_their_type_and_name_the_layer() -> None
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
         pipe(torch.randn(2, 3))
     assert "in pipeline partition 0 (cpu), layer 'f'" in " ".join(info.value.__notes__)
+
+
+# -- schedules and memory caps ---------------------------------------------------------------------
+
+
+def test_schedule_errors_name_the_schedule_and_the_fix() -> None:
+    with raises(seqify.ScheduleError, "schedule='2f2b'", "choose one of", "zb-h1"):
+        seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], schedule="2f2b")
+    with raises(seqify.ScheduleError, "1f1b", "one partition per device", "interleaved"):
+        pipe = seqify.pipeline(Lin(), devices=CPU2[:1], loops=2, balance=[2, 2], schedule="1f1b", chunks=2)
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)
+    from seqify.pipeline.schedule import gpipe
+
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2, schedule=gpipe((0, 1), 3))
+    with raises(seqify.ScheduleError, "3 micro-batches", "build it for this pipeline"):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)
+
+
+def test_memory_cap_below_every_plan_names_the_smallest_cap() -> None:
+    with raises(seqify.MemoryCapError, "memory_cap=100", "smallest cap that works is", "Raise memory_cap"):
+        seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2, memory_cap=100, sample=torch.randn(4, 4))
+    with raises(seqify.MemoryCapError, "memory_cap='lots'", "40GiB"):
+        seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], memory_cap="lots", sample=torch.randn(4, 4))

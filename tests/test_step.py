@@ -129,3 +129,21 @@ def test_step_refuses_inference_and_a_bad_target() -> None:
         pipe.step(x, y, nn.CrossEntropyLoss())
     with pytest.raises(ScheduleError, match="choose one of"):
         seqify.pipeline(seqify.convert(UNet()), devices=["cpu"] * 2, balance=[4, 4] if False else None, schedule="2f2b")
+
+
+def test_replay_issues_programs_in_the_gpipe_schedule_order_and_step_trains_through_it() -> None:
+    """Replay (CUDA graphs' driver, here with eager programs on the CPU) reads its order from the
+    pipeline's gpipe Schedule, looped over two partitions per device; pipe.step through it is exact."""
+    from seqify.pipeline.schedule import gpipe
+
+    source, pipe = setup("gpipe", 4, loops=2)
+    pipe._replay_eager = True
+    compare(source, pipe, nn.CrossEntropyLoss(), steps=1)
+    replay = pipe._graphed[1] if pipe._graphed is not None else None
+    assert replay is not None, pipe.graph_error
+    schedule = gpipe(pipe.placement, pipe.chunks)
+    assert pipe.placement == (0, 1, 0, 1)
+    assert replay.forward_order == schedule.forwards()
+    assert replay.backward_order == schedule.backwards()
+    on_zero = [ij for ij in replay.forward_order if ij[1] in (0, 2)]
+    assert on_zero == [(i, 0) for i in range(4)] + [(i, 2) for i in range(4)]  # looped: breadth-first

@@ -160,6 +160,8 @@ def test_memory_cap_is_respected_or_refused() -> None:
     _, seq, x = source_and_seq()
     with pytest.raises(seqify.MemoryCapError, match="raise memory_cap"):
         seqify.tune(seq, x, devices=CPU2, memory_cap=16, top=0, show=False)
+    with pytest.raises(seqify.MemoryCapError, match="raise memory_cap"):  # chunks='auto' hands the cap to the tuner
+        seqify.pipeline(seq, devices=CPU2, sample=x, memory_cap="16B")
     x = torch.randn(64, 6, dtype=torch.float64)  # activations outweigh parameters: checkpointing matters
     free = seqify.tune(seq, x, devices=CPU2, top=0, show=False, cache=False)
     cap = free.trials[0].memory_bytes - 1  # the fastest prediction no longer fits

@@ -10,13 +10,14 @@ import os
 import torch
 from torch import nn
 
-from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, ScheduleError
+from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, MemoryCapError, ScheduleError
 from ..sequential import Sequential
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import norms_of
 from .config import PipeConfig
 from .eager import Eager, checkpoint_stop
 from .inplace import INPUT, mutated_roots
+from .memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
 from .microbatch import gather, scatter
 from .placement import (  # noqa: F401  (names other modules import from here)
     CHECKPOINT,
@@ -94,13 +95,15 @@ class Pipeline(nn.Module):
         self._transfer = Transfer()
         self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
         self._eager = Eager(self.stages, self._transfer, self.skip_partitions, self._norms, self._deferred)
-        self._replayer = Replayer(self.stages, self.devices, self._transfer, self.partitions.parameters, graphs)
-        self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
         self.placement = _placement(placement, self.devices)
+        self._replayer = Replayer(self.stages, self.devices, self._transfer, self.partitions.parameters, graphs,
+                                  self.placement)
+        self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
             raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a Schedule")
         self.schedule = schedule
         self._schedules: dict[int, Schedule] = {}
+        self._memory: tuple[Any, list[PartitionMemory]] | None = None
         self.training = model.training
         # A model that may modify its input in place gets micro-batches that are copies: views of one
         # tensor share autograd's version counter, so one micro-batch's change would invalidate what
@@ -236,6 +239,53 @@ class Pipeline(nn.Module):
                 self._restore_statistics(saved)
             raise
 
+    def plan_memory(self, sample: Any, *, schedule: str | Schedule | None = None,
+                    checkpoint: str | None = None) -> MemoryPlan:
+        """Predicted peak bytes per device (the schedule's device numbers) for training on the mini-batch
+        ``sample`` with ``schedule`` and ``checkpoint`` (default: the pipeline's own), from the bytes
+        one micro-batch keeps for backward in each partition (measured once, running statistics left as
+        they were) times what the schedule keeps in flight. Optimizer state is not included."""
+        checkpoint = checkpoint or self.checkpoint
+        if checkpoint not in CHECKPOINT:
+            raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
+        model = self.model
+        carried = model.flatten_inputs(*sample) if isinstance(model, Sequential) and isinstance(sample, tuple) else (
+            model.flatten_inputs(sample) if isinstance(model, Sequential) else sample)
+        batches = scatter(self._transfer(carried, self.devices[0]), self.chunks)
+        key = tuple((tuple(t.shape), t.dtype) for t in ((batches[0],) if isinstance(batches[0], torch.Tensor)
+                                                          else batches[0]))
+        if self._memory is None or self._memory[0] != key:
+            self._memory = (key, measure(self.stages, batches[0]))
+        built = make(schedule if schedule is not None else self.schedule, self.placement, len(batches))
+        return predict(self._memory[1], built, checkpoint)
+
+    def fit_memory(self, cap: int | float | str, sample: Any) -> MemoryPlan:
+        """Pick the fastest schedule and checkpointing whose predicted peak fits ``cap`` on every device
+        and switch to them; raise :class:`MemoryCapError` naming the smallest cap any choice fits."""
+        limit = parse_bytes(cap)
+        loops = len(self.placement) // (max(self.placement) + 1)
+        if self.placement == v_shape(max(self.placement) + 1) and loops == 2:
+            names = ["zb-h1"]
+        elif loops > 1:
+            names = ["interleaved", "gpipe"]
+        else:
+            names = ["zb-h1", "1f1b", "gpipe"]
+        if isinstance(self.schedule, Schedule) or self.schedule in names:  # the caller's choice first
+            names = [self.schedule] + [n for n in names if n != self.schedule]  # type: ignore[list-item]
+        plans = [self.plan_memory(sample, schedule=n, checkpoint=c)
+                 for c in ("never", "except_last", "always") for n in names]
+        for plan, name in zip(plans, names * 3):
+            if plan.peak <= limit:
+                self.schedule, self.checkpoint = name, plan.checkpoint
+                self._schedules.clear()
+                return plan
+        best = min(plans, key=lambda p: p.peak)
+        raise MemoryCapError(
+            f"memory_cap={cap!r} ({limit} bytes) is below every predicted peak; the smallest cap that works is "
+            f"{best.peak} bytes ({best}). Raise memory_cap to at least that, add devices or use more chunks "
+            "(optimizer state is not counted)"
+        )
+
     def _save_statistics(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
         """Copy the running statistics this forward may update, once per mini-batch (not per micro-batch),
         into copies kept from step to step: one fused copy per device and dtype."""
@@ -313,6 +363,7 @@ def pipeline(
     example_inputs: Any = None,
     sample: Any = None,
     schedule: str | Schedule = "gpipe",
+    memory_cap: int | float | str | None = None,
     config: PipeConfig | str | os.PathLike[str] | None = None,
     **convert_options: Any,
 ) -> Pipeline:
@@ -356,6 +407,11 @@ def pipeline(
             are placed in a V: cuda:0, cuda:1, cuda:1, cuda:0), or a
             :class:`~seqify.pipeline.schedule.Schedule`. ``pipe(x)`` followed by ``loss.backward()``
             always runs fill-drain.
+        memory_cap: bytes (or a size such as '40GiB') every device may use: the pipeline switches to the
+            fastest schedule and checkpointing whose predicted peak (parameters + gradients + the
+            activations the schedule keeps in flight, measured on ``sample`` or ``example_inputs``)
+            fits, or raises :class:`~seqify.MemoryCapError` naming the smallest cap that works.
+            ``pipe.plan_memory(sample)`` gives the prediction per device.
         config: a :class:`PipeConfig` (``seqify.tune(...)`` or ``pipe.config``) or the path of one saved
             with ``cfg.save(path)``: builds exactly that pipeline (its devices unless ``gpus``/``devices``
             are given).
@@ -384,7 +440,8 @@ def pipeline(
 
         cfg = tune(model, probe, gpus=gpus, devices=devices, balance=balance,
                    checkpoint=None if checkpoint == "except_last" else checkpoint, graphs=True if graphs else None,
-                   loops=None if loops == 1 else loops)
+                   loops=None if loops == 1 else loops,
+                   memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)))
         return _from_config(model, cfg, None, None, deferred_batch_norm, schedule)
     chunks = _check_chunks(chunks)
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
@@ -407,9 +464,10 @@ def pipeline(
         from ..partition import balance as make_plan
 
         plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
-        return Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
+        pipe = Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
                         deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
                         placement=slots)
+        return _capped(pipe, memory_cap, probe)
     counts = _counts(balance, layers)
     if len(counts) > layers:
         raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
@@ -418,8 +476,24 @@ def pipeline(
             f"balance has {len(counts)} partitions, not a multiple of loops={loops}: give loops partitions per device"
         )
     placed, slots = lay(resolve_devices(gpus, devices, len(counts) // loops))
-    return Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
+    pipe = Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
                     deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots)
+    return _capped(pipe, memory_cap, sample if sample is not None else example_inputs)
+
+
+def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipeline:
+    """``pipe`` switched to a schedule and checkpointing that fit ``cap`` (unchanged without a cap)."""
+    if cap is None:
+        return pipe
+    parse_bytes(cap)
+    if sample is None:
+        raise MemoryCapError("memory_cap needs a sample mini-batch to measure activations: pass sample=x (or "
+                             "example_inputs=x) shaped like a training batch")
+    if pipe.graphs:
+        raise MemoryCapError("memory_cap may turn on checkpointing, which graphs=True does not run; use graphs=False "
+                             "with memory_cap, or pick checkpoint and schedule yourself with pipe.plan_memory(x)")
+    pipe.fit_memory(cap, sample)
+    return pipe
 
 
 def _from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str], gpus: int | None,

@@ -11,7 +11,8 @@ import warnings
 import torch
 
 from ..errors import SeqifyError
-from .replay import Replay, Unreplayable, build
+from .replay import Replay, Unreplayable, build, slots
+from .schedule import gpipe
 from .stage import Stage
 from .transfer import Transfer
 
@@ -28,12 +29,13 @@ class Replayer:
     signature (``built``), and why capturing failed (``error``)."""
 
     def __init__(self, stages: Sequence[Stage], devices: Sequence[torch.device], transfer: Transfer,
-                 parameters: Callable[[], Any], graphs: bool) -> None:
+                 parameters: Callable[[], Any], graphs: bool, placement: Sequence[int] | None = None) -> None:
         self.stages = stages
         self.devices = devices
         self.transfer = transfer
         self.parameters = parameters
         self.graphs = graphs
+        self.placement = tuple(placement) if placement is not None else slots(devices)
         self.eager = False
         self.built: tuple[Any, Replay] | None = None
         self.error: str | None = None
@@ -70,7 +72,8 @@ class Replayer:
             flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
             try:
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
-                    replay = build(self.stages, flat, carried, self.graphs, self.transfer)
+                    schedule = gpipe(self.placement, len(flat))  # the order the programs are issued in
+                    replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule)
             except SeqifyError:
                 raise
             except Exception as e:

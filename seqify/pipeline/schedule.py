@@ -291,13 +291,14 @@ def _check(name: str, placement: Sequence[int], microbatches: int) -> None:
 
 
 def gpipe(placement: Sequence[int], microbatches: int) -> Schedule:
-    """Fill-drain: each device runs every forward of its partitions (lower partition first), then every
-    backward (higher partition first). Every micro-batch's activations are held at once."""
+    """Fill-drain: each device runs every forward of its partitions (lower partition first, micro-batches
+    in order), then every backward (higher partition first, micro-batches in reverse, as autograd and
+    captured graphs sharing a memory pool run them). Every micro-batch's activations are held at once."""
     _check("gpipe", placement, microbatches)
     devices = []
     for owned in _owned(placement):
         f = [(p, mb) for p in owned for mb in range(microbatches)]
-        b = [(p, mb) for p in reversed(owned) for mb in range(microbatches)]
+        b = [(p, mb) for p in reversed(owned) for mb in reversed(range(microbatches))]
         devices.append(_Device(f, b, float("inf"), owned))
     return _simulate("gpipe", placement, microbatches, False, devices, fill_drain=True)
 

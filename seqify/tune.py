@@ -34,7 +34,7 @@ from torch import nn
 
 from .errors import MemoryCapError, SeqifyError, TuneError
 from .partition.balancer import split
-from .partition.cost import LayerCosts, default_transfer_cost, flop_costs, time_costs
+from .partition.cost import LayerCosts, default_transfer_cost, flop_costs, param_costs, time_costs
 from .partition.graph import dataflow, live_bytes
 from .partition.walk import layers as walk_layers
 from .pipeline.config import PipeConfig, Trial
@@ -261,8 +261,13 @@ def _plans(model: nn.Module, sample: Any, hi: LayerCosts, parts: int, by: Sequen
     lays = walk_layers(model)
     out: dict[str, tuple[int, ...]] = {}
     for strategy in by:
+        if strategy not in ("time", "memory", "flops", "params"):
+            raise TuneError(f"balance={strategy!r}: give a list of layer counts, one of ('time', 'memory', 'flops', "
+                            "'params'), or None to let the tuner choose")
         if strategy == "time":
             costs = hi
+        elif strategy == "params":
+            costs = param_costs(model, sample)
         elif strategy == "memory":
             costs = replace(hi, by="memory", cost=tuple(float(c) for c in hi.memory))
         else:
@@ -404,10 +409,20 @@ def tune(
         fits.sort(key=lambda t: t.predicted_s)
         confirmed = []
         for t in progress(fits[:top], min(top, len(fits)), "seqify tune: timing the best candidates", show):
-            pipe = pipeline(model, **_options(t, placed))
-            seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
+            try:
+                pipe = pipeline(model, **_options(t, placed))
+                seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
+            except torch.OutOfMemoryError:  # predicted to fit but did not: the next candidate
+                pipe = None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
             confirmed.append(replace(t, measured_s=seconds))
             del pipe
+        if top > 0 and not confirmed:
+            raise MemoryCapError(f"each of the {min(top, len(fits))} best candidates ran out of memory in a timed "
+                                 "step; pass a memory_cap below the devices' memory, use more devices, or a smaller "
+                                 "mini-batch")
     best = min(confirmed, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
     shown = confirmed + [t for t in fits[len(confirmed):len(confirmed) + 8]]
     cfg = PipeConfig(chunks=best.chunks, loops=best.loops, balance=best.balance, by=best.by,

@@ -251,3 +251,12 @@ def test_inspect_tune_prints_the_choice(tmp_path, capsys) -> None:
                  "--top", "1", "--no-layers"])
     text = capsys.readouterr().out
     assert code == 0 and "PipeConfig: 2 devices (cpu, cpu)" in text and "predicted ms" in text
+
+
+def test_fixed_balance_strategy_is_kept() -> None:
+    _, seq, x = source_and_seq()
+    cfg = seqify.tune(seq, x, devices=CPU2, balance="params", top=0, show=False, cache=False)
+    want = seqify.balance(seq, 2 * cfg.loops, x, by="params", progress=False).balance
+    assert cfg.by == "params" and list(cfg.balance) == want
+    with pytest.raises(seqify.TuneError, match="balance='fast'"):
+        seqify.tune(seq, x, devices=CPU2, balance="fast", top=0, show=False, cache=False)

@@ -25,7 +25,7 @@ class Row:
 
     name: str
     predicted_s: float | None
-    measured_s: float
+    measured_s: float | None  # None: out of memory
     chosen: bool = False
 
 
@@ -44,16 +44,20 @@ class Bench:
         return self.rows[0]
 
     def __str__(self) -> str:
-        base = self.baseline.measured_s
+        base = self.baseline.measured_s  # None when the model does not fit one device
         lines = [f"seqify bench {self.spec}: batch {self.batch}, one device ({self.devices[0]}) against a pipeline "
                  f"over {', '.join(self.devices)}; the tuned configuration is marked *", "",
                  "| | configuration | predicted ms | measured ms | error | samples/s | vs one device |",
                  "|---|---|---:|---:|---:|---:|---:|"]
         for r in self.rows:
             predicted = f"{r.predicted_s * 1e3:.2f}" if r.predicted_s is not None else "-"
+            if r.measured_s is None:
+                lines.append(f"| {'*' if r.chosen else ''} | {r.name} | {predicted} | out of memory | - | - | - |")
+                continue
             error = f"{(r.predicted_s / r.measured_s - 1) * 100:+.0f}%" if r.predicted_s is not None else "-"
+            ratio = f"{base / r.measured_s:.2f}x" if base else "-"
             lines.append(f"| {'*' if r.chosen else ''} | {r.name} | {predicted} | {r.measured_s * 1e3:.2f} | {error} | "
-                         f"{self.batch / r.measured_s:.1f} | {base / r.measured_s:.2f}x |")
+                         f"{self.batch / r.measured_s:.1f} | {ratio} |")
         return "\n".join(lines)
 
 
@@ -65,22 +69,33 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     from .tune import _kept, step_seconds, tune
 
     placed = [torch.device(d) for d in devices]
+    base: float | None = None
     with _kept(model):
-        base = step_seconds(model.to(placed[0]).train(), sample.to(placed[0]), placed[:1], steps=steps, warm=warm)
+        try:
+            base = step_seconds(model.to(placed[0]).train(), sample.to(placed[0]), placed[:1], steps=steps, warm=warm)
+        except torch.OutOfMemoryError:  # what pipelines are for: the row says so
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     cfg = tune(model, sample, devices=placed, top=top, steps=steps, warm=warm, cache=cache, show=show)
     trials = list(cfg.trials)
     todo = [k for k, t in enumerate(trials) if t.measured_s is None][:alternatives]
+    oom: set[int] = set()
     with _kept(model):
         for k in progress(todo, len(todo), "seqify bench: timing the alternatives", show):
             t = trials[k]
-            pipe = pipeline(model, **_options(t, placed))
-            trials[k] = replace(t, measured_s=step_seconds(pipe, sample, placed, steps=steps,
-                                                           warm=warm + (1 if t.graphs else 0)))
+            try:
+                pipe = pipeline(model, **_options(t, placed))
+                trials[k] = replace(t, measured_s=step_seconds(pipe, sample, placed, steps=steps,
+                                                               warm=warm + (1 if t.graphs else 0)))
+            except torch.OutOfMemoryError:
+                pipe = None
+                oom.add(k)
             del pipe
     result = Bench(spec, int(sample.shape[0]), [str(d) for d in placed], cfg, [Row(f"one device ({placed[0]})", None, base)])
     chosen = [t for t in trials if _is(t, cfg)]
-    for t in chosen + [t for t in trials if not _is(t, cfg) and t.measured_s is not None]:
-        result.rows.append(Row(t.label(), t.predicted_s, float(t.measured_s or 0.0), chosen=_is(t, cfg)))
+    others = [t for k, t in enumerate(trials) if not _is(t, cfg) and (t.measured_s is not None or k in oom)]
+    for t in chosen + others:
+        result.rows.append(Row(t.label(), t.predicted_s, t.measured_s, chosen=_is(t, cfg)))
     return result
 
 
@@ -104,7 +119,7 @@ def plot_bench(result: Bench, path: str | os.PathLike[str] | None = None) -> Any
     names = [r.name for r in result.rows]
     y = range(len(names))
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
-    ax.barh([i - 0.2 for i in y], [r.measured_s * 1e3 for r in result.rows], height=0.4, label="measured")
+    ax.barh([i - 0.2 for i in y], [(r.measured_s or 0.0) * 1e3 for r in result.rows], height=0.4, label="measured")
     ax.barh([i + 0.2 for i in y], [(r.predicted_s or 0.0) * 1e3 for r in result.rows], height=0.4, label="predicted")
     ax.set_yticks(list(y), [("* " if r.chosen else "") + n for r, n in zip(result.rows, names)], fontsize=8)
     ax.invert_yaxis()

@@ -185,3 +185,28 @@ def test_distributed_nccl_matches_one_process(tmp_path) -> None:  # type: ignore
     for r in results:
         for n, g in r["grads"].items():
             torch.testing.assert_close(g, grads[n], rtol=1e-3, atol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("schedule,loops", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2)])
+def test_scheduled_step_on_two_gpus_matches_eager_gpipe(schedule: str, loops: int) -> None:
+    """pipe.step under each schedule, across two GPUs (copies on copy streams, gradients sent back),
+    leaves the gradients and loss GPipe's pipe(x) + loss.backward() leaves."""
+    torch.manual_seed(0)
+    source = torchvision.models.resnet18(num_classes=10).train()
+    twin = copy.deepcopy(source)
+    seq, seq2 = seqify.convert(source), seqify.convert(twin)
+    n = len(seq)
+    cuts = [n // (2 * loops)] * (2 * loops - 1)
+    reference = seqify.pipeline(seq, gpus=2, loops=loops, balance=cuts + [n - sum(cuts)], chunks=4,
+                                checkpoint="never", schedule="interleaved" if loops > 1 else "gpipe")
+    pipe = seqify.pipeline(seq2, gpus=2, loops=loops, balance=cuts + [n - sum(cuts)], chunks=4, checkpoint="never",
+                           schedule=schedule)
+    x = torch.randn(14, 3, 64, 64, device="cuda:0")
+    y = torch.randint(0, 10, (14,), device="cuda:0")
+    expected = torch.nn.functional.cross_entropy(reference(x), y.to(reference.devices[-1]))
+    expected.backward()
+    got = pipe.step(x, y, torch.nn.functional.cross_entropy)
+    close = relative(1e-4)
+    close(got, expected.detach(), "loss")
+    for (name, p), q in zip(source.named_parameters(), twin.parameters()):
+        close(q.grad, p.grad, f"grad {name}")

@@ -260,3 +260,19 @@ def test_fixed_balance_strategy_is_kept() -> None:
     assert cfg.by == "params" and list(cfg.balance) == want
     with pytest.raises(seqify.TuneError, match="balance='fast'"):
         seqify.tune(seq, x, devices=CPU2, balance="fast", top=0, show=False, cache=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tune_on_two_gpus_is_exact_and_reports_predictions() -> None:
+    """On GPUs (CUDA graphs among the candidates) the chosen pipeline computes what the source does."""
+    source, seq, _ = source_and_seq()
+    x = torch.randn(64, 6, dtype=torch.float64)
+    cfg = seqify.tune(seq, x, gpus=2, top=3, show=False, cache=False)
+    assert cfg.devices == ("cuda:0", "cuda:1")
+    assert all(t.measured_s > 0 for t in cfg.trials if t.measured_s is not None)
+    pipe = seqify.pipeline(seq, config=cfg)
+    source = source.to("cuda:0")
+    want = torch.cat([source(part) for part in x.to("cuda:0").tensor_split(cfg.chunks)])
+    got = pipe(x)
+    torch.testing.assert_close(got.to("cuda:0"), want)

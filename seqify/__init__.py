@@ -11,10 +11,12 @@ from .layer import Layer
 from .partition import NoPlanFitsError, PartitionPlan, balance
 from .pipeline import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomputing, pipeline
 from .sequential import OpaqueInfo, Sequential, SkipInfo
+from .pipeline.config import PipeConfig
+from .tune import tune
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", "measure", "plot", *_errors]
+__all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", "measure", "plot", "tune", "PipeConfig", *_errors]
 
 
 def __getattr__(name: str) -> Any:

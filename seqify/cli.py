@@ -170,6 +170,9 @@ def inspect_cmd(args: argparse.Namespace) -> int:
         _section(f"partition plan for {'x'.join(map(str, x.shape))}")
         print(plan)
         print(f"use it: seqify.pipeline(seq, gpus={args.stages}, balance={plan.balance}, chunks=...)")
+    if args.tune:
+        _section(f"tuned pipeline for {'x'.join(map(str, x.shape))}")
+        print(_tune_for(seq, x, args))
     if args.plots:
         from . import plot
 
@@ -199,6 +202,42 @@ def _plan(seq: Any, args: argparse.Namespace, x: torch.Tensor) -> Any:
               "(--by time)", flush=True)
         return balance(seq, args.stages, x, by="time", device=args.device)
 
+# -- tune -------------------------------------------------------------------------------------------------
+
+
+def _devices_of(args: argparse.Namespace) -> list[str]:
+    """--devices cpu,cpu, else --gpus N, else every GPU (two CPU partitions without GPUs)."""
+    if args.devices:
+        return [d.strip() for d in args.devices.split(",") if d.strip()]
+    gpus = getattr(args, "gpus", None) or _gpus()
+    return [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu", "cpu"]
+
+
+def _tune_for(seq: Any, x: torch.Tensor, args: argparse.Namespace) -> Any:
+    from .tune import tune
+
+    return tune(seq, x, devices=_devices_of(args), top=args.top, cache=not args.no_cache)
+
+
+def _bench_spec(args: argparse.Namespace) -> int:
+    from . import plot
+    from .bench import bench as run_bench, plot_bench
+
+    args.size = args.size if args.size_given else None  # the model's own input side unless --size is given
+    model, x = _load(args)
+    seq = _convert(model.module, x, args.example)
+    result = run_bench(seq, x, _devices_of(args), spec=args.spec, top=args.top, alternatives=args.alternatives,
+                       steps=args.steps, warm=args.warm, cache=not args.no_cache)
+    print(result)
+    print(f"\nuse it: seqify.pipeline(seq, config=cfg) with cfg = {result.config.without_trials().to_dict()}")
+    if args.plot:
+        if plot.available():
+            made = plot.save(plot_bench(result), args.plot)
+            print("plot written: " + ", ".join(str(p) for p in made))
+        else:
+            print("plot: skipped: matplotlib is not installed (pip install matplotlib)")
+    return OK
+
 
 # -- bench ------------------------------------------------------------------------------------------------
 
@@ -220,6 +259,9 @@ def _timed_steps(model: torch.nn.Module, x: torch.Tensor, steps: int, devices: S
 
 def bench(args: argparse.Namespace) -> int:
     import torchvision
+
+    if args.spec:
+        return _bench_spec(args)
 
     gpus = _gpus()
     if gpus < 2:
@@ -377,6 +419,14 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.epilog = SPEC_HELP
 
 
+def _tune_options(p: argparse.ArgumentParser) -> None:
+    if not any("--devices" in a.option_strings for a in p._actions):
+        p.add_argument("--devices", help="tuning: comma-separated devices, e.g. cpu,cpu or cuda:0,cuda:1 "
+                       "(default: every GPU, else cpu,cpu)")
+    p.add_argument("--top", type=int, default=3, help="tuning: best predicted candidates to confirm with timed steps")
+    p.add_argument("--no-cache", action="store_true", help="tuning: measure again instead of reading the cache")
+
+
 class _Given(argparse.Action):
     """Store the value and remember it was given (CPU bench picks smaller defaults otherwise)."""
 
@@ -448,6 +498,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="where --by time/memory measure (default: CPU)")
     p.add_argument("--no-layers", action="store_true", help="leave out the layer table")
     p.add_argument("--plots", metavar="DIR", help="also write skips (and plan) plots into DIR")
+    _tune_options(p)
+    p.add_argument("--tune", action="store_true", help="also tune a training pipeline for the input (seqify.tune)")
     p.set_defaults(run=inspect_cmd)
 
     p = add("bench", help="pipeline throughput on GPUs; without GPUs, the CPU conversion-speed table",
@@ -463,6 +515,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loops", type=POSITIVE, default=1, help="partitions per GPU (2: cuda:0, cuda:1, cuda:0, cuda:1)")
     p.add_argument("--steps", type=POSITIVE, default=3, help="timed steps per configuration")
     p.add_argument("--warm", type=NATURAL, default=1, help="untimed warm-up steps per configuration")
+    p.add_argument("spec", nargs="?", metavar="SPEC",
+                   help="any model SPEC: one device against the tuned pipeline and its rejected alternatives, "
+                   "predicted and measured (--devices cpu,cpu without GPUs)")
+    p.add_argument("--arg", action="append", metavar="KEY=VALUE", help="with SPEC: keyword argument for the builder")
+    p.add_argument("--shape", help="with SPEC: the input's full shape, e.g. 8x3x32x32")
+    p.add_argument("--example", action="store_true", help="with SPEC: convert with the input as example_inputs")
+    p.add_argument("--seed", type=int, default=0, help="with SPEC: seed of the random input")
+    _tune_options(p)
+    p.add_argument("--alternatives", type=int, default=4, help="with SPEC: rejected candidates to time as well")
+    p.add_argument("--plot", metavar="FILE", help="with SPEC: write the predicted/measured plot (PNG and SVG)")
     p.set_defaults(run=bench, batch_given=False, size_given=False)
 
     p = add("zoo", help="list the zoo, or check that every zoo model converts and pipelines exactly")

@@ -29,6 +29,7 @@ __all__ = [
     "ScheduleError",
     "MemoryCapError",
     "PeerError",
+    "TuneError",
 ]
 
 
@@ -139,3 +140,8 @@ class MemoryCapError(SeqifyError):
 
 class PeerError(SeqifyError):
     """A distributed pipeline's peer rank died or stopped answering within the process-group timeout."""
+
+
+class TuneError(SeqifyError):
+    """The tuner cannot pick or apply a pipeline configuration: no candidate fits ``memory_cap``, no sample
+    to measure, or a saved configuration that does not fit the model or the devices."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import os
+
 import torch
 from torch import nn
 
@@ -12,6 +14,7 @@ from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, 
 from ..sequential import Sequential
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import norms_of
+from .config import PipeConfig
 from .eager import Eager, checkpoint_stop
 from .inplace import INPUT, mutated_roots
 from .memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
@@ -106,6 +109,8 @@ class Pipeline(nn.Module):
         # tensor share autograd's version counter, so one micro-batch's change would invalidate what
         # another saved for backward (and the caller's tensor stays as it was).
         self._copy_input = INPUT in mutated_roots(list(model._modules.values()))
+        #: the PipeConfig seqify.tune chose (chunks="auto") or config= gave; None when chosen by hand
+        self.config: PipeConfig | None = None
 
     @property
     def chunks(self) -> int:
@@ -126,7 +131,9 @@ class Pipeline(nn.Module):
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{b} on {d}" for b, d in zip(self.balance, self.devices))
-        return f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r})"
+        text = f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r})"
+        config = getattr(self, "config", None)
+        return text if config is None else f"{text}\ntuned: {config}"
 
     def train(self, mode: bool = True) -> Pipeline:
         super().train(mode)
@@ -347,7 +354,7 @@ def pipeline(
     *,
     gpus: int | None = None,
     devices: Sequence[Any] | None = None,
-    chunks: int = 1,
+    chunks: int | str | None = None,
     balance: Sequence[int] | str | None = None,
     checkpoint: str = "except_last",
     deferred_batch_norm: bool = False,
@@ -357,6 +364,7 @@ def pipeline(
     sample: Any = None,
     schedule: str | Schedule = "gpipe",
     memory_cap: int | float | str | None = None,
+    config: PipeConfig | str | os.PathLike[str] | None = None,
     **convert_options: Any,
 ) -> Pipeline:
     """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
@@ -370,6 +378,11 @@ def pipeline(
             one CPU device per partition of a ``balance`` list.
         chunks: micro-batches per mini-batch. A batch that does not divide evenly gets micro-batches
             whose sizes differ by one; more chunks than samples are clamped to the batch size.
+            ``'auto'`` runs :func:`seqify.tune` on ``sample`` (or ``example_inputs``) and builds what it
+            picks: chunks, loops, balance, checkpointing and graphs (a ``balance``, or a non-default
+            ``checkpoint``, ``graphs`` or ``loops``, stays fixed); ``pipe.config`` reports the choice.
+            Not given: ``'auto'`` when ``gpus`` or ``devices`` and a sample are given and ``balance`` is
+            not, else 1.
         balance: layers per partition, or a strategy: 'time', 'memory', 'flops' or 'params' (see
             :func:`seqify.balance`). Default 'params'.
         checkpoint: 'except_last' (default), 'always' or 'never': which micro-batches recompute their
@@ -387,7 +400,7 @@ def pipeline(
             from one of ``chunks + 1`` slots to one of ``loops * chunks + 1``, at the cost of more
             transfers. A ``balance`` list then has ``loops`` entries per device.
         sample: an input batch (or micro-batch) for the 'time', 'memory' and 'flops' strategies;
-            defaults to ``example_inputs``.
+            defaults to ``example_inputs``. With ``chunks='auto'``, the training mini-batch to tune for.
         schedule: the order of forward and backward work in :meth:`Pipeline.step`: 'gpipe'
             (fill-drain), '1f1b', 'interleaved' (several partitions per device: ``loops > 1``), 'zb-h1'
             (zero bubble: backward split into input and weight gradients; with ``loops=2`` the partitions
@@ -399,6 +412,9 @@ def pipeline(
             activations the schedule keeps in flight, measured on ``sample`` or ``example_inputs``)
             fits, or raises :class:`~seqify.MemoryCapError` naming the smallest cap that works.
             ``pipe.plan_memory(sample)`` gives the prediction per device.
+        config: a :class:`PipeConfig` (``seqify.tune(...)`` or ``pipe.config``) or the path of one saved
+            with ``cfg.save(path)``: builds exactly that pipeline (its devices unless ``gpus``/``devices``
+            are given).
 
     Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
     the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
@@ -413,6 +429,20 @@ def pipeline(
     if layers == 0:
         raise EmptyModelError(f"the {type(model).__name__} has no layers; there is nothing to pipeline")
     _check_meta([model])
+    probe = sample if sample is not None else example_inputs
+    if config is not None:
+        return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule)
+    if chunks is None:
+        auto = (gpus is not None or devices is not None) and balance is None and probe is not None
+        chunks = "auto" if auto else 1
+    if chunks == "auto":
+        from ..tune import tune  # the tuner builds on pipelines: imported on use
+
+        cfg = tune(model, probe, gpus=gpus, devices=devices, balance=balance,
+                   checkpoint=None if checkpoint == "except_last" else checkpoint, graphs=True if graphs else None,
+                   loops=None if loops == 1 else loops,
+                   memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)))
+        return _from_config(model, cfg, None, None, deferred_batch_norm, schedule)
     chunks = _check_chunks(chunks)
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
         raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
@@ -433,7 +463,6 @@ def pipeline(
             raise BalanceError(f"{len(placed)} partitions but the model has only {layers} layers; use fewer devices")
         from ..partition import balance as make_plan
 
-        probe = sample if sample is not None else example_inputs
         plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
         pipe = Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
                         deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
@@ -464,4 +493,30 @@ def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipel
         raise MemoryCapError("memory_cap may turn on checkpointing, which graphs=True does not run; use graphs=False "
                              "with memory_cap, or pick checkpoint and schedule yourself with pipe.plan_memory(x)")
     pipe.fit_memory(cap, sample)
+    return pipe
+
+
+def _from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str], gpus: int | None,
+                 devices: Sequence[Any] | None, deferred_batch_norm: bool, schedule: str | Schedule = "gpipe") -> Pipeline:
+    """The pipeline a tuned configuration describes, checked against the model and the devices."""
+    from ..errors import TuneError
+
+    cfg = config if isinstance(config, PipeConfig) else PipeConfig.load(config)
+    if sum(cfg.balance) != len(model):
+        raise TuneError(
+            f"the configuration's balance {list(cfg.balance)} covers {sum(cfg.balance)} layers but this model has "
+            f"{len(model)}; it was tuned for another model (or another conversion): tune this one with "
+            "seqify.tune(model, sample, ...)"
+        )
+    placed = cfg.partitions
+    if gpus is not None or devices is not None:
+        mine = resolve_devices(gpus, devices, None)
+        if len(mine) != len(cfg.devices):
+            raise TuneError(f"the configuration is for {len(cfg.devices)} devices ({', '.join(cfg.devices)}) but "
+                            f"{len(mine)} were given; give {len(cfg.devices)}, or tune for these")
+        placed = [str(d) for d in mine] * cfg.loops
+    pipe = Pipeline(model, list(cfg.balance), resolve_devices(None, placed, None), chunks=cfg.chunks,
+                    checkpoint=cfg.checkpoint, deferred_batch_norm=deferred_batch_norm, graphs=cfg.graphs,
+                    schedule=cfg.schedule or schedule, placement=round_robin(len(cfg.devices), cfg.loops))
+    pipe.config = cfg
     return pipe

@@ -1,0 +1,273 @@
+"""Scaling past two GPUs: one GPU against seqify's automatic configuration over 2, 4 and 8 GPUs.
+
+    python benchmarks/scaling.py --out results/scaling.json --plot results/scaling.png
+    python benchmarks/scaling.py --tiny --device cpu --gpus 1 2      # smoke mode (CPU partitions)
+
+One invocation per machine: every model (ResNet-101, AmoebaNet-D (18, 256), the zoo U-Net, a
+Llama-architecture model from a transformers config) on one GPU, then pipelined with
+``seqify.tune``'s choice over each GPU count the machine has (of ``--gpus``), in strong scaling (the
+global batch fixed at the model's ``batch``) and weak scaling (``batch`` per GPU, grown with the GPUs).
+Prints a table with samples/s, the speed-up over one GPU, the chosen configuration, the tuner's
+predicted and the measured step time, and peak allocated and reserved memory per GPU; writes JSON
+(``--out``) and a plot of speed-up against GPUs with the ideal line (``--plot``). The Llama row is
+skipped with a message when transformers or its conversion is unavailable. torch.distributed.pipelining
+needs one process per stage (torchrun) and is not run here: benchmarks/pipeline_bench.py --anchors
+measures it on two GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import seqify
+
+
+@dataclass
+class Model:
+    """A model to scale: how to build it, a mini-batch of ``n`` samples, and the strong-scaling batch."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    sample: Callable[[int], Any]
+    batch: int
+    convert_example: bool = False
+
+
+def _images(side: int, channels: int = 3) -> Callable[[int], torch.Tensor]:
+    return lambda n: torch.randn(n, channels, side, side)
+
+
+def models(tiny: bool) -> dict[str, Model]:
+    from torchvision.models.resnet import Bottleneck, ResNet, resnet101
+
+    out = {
+        "resnet101": Model("resnet101", (lambda: ResNet(Bottleneck, [1, 1, 2, 1], num_classes=10)) if tiny else resnet101,
+                           _images(32 if tiny else 224), 8 if tiny else 256),
+        "amoebanet_d": Model("amoebanet_d",
+                             (lambda: seqify.zoo.build("amoebanet_d", layers=6, filters=16, num_classes=10)) if tiny
+                             else (lambda: seqify.zoo.build("amoebanet_d", layers=18, filters=256)),
+                             _images(32 if tiny else 224), 8 if tiny else 128),
+        "unet": Model("unet", (lambda: seqify.zoo.build("unet", depth=2, blocks=1, channels=4)) if tiny
+                      else (lambda: seqify.zoo.build("unet")), _images(16 if tiny else 256), 8 if tiny else 32),
+    }
+    seq_len, vocab = (16, 128) if tiny else (1024, 32000)
+    out["llama"] = Model("llama", lambda: _llama(tiny), lambda n: torch.randint(0, vocab, (n, seq_len)),
+                         8 if tiny else 16, convert_example=True)
+    return out
+
+
+def _llama(tiny: bool) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+    else:  # ~1.3B parameters: 24 layers of width 2048
+        config = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16,
+                             num_key_value_heads=16, vocab_size=32000, max_position_embeddings=2048)
+    config.use_cache = False
+    return LlamaForCausalLM(config)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    parts = [t.float().square().mean() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return torch.stack([p.to(parts[0].device) for p in parts]).sum()
+
+
+def _sync(devices: list[torch.device]) -> None:
+    for d in set(devices):
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def timed(model: nn.Module, x: Any, devices: list[torch.device], steps: int, warm: int) -> float:
+    times = []
+    for k in range(warm + steps):
+        _sync(devices)
+        start = time.perf_counter()
+        _loss(model(x)).backward()
+        _sync(devices)
+        if k >= warm:
+            times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def peaks(devices: list[torch.device]) -> tuple[list[float], list[float]]:
+    """Peak allocated and reserved GB per device since the last reset (zeros for CPU devices)."""
+    if devices[0].type != "cuda":
+        return [0.0] * len(devices), [0.0] * len(devices)
+    return ([torch.cuda.max_memory_allocated(d) / 2**30 for d in devices],
+            [torch.cuda.max_memory_reserved(d) / 2**30 for d in devices])
+
+
+def reset(devices: list[torch.device]) -> None:
+    gc.collect()
+    for d in set(devices):
+        if d.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(d)
+
+
+def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: argparse.Namespace,
+            device_list: list[torch.device]) -> dict[str, Any]:
+    devices = device_list[:n]
+    x = m.sample(batch)
+    row: dict[str, Any] = dict(model=m.name, scaling=scaling, gpus=n, batch=batch, runner="seqify")
+    reset(devices)
+    try:
+        if n == 1:
+            seq.to(devices[0]).train()
+            sec = timed(seq, x.to(devices[0]), devices, args.steps, args.warm)
+            row.update(config=None, predicted_ms=None)
+        else:
+            quick = dict(top=1, steps=1, warm=0) if args.tiny else {}
+            cfg = seqify.tune(seq, x, devices=devices, show=not args.tiny, **quick)
+            pipe = seqify.pipeline(seq, config=cfg).train()
+            sec = timed(pipe, x, devices, args.steps, args.warm + (1 if cfg.graphs else 0))
+            row.update(config={k: v for k, v in cfg.without_trials().to_dict().items() if k not in ("trials", "key")},
+                       predicted_ms=cfg.predicted_s * 1e3)
+            del pipe
+    except torch.OutOfMemoryError as e:
+        row.update(error=f"out of memory: {str(e).splitlines()[0]}")
+        return row
+    allocated, reserved = peaks(devices)
+    row.update(seconds=sec, samples_per_s=batch / sec, peak_allocated=allocated, peak_reserved=reserved)
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = {(r["model"], r["scaling"]): r for r in rows if r["gpus"] == 1 and "samples_per_s" in r}
+    lines = ["| model | scaling | GPUs | batch | samples/s | speed-up | configuration | predicted ms | measured ms | "
+             "peak allocated GB per GPU | peak reserved GB per GPU |", "|" + "---|" * 11]
+    for r in rows:
+        if "samples_per_s" not in r:
+            lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {r['batch']} | {r.get('error', 'skipped')} |"
+                         + " |" * 6)
+            continue
+        one = base.get((r["model"], r["scaling"]))
+        r["speedup"] = r["samples_per_s"] / one["samples_per_s"] if one else None
+        cfg = r.get("config")
+        what = "one device" if cfg is None else (f"chunks {cfg['chunks']}, loops {cfg['loops']}, by {cfg['by']}, "
+                                                 f"checkpoint {cfg['checkpoint']}{', graphs' if cfg['graphs'] else ''}")
+        predicted = f"{r['predicted_ms']:.1f}" if r.get("predicted_ms") is not None else "-"
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {r['batch']} | {r['samples_per_s']:.1f} | {speed} | "
+                     f"{what} | {predicted} | {r['seconds'] * 1e3:.1f} | "
+                     f"{' / '.join(f'{v:.2f}' for v in r['peak_allocated'])} | "
+                     f"{' / '.join(f'{v:.2f}' for v in r['peak_reserved'])} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    from seqify import plot as seqify_plot
+
+    if not seqify_plot.available():
+        print("plot: skipped: matplotlib is not installed (pip install matplotlib)")
+        return
+    plt = seqify_plot._plt()
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        counts = sorted({r["gpus"] for r in rows if r["model"] == name})
+        ax.plot(counts, counts, "k--", label="ideal")
+        for scaling in ("strong", "weak"):
+            mine = [r for r in rows if r["model"] == name and r["scaling"] == scaling and r.get("speedup")]
+            if mine:
+                ax.plot([r["gpus"] for r in mine], [r["speedup"] for r in mine], "o-", label=scaling)
+        ax.set_title(name)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("speed-up over one GPU")
+        ax.set_xticks(counts)
+        ax.legend()
+    made = seqify_plot.save(fig, path)
+    print("plot written: " + ", ".join(map(str, made)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["resnet101", "amoebanet_d", "unet", "llama"])
+    p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8], help="device counts (those the machine has)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: CPU partitions (smoke mode)")
+    p.add_argument("--tiny", action="store_true", help="tiny models and batches (a fast smoke run)")
+    p.add_argument("--batch", type=int, help="strong-scaling global batch, and weak scaling's batch per GPU "
+                   "(default: the model's: resnet101 256, amoebanet_d 128, unet 32, llama 16)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warm", type=int, default=2)
+    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--plot", help="write speed-up against GPUs here (PNG and SVG)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.steps, args.warm = min(args.steps, 1), min(args.warm, 0)
+    if args.device == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not have:
+            print("no GPU here: run with --device cpu (CPU partitions) or on a GPU machine", file=sys.stderr)
+            return 2
+        device_list = [torch.device("cuda", i) for i in range(have)]
+        what = f"{have} x {torch.cuda.get_device_name(0)}"
+    else:
+        have = max(args.gpus)
+        device_list = [torch.device("cpu")] * have
+        what = f"CPU ({torch.get_num_threads()} threads) as {have} devices"
+    counts = [n for n in sorted(set(args.gpus)) if n <= have]
+    if 1 not in counts:
+        counts = [1] + counts
+    catalogue = models(args.tiny)
+    rows: list[dict[str, Any]] = []
+    print(f"seqify scaling benchmark on {what}; torch {torch.__version__}; "
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n")
+    for name in args.models:
+        m = catalogue[name]
+        torch.manual_seed(0)
+        try:
+            source = m.build()
+            example = (m.sample(2),) if m.convert_example else None
+            seq = seqify.convert(source, example)
+        except Exception as e:  # the Llama row needs transformers and a conversion that works
+            if name != "llama":
+                raise
+            print(f"llama: skipped: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            first = (str(e).splitlines() or [""])[0]
+            rows.append(dict(model=name, scaling="-", gpus=0, batch=0, runner="seqify", error=f"skipped: {first}"))
+            continue
+        per = args.batch or m.batch
+        for scaling in ("strong", "weak"):
+            for n in counts:
+                batch = per if scaling == "strong" else per * n
+                row = run_one(m, seq, n, batch, scaling, args, device_list)
+                rows.append(row)
+                print(f"{name} {scaling} {n} device(s), batch {batch}: "
+                      + (f"{row['samples_per_s']:.1f} samples/s" if "samples_per_s" in row else row.get("error", "")))
+        del seq, source
+    print()
+    print(table(rows))
+    print("\nspeed-up: samples/s over one device at the same scaling; torch.distributed.pipelining: not run here "
+          "(torchrun, one process per stage; benchmarks/pipeline_bench.py --anchors)")
+    if args.out:
+        folder = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(folder, exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(device=what, date=f"{datetime.date.today()}", command=" ".join(sys.argv), torch=torch.__version__,
+                           rows=rows), f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

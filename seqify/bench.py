@@ -1,0 +1,129 @@
+"""bench: one device against the tuned pipeline and its rejected alternatives, predicted and measured."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .pipeline.config import PipeConfig, Trial
+from .pipeline.pipe import pipeline
+from .progress import progress
+
+__all__ = ["Row", "Bench", "bench", "plot_bench"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured configuration: ``name``, predicted and measured seconds per step (``predicted_s`` is
+    None for the one-device baseline, which the tuner does not model)."""
+
+    name: str
+    predicted_s: float | None
+    measured_s: float | None  # None: out of memory
+    chosen: bool = False
+
+
+@dataclass
+class Bench:
+    """The baseline on one device, then the tuned pipeline, then the alternatives the tuner rejected."""
+
+    spec: str
+    batch: int
+    devices: list[str]
+    config: PipeConfig
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def baseline(self) -> Row:
+        return self.rows[0]
+
+    def __str__(self) -> str:
+        base = self.baseline.measured_s  # None when the model does not fit one device
+        lines = [f"seqify bench {self.spec}: batch {self.batch}, one device ({self.devices[0]}) against a pipeline "
+                 f"over {', '.join(self.devices)}; the tuned configuration is marked *", "",
+                 "| | configuration | predicted ms | measured ms | error | samples/s | vs one device |",
+                 "|---|---|---:|---:|---:|---:|---:|"]
+        for r in self.rows:
+            predicted = f"{r.predicted_s * 1e3:.2f}" if r.predicted_s is not None else "-"
+            if r.measured_s is None:
+                lines.append(f"| {'*' if r.chosen else ''} | {r.name} | {predicted} | out of memory | - | - | - |")
+                continue
+            error = f"{(r.predicted_s / r.measured_s - 1) * 100:+.0f}%" if r.predicted_s is not None else "-"
+            ratio = f"{base / r.measured_s:.2f}x" if base else "-"
+            lines.append(f"| {'*' if r.chosen else ''} | {r.name} | {predicted} | {r.measured_s * 1e3:.2f} | {error} | "
+                         f"{self.batch / r.measured_s:.1f} | {ratio} |")
+        return "\n".join(lines)
+
+
+def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spec: str = "", top: int = 3,
+          alternatives: int = 4, steps: int = 3, warm: int = 1, cache: bool = True, show: bool = True) -> Bench:
+    """Time ``model`` (a Sequential) on ``devices[0]`` alone, tune it for ``devices``, then time every
+    alternative the tuner reports but did not time (up to ``alternatives`` of them), so each row shows
+    the tuner's prediction next to a measurement. The model is left where it was."""
+    from .tune import _kept, step_seconds, tune
+
+    placed = [torch.device(d) for d in devices]
+    base: float | None = None
+    with _kept(model):
+        try:
+            base = step_seconds(model.to(placed[0]).train(), sample.to(placed[0]), placed[:1], steps=steps, warm=warm)
+        except torch.OutOfMemoryError:  # what pipelines are for: the row says so
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    cfg = tune(model, sample, devices=placed, top=top, steps=steps, warm=warm, cache=cache, show=show)
+    trials = list(cfg.trials)
+    todo = [k for k, t in enumerate(trials) if t.measured_s is None][:alternatives]
+    oom: set[int] = set()
+    with _kept(model):
+        for k in progress(todo, len(todo), "seqify bench: timing the alternatives", show):
+            t = trials[k]
+            try:
+                pipe = pipeline(model, **_options(t, placed))
+                trials[k] = replace(t, measured_s=step_seconds(pipe, sample, placed, steps=steps,
+                                                               warm=warm + (1 if t.graphs else 0)))
+            except torch.OutOfMemoryError:
+                pipe = None
+                oom.add(k)
+            del pipe
+    result = Bench(spec, int(sample.shape[0]), [str(d) for d in placed], cfg, [Row(f"one device ({placed[0]})", None, base)])
+    chosen = [t for t in trials if _is(t, cfg)]
+    others = [t for k, t in enumerate(trials) if not _is(t, cfg) and (t.measured_s is not None or k in oom)]
+    for t in chosen + others:
+        result.rows.append(Row(t.label(), t.predicted_s, t.measured_s, chosen=_is(t, cfg)))
+    return result
+
+
+def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
+    from .tune import _options as options
+
+    return options(t, devices)
+
+
+def _is(t: Trial, cfg: PipeConfig) -> bool:
+    return (t.chunks, t.loops, t.by, t.checkpoint, t.graphs, t.schedule, tuple(t.balance)) == (
+        cfg.chunks, cfg.loops, cfg.by, cfg.checkpoint, cfg.graphs, cfg.schedule, tuple(cfg.balance))
+
+
+def plot_bench(result: Bench, path: str | os.PathLike[str] | None = None) -> Any:
+    """Bars of predicted and measured ms per step for every row (needs matplotlib); saved as PNG and SVG
+    when ``path`` is given."""
+    from .plot import _finish, _plt
+
+    plt = _plt()
+    names = [r.name for r in result.rows]
+    y = range(len(names))
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
+    ax.barh([i - 0.2 for i in y], [(r.measured_s or 0.0) * 1e3 for r in result.rows], height=0.4, label="measured")
+    ax.barh([i + 0.2 for i in y], [(r.predicted_s or 0.0) * 1e3 for r in result.rows], height=0.4, label="predicted")
+    ax.set_yticks(list(y), [("* " if r.chosen else "") + n for r, n in zip(result.rows, names)], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per training step")
+    ax.set_title(f"{result.spec}: batch {result.batch} over {', '.join(result.devices)}")
+    ax.legend()
+    return _finish(fig, Path(path) if path is not None else None)

@@ -1,0 +1,448 @@
+"""tune: pick a pipeline's chunks, loops, balance, checkpointing, graphs and schedule from measured costs.
+
+::
+
+    cfg = seqify.tune(seq, x, gpus=2)             # measure, predict every candidate, time the best few
+    print(cfg)                                    # the choice, with predicted and measured step times
+    pipe = seqify.pipeline(seq, config=cfg)       # or config="cfg.json" after cfg.save("cfg.json")
+    pipe = seqify.pipeline(seq, gpus=2, sample=x) # the same: chunks="auto" when chunks is not given
+
+The method: profile every layer's forward+backward at two batch sizes (a line per layer), calibrate the
+executor's per-task and per-launch overhead and the copy cost between the devices, predict each
+candidate's step time by simulating its schedule (:mod:`seqify.predict`), then confirm the ``top`` best
+predictions with a few timed training steps and keep the fastest. Choices are cached on disk per (model
+fingerprint, input shapes and dtypes, devices, options) in ``$SEQIFY_CACHE_DIR/tune.json`` (default
+``~/.cache/seqify``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .errors import MemoryCapError, SeqifyError, TuneError
+from .partition.balancer import split
+from .partition.cost import LayerCosts, default_transfer_cost, flop_costs, param_costs, time_costs
+from .partition.graph import dataflow, live_bytes
+from .partition.walk import layers as walk_layers
+from .pipeline.config import PipeConfig, Trial
+from .pipeline.pipe import CHECKPOINT, Pipeline, pipeline, resolve_devices
+from .predict import Calibration, Candidate, LayerModel, predict
+from .progress import progress
+
+__all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds"]
+
+CHUNKS = (1, 2, 4, 8, 16, 32, 64)
+LOOPS = (1, 2, 4)
+STRATEGIES = ("time", "flops", "memory")
+
+
+def cache_path() -> str:
+    """Where choices are cached: ``$SEQIFY_CACHE_DIR/tune.json``, default ``~/.cache/seqify/tune.json``."""
+    folder = os.environ.get("SEQIFY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "seqify")
+    return os.path.join(folder, "tune.json")
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A hash of the layers' names and types and every parameter's and buffer's name, shape and dtype
+    (not their values: training does not change the best configuration)."""
+    h = hashlib.sha256()
+    for name, child in model.named_children():
+        h.update(f"{name}:{type(child).__qualname__};".encode())
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def _describe(sample: Any) -> list[Any]:
+    return [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t) for t in pytree.tree_leaves(sample)]
+
+
+def _device_names(devices: Sequence[torch.device]) -> list[str]:
+    return [f"{d}:{torch.cuda.get_device_name(d)}" if d.type == "cuda" else str(d) for d in devices]
+
+
+def _key(model: nn.Module, sample: Any, devices: Sequence[torch.device], options: dict[str, Any]) -> str:
+    from . import __version__
+
+    text = json.dumps([fingerprint(model), _describe(sample), _device_names(devices), options, __version__,
+                       torch.__version__], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _read_cache() -> dict[str, Any]:
+    try:
+        with open(cache_path()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, cfg: PipeConfig) -> None:
+    path = cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    data = _read_cache()
+    data[key] = cfg.to_dict()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)  # readers never see half a file
+
+
+# -- measuring ---------------------------------------------------------------------------------------------
+
+
+def _batch(sample: Any) -> int:
+    for t in pytree.tree_leaves(sample):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise TuneError("the sample holds no batched tensor; pass an input batch (a tensor, or a tuple or dict of "
+                    "them) as you would pass it to the model")
+
+
+def _head(sample: Any, n: int) -> Any:
+    return pytree.tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, sample)
+
+
+def _call(model: nn.Module, sample: Any) -> Any:
+    if isinstance(sample, dict):
+        return model(**sample)
+    if isinstance(sample, tuple):
+        return model(*sample)
+    return model(sample)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    parts = [t.float().square().mean() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not parts:
+        raise TuneError("the model returns no floating-point tensor, so a training step cannot be timed")
+    return torch.stack([p.to(parts[0].device) for p in parts]).sum()
+
+
+def _sync(devices: Sequence[torch.device]) -> None:
+    for d in set(devices):
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def step_seconds(model: nn.Module, sample: Any, devices: Sequence[torch.device], *, steps: int = 2, warm: int = 1) -> float:
+    """Median seconds of ``steps`` training steps (forward, a loss over every output, backward) after
+    ``warm`` untimed ones; ``.grad`` is cleared after each."""
+    times = []
+    for k in range(warm + steps):
+        _sync(devices)
+        start = time.perf_counter()
+        _loss(_call(model, sample)).backward()
+        _sync(devices)
+        if k >= warm:
+            times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+@contextmanager
+def _kept(model: nn.Module) -> Iterator[None]:
+    """Leave ``model`` as it was: parameters' data, device and ``.grad``, buffers' objects and values,
+    training flags and the RNG (trial pipelines move layers and update BatchNorm statistics)."""
+    modules = list(model.modules())
+    slots = [(m, dict(m._parameters), dict(m._buffers), m.training) for m in modules]
+    params = {id(p): (p, p.data, p.grad) for m in modules for p in m._parameters.values() if p is not None}
+    values = {id(b): (b, b.detach().clone()) for m in modules for b in m._buffers.values() if b is not None}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for m, ps, bs, training in slots:
+            m._parameters.update(ps)
+            m._buffers.update(bs)
+            m.training = training
+        with torch.no_grad():
+            for p, data, grad in params.values():
+                p.data = data
+                p.grad = grad
+            for b, value in values.values():
+                b.copy_(value)
+
+
+def calibrate(devices: Sequence[torch.device]) -> Calibration:
+    """Measure the executor's overhead per (micro-batch, partition) task, the host time to issue one
+    layer call on CUDA, and the copy latency and bandwidth between the first two distinct devices."""
+    devices = list(devices)
+    host_serial = all(d.type == "cpu" for d in devices)
+    m = 8
+    tiny = nn.Sequential(*[nn.Linear(4, 4) for _ in devices])
+    x = torch.randn(2 * m, 4)
+    with torch.random.fork_rng(devices=[]):
+        pipe = Pipeline(tiny, [1] * len(devices), devices, chunks=m, checkpoint="never")
+        task = step_seconds(pipe, x, devices, steps=3) / (m * len(devices))
+    launch = 0.0
+    first = devices[0]
+    if first.type == "cuda":
+        chain = nn.Sequential(*[nn.Linear(8, 8) for _ in range(32)]).to(first)
+        y = torch.randn(2, 8, device=first)
+        launch = step_seconds(chain, y, [first], steps=3) / len(chain)
+    latency, bandwidth = 0.0, float("inf")
+    pair = next(((a, b) for a, b in zip(devices, devices[1:]) if a != b), None)
+    if pair is not None:
+        small = torch.zeros(1, device=pair[0])
+        big = torch.zeros(16 << 20, device=pair[0])  # 64 MB
+        latency = _copy_seconds(small, pair)
+        bandwidth = big.numel() * big.element_size() / max(_copy_seconds(big, pair) - latency, 1e-9)
+    return Calibration(task_s=task, launch_s=launch, copy_latency_s=latency, copy_bytes_per_s=bandwidth,
+                       host_serial=host_serial)
+
+
+def _copy_seconds(t: torch.Tensor, pair: tuple[torch.device, torch.device]) -> float:
+    times = []
+    for _ in range(4):
+        _sync(pair)
+        start = time.perf_counter()
+        t.to(pair[1])
+        _sync(pair)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int, show: bool = True,
+                repeats: int = 2) -> tuple[LayerModel, LayerCosts]:
+    """Profile every layer at the sample's batch and at ``lo`` samples; the line through both per layer,
+    and the full batch's costs (for balancing by time and memory)."""
+    batch = _batch(sample)
+    hi = time_costs(model, sample, device, repeats=repeats, progress=show)
+    low = time_costs(model, _head(sample, lo), device, repeats=repeats, progress=show) if lo < batch else hi
+    lays = walk_layers(model)
+    live = live_bytes(dataflow(len(lays), lays.routes, hi.output_bytes, hi.skip_bytes))
+    fitted = LayerModel.fit((min(lo, batch), low.cost), (batch, hi.cost), hi.activation_bytes, hi.state_bytes,
+                            live[: len(lays)], batch)
+    return fitted, hi
+
+
+def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
+            *, steps: int, warm: int) -> LayerModel:
+    """Scale the layer times so the model on one device predicts its measured step: profiling a layer
+    alone adds or hides per-call costs a whole step does not have (on CPU, an autograd call per layer).
+    Left as profiled where the model does not fit one device."""
+    alone = Candidate((len(layers),), (str(device),), 1, "never")
+    predicted = predict(alone, layers, cal, batch).seconds
+    try:
+        measured = step_seconds(model.to(device).train(), pytree.tree_map(
+            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample), [device], steps=steps, warm=warm)
+    except torch.OutOfMemoryError:
+        return layers
+    return layers.scaled(measured / predicted) if predicted > 0 else layers
+
+
+# -- candidates --------------------------------------------------------------------------------------------
+
+
+def _schedules() -> tuple[str, ...]:
+    """The schedules the tuner compares. Only fill-drain for now: ``pipe(x)`` with ``loss.backward()``
+    always runs GPipe's order (the other schedules act in ``pipe.step``, which the timed steps do not
+    use yet); :func:`seqify.predict.tasks_order` already simulates '1f1b' for when they do."""
+    return ("gpipe",)
+
+
+def _plans(model: nn.Module, sample: Any, hi: LayerCosts, parts: int, by: Sequence[str],
+           bandwidth: float) -> dict[str, tuple[int, ...]]:
+    """The optimal balance of each strategy for ``parts`` partitions."""
+    lays = walk_layers(model)
+    out: dict[str, tuple[int, ...]] = {}
+    for strategy in by:
+        if strategy not in ("time", "memory", "flops", "params"):
+            raise TuneError(f"balance={strategy!r}: give a list of layer counts, one of ('time', 'memory', 'flops', "
+                            "'params'), or None to let the tuner choose")
+        if strategy == "time":
+            costs = hi
+        elif strategy == "params":
+            costs = param_costs(model, sample)
+        elif strategy == "memory":
+            costs = replace(hi, by="memory", cost=tuple(float(c) for c in hi.memory))
+        else:
+            try:
+                costs = flop_costs(model, sample)
+            except SeqifyError:
+                continue  # a model fake tensors cannot run: the other strategies stand
+        transfer = default_transfer_cost(strategy, bandwidth=bandwidth) if strategy == "time" and bandwidth < float("inf") else \
+            (default_transfer_cost(strategy) if strategy == "flops" else 0.0)
+        plan = split(costs, parts, lays.names, lays.routes, transfer_cost=transfer)
+        out[strategy] = tuple(plan.balance)
+    return out
+
+
+def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[torch.device], fixed: dict[str, Any],
+                bandwidth: float) -> list[tuple[Candidate, str, int]]:
+    batch = _batch(sample)
+    n = len(hi)
+    cuda = all(d.type == "cuda" for d in devices)
+    chunk_set = [fixed["chunks"]] if fixed.get("chunks") else [c for c in CHUNKS if c <= batch]
+    loop_set = [fixed["loops"]] if fixed.get("loops") else [v for v in LOOPS if v == 1 or len(devices) > 1]
+    ckpt_set = [fixed["checkpoint"]] if fixed.get("checkpoint") else list(CHECKPOINT)
+    graph_set = [fixed["graphs"]] if fixed.get("graphs") is not None else ([False, True] if cuda else [False])
+    sched_set = [fixed["schedule"]] if fixed.get("schedule") else list(_schedules())
+    balance = fixed.get("balance")
+    out: list[tuple[Candidate, str, int]] = []
+    for loops in loop_set:
+        parts = len(devices) * loops
+        if parts > n:
+            continue
+        if isinstance(balance, (list, tuple)):
+            if len(balance) != parts:
+                continue
+            plans = {"given": tuple(balance)}
+        else:
+            plans = _plans(model, sample, hi, parts, [balance] if balance else STRATEGIES, bandwidth)
+        seen: dict[tuple[int, ...], str] = {}
+        for strategy, bal in plans.items():
+            seen.setdefault(bal, strategy)  # two strategies that agree are one candidate
+        placed = tuple(str(d) for d in devices) * loops
+        for bal, strategy in seen.items():
+            for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graph_set, sched_set):
+                if graphs and (ckpt != "never" or sched != "gpipe"):
+                    continue
+                if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
+                    continue  # one micro-batch, the last: the same run as checkpoint='never'
+                out.append((Candidate(bal, placed, m, ckpt, graphs, sched), strategy, loops))
+    return out
+
+
+# -- the tuner ---------------------------------------------------------------------------------------------
+
+
+def tune(
+    model: nn.Module,
+    sample: Any,
+    *,
+    gpus: int | None = None,
+    devices: Sequence[Any] | None = None,
+    memory_cap: float | None = None,
+    chunks: int | None = None,
+    loops: int | None = None,
+    balance: Sequence[int] | str | None = None,
+    checkpoint: str | None = None,
+    graphs: bool | None = None,
+    schedule: str | None = None,
+    top: int = 3,
+    steps: int = 2,
+    warm: int = 1,
+    cache: bool = True,
+    show: bool = True,
+    example_inputs: Any = None,
+    **convert_options: Any,
+) -> PipeConfig:
+    """The fastest pipeline configuration of ``model`` for mini-batches like ``sample`` on these devices.
+
+    Args:
+        model: a seqify.Sequential or nn.Sequential, or any module (converted first, with
+            ``example_inputs`` and ``convert_options``). It is left as it was (devices, values, gradients).
+        sample: a training mini-batch, as you pass it to the model.
+        gpus / devices: as for :func:`seqify.pipeline`: ``gpus=N`` or one device per pipeline stage
+            (``devices=['cpu', 'cpu']`` pipelines on the CPU).
+        memory_cap: bytes a device may hold (parameters, gradients and the activations the schedule
+            keeps, predicted); :class:`TuneError` when no candidate fits.
+        chunks, loops, balance, checkpoint, graphs, schedule: fix that choice (``balance``: a strategy
+            or a list of layer counts); ``None`` searches it.
+        top: how many of the best predicted candidates to confirm with timed steps (0: trust the
+            prediction); ``steps`` timed steps each after ``warm`` untimed ones.
+        cache: read and write the on-disk cache (:func:`cache_path`).
+        show: progress bars on stderr (on a terminal, or with ``SEQIFY_PROGRESS=1``).
+
+    Returns:
+        A :class:`PipeConfig`: ``seqify.pipeline(model, config=cfg)`` builds it; ``print(cfg)`` shows the
+        candidates with predicted and measured milliseconds per step.
+    """
+    if sample is None:
+        raise TuneError("seqify.tune needs sample=... (a training mini-batch) to measure the model; or pass "
+                        "chunks=N and balance= to seqify.pipeline to choose by hand")
+    if not isinstance(model, nn.Sequential):
+        from .convert import convert
+
+        model = convert(model, example_inputs, **convert_options)
+    placed = resolve_devices(gpus, devices, None if gpus is not None or devices is not None else 1)
+    if checkpoint is not None and checkpoint not in CHECKPOINT:
+        raise TuneError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}, or None to let the tuner choose")
+    if memory_cap is not None and not memory_cap > 0:
+        raise TuneError(f"memory_cap={memory_cap!r}: give the bytes one device may hold (> 0), or None for no cap")
+    fixed = dict(chunks=chunks, loops=loops, balance=list(balance) if isinstance(balance, (list, tuple)) else balance,
+                 checkpoint=checkpoint, graphs=graphs, schedule=schedule, memory_cap=memory_cap, top=top)
+    key = _key(model, sample, placed, fixed)
+    if cache:
+        hit = _read_cache().get(key)
+        if hit is not None:
+            try:
+                cfg = PipeConfig.from_dict(hit)
+                if sum(cfg.balance) == len(model):
+                    return cfg
+            except (SeqifyError, TypeError, KeyError):
+                pass  # an entry from another version: measure again
+    batch = _batch(sample)
+    with _kept(model):
+        cal = calibrate(placed)
+        lo = max(2 if batch >= 2 else 1, batch // max(c for c in CHUNKS if c <= batch))
+        layers, hi = layer_model(model, sample, placed[0], lo=lo, show=show)
+        layers = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
+        found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s)
+        if not found:
+            raise TuneError(f"no candidate configuration: {len(model)} layers cannot make {len(placed)} partitions "
+                            f"with the fixed options {({k: v for k, v in fixed.items() if v is not None})}")
+        trials = [_trial(c, s, v, predict(c, layers, cal, batch)) for c, s, v in found]
+        fits = [t for t in trials if memory_cap is None or t.memory_bytes <= memory_cap]
+        if not fits:
+            least = min(trials, key=lambda t: t.memory_bytes)
+            raise MemoryCapError(
+                f"no configuration fits memory_cap={memory_cap / 2**20:.1f} MB per device: the least memory "
+                f"predicted is {least.memory_bytes / 2**20:.1f} MB ({least.label()}); raise memory_cap, use more "
+                "devices, or a smaller mini-batch"
+            )
+        fits.sort(key=lambda t: t.predicted_s)
+        confirmed = []
+        for t in progress(fits[:top], min(top, len(fits)), "seqify tune: timing the best candidates", show):
+            try:
+                pipe = pipeline(model, **_options(t, placed))
+                seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
+            except torch.OutOfMemoryError:  # predicted to fit but did not: the next candidate
+                pipe = None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            confirmed.append(replace(t, measured_s=seconds))
+            del pipe
+        if top > 0 and not confirmed:
+            raise MemoryCapError(f"each of the {min(top, len(fits))} best candidates ran out of memory in a timed "
+                                 "step; pass a memory_cap below the devices' memory, use more devices, or a smaller "
+                                 "mini-batch")
+    best = min(confirmed, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
+    shown = confirmed + [t for t in fits[len(confirmed):len(confirmed) + 8]]
+    cfg = PipeConfig(chunks=best.chunks, loops=best.loops, balance=best.balance, by=best.by,
+                     checkpoint=best.checkpoint, graphs=best.graphs, devices=tuple(str(d) for d in placed),
+                     batch=batch, predicted_s=best.predicted_s, measured_s=best.measured_s,
+                     schedule=best.schedule, trials=tuple(shown), key=key)
+    if cache:
+        _write_cache(key, cfg)
+    return cfg
+
+
+def _trial(c: Candidate, by: str, loops: int, p: Any) -> Trial:
+    return Trial(chunks=c.chunks, loops=loops, by=by, checkpoint=c.checkpoint, graphs=c.graphs,
+                 schedule=None if c.schedule == "gpipe" and _schedules() == ("gpipe",) else c.schedule,
+                 balance=c.balance, predicted_s=p.seconds, memory_bytes=p.memory_bytes)
+
+
+def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(devices=list(devices), loops=t.loops, balance=list(t.balance), chunks=t.chunks,
+                               checkpoint=t.checkpoint, graphs=t.graphs)
+    if t.schedule is not None:
+        out["schedule"] = t.schedule
+    return out

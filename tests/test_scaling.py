@@ -1,0 +1,114 @@
+"""Past two devices on the CPU: 4- and 8-partition plans and pipelines (loops 1 and 2, and the tuner's
+choice) compute what the source computes in float64, and the scaling benchmark's smoke mode runs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models.resnet import BasicBlock, ResNet
+
+import seqify
+
+from exactness import loss_of
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def resnet() -> tuple[nn.Module, torch.Tensor]:
+    """A ResNet with one BasicBlock per stage: every kind of skip a ResNet has, small enough for 8 cuts."""
+    torch.manual_seed(0)
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10).double(), torch.randn(4, 3, 16, 16, dtype=torch.float64)
+
+
+def unet() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = seqify.zoo.build("unet", depth=2, blocks=1, channels=4).double()
+    return model, torch.randn(4, 3, 16, 16, dtype=torch.float64)
+
+
+MODELS = {"resnet": resnet, "unet": unet}
+
+
+def check(source: nn.Module, model: nn.Module, pipe: seqify.Pipeline, x: torch.Tensor) -> None:
+    """The pipeline (over ``model``, a copy of ``source`` it was converted from) against ``source`` on one
+    device running the same micro-batches: outputs equal, every parameter's gradient allclose (float64)."""
+    want = torch.cat([source(part) for part in x.tensor_split(pipe.chunks)])
+    got = pipe(x)
+    assert torch.equal(got, want), "pipeline output differs from the source's"
+    loss_of(want).backward()
+    loss_of(got).backward()
+    mine = dict(model.named_parameters())
+    for name, p in source.named_parameters():
+        torch.testing.assert_close(mine[name].grad, p.grad, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("devices,loops", [(4, 1), (8, 1), (4, 2)])
+def test_many_partitions_are_exact(name: str, devices: int, loops: int) -> None:
+    """Eval mode (BatchNorm uses its running statistics, so micro-batches cannot change the result),
+    forward and backward, 4 micro-batches, the plan balanced by FLOPs for devices x loops partitions."""
+    source, x = MODELS[name]()
+    source.eval()
+    model = copy.deepcopy(source)
+    seq = seqify.convert(model).eval()
+    parts = devices * loops
+    plan = seqify.balance(seq, parts, x, by="flops", progress=False)
+    assert len(plan.balance) == parts and sum(plan.balance) == len(seq)
+    pipe = seqify.pipeline(seq, devices=["cpu"] * devices, loops=loops, balance=plan.balance, chunks=4).eval()
+    assert len(pipe.devices) == parts
+    check(source, model, pipe, x)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_eight_partitions_train_mode_one_micro_batch(name: str) -> None:
+    """Training mode: BatchNorm normalises by the batch and updates its statistics exactly as one device."""
+    source, x = MODELS[name]()
+    source.train()
+    model = copy.deepcopy(source)
+    seq = seqify.convert(model).train()
+    pipe = seqify.pipeline(seq, devices=["cpu"] * 8, balance=seqify.balance(seq, 8, x, by="flops", progress=False).balance,
+                           chunks=1)
+    check(source, model, pipe, x)
+    buffers = dict(model.named_buffers())
+    for key, value in source.named_buffers():
+        assert torch.equal(buffers[key], value), f"buffer {key} differs"
+
+
+def test_tuned_eight_partitions_are_exact(tmp_path, monkeypatch) -> None:
+    """The tuner's choice over 4 CPU devices, 2 loops (8 partitions) builds an exact pipeline."""
+    monkeypatch.setenv("SEQIFY_CACHE_DIR", str(tmp_path))
+    source, x = unet()
+    source.eval()
+    model = copy.deepcopy(source)
+    seq = seqify.convert(model).eval()
+    cfg = seqify.tune(seq, x, devices=["cpu"] * 4, loops=2, top=1, steps=1, warm=0, show=False)
+    assert cfg.loops == 2 and len(cfg.balance) == 8
+    check(source, model, seqify.pipeline(seq, config=cfg).eval(), x)
+
+
+def test_scaling_benchmark_smoke(tmp_path) -> None:
+    out = tmp_path / "scaling.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--tiny", "--device", "cpu", "--gpus", "1", "2",
+         "--models", "unet", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**__import__("os").environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {r["model"] for r in rows} == {"unet"}
+    for model in ("unet",):
+        for scaling in ("strong", "weak"):
+            mine = {r["gpus"]: r for r in rows if r["model"] == model and r["scaling"] == scaling and r["runner"] == "seqify"}
+            assert set(mine) == {1, 2}
+            assert all(r["samples_per_s"] > 0 and len(r["peak_allocated"]) == r["gpus"] for r in mine.values())
+            assert mine[2]["config"]["chunks"] >= 1
+    assert "speed-up" in run.stdout and "peak" in run.stdout

@@ -326,8 +326,7 @@ def one_f_one_b(placement: Sequence[int], microbatches: int) -> Schedule:
 def interleaved(placement: Sequence[int], microbatches: int) -> Schedule:
     """Interleaved 1F1B (Megatron-LM) for ``loops`` partitions per device placed round-robin: micro-batches
     go through a device's partitions in groups of ``devices``, so the bubble shrinks by ``loops``; a
-    device holds at most ``2 (devices - d - 1) + (loops - 1) devices + 1`` partition activations. The
-    bubble shrinks when the micro-batches are a multiple of the devices (a partial last group idles)."""
+    device holds at most ``2 (devices - d - 1) + (loops - 1) devices + 1`` partition activations."""
     _check("interleaved", placement, microbatches)
     d = max(placement) + 1
     loops, rest = divmod(len(placement), d)

@@ -136,3 +136,17 @@ def test_make_names_and_refusals() -> None:
         interleaved((0, 0, 1, 1), 2)
     with pytest.raises(ScheduleError, match="V"):
         zb_h1((0, 1, 0, 1), 2)
+
+
+@pytest.mark.parametrize("d,m", [(2, 4), (3, 5), (4, 8), (4, 16)])
+def test_simulated_lengths_show_each_schedule_shrinking_the_bubble(d: int, m: int) -> None:
+    """In forward times (B = 2 unsplit, B = W = 1 split; half-size partitions with two per device):
+    1F1B keeps GPipe's bubble, zero bubble fills part of it with W, interleaving and the V shrink it."""
+    line = tuple(range(d))
+    work = 3 * m  # one device's F + B + W for its micro-batches, with no idle time
+    bubble = {name: s.ticks - work for name, s in [("gpipe", gpipe(line, m)), ("1f1b", one_f_one_b(line, m)),
+                                                   ("zb-h1", zb_h1(line, m))]}
+    assert bubble["gpipe"] == bubble["1f1b"] == 3 * (d - 1)  # (d - 1) slots of F + B
+    assert 0 < bubble["zb-h1"] < bubble["1f1b"]
+    assert interleaved(round_robin(d, 2), m).ticks / 2 < one_f_one_b(line, m).ticks
+    assert zb_h1(v_shape(d), m).ticks / 2 < zb_h1(line, m).ticks

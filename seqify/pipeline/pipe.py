@@ -1,4 +1,4 @@
-"""Pipeline: a GPipe executor that runs a Sequential's partitions on their devices over micro-batches."""
+"""Pipeline: a Sequential's partitions on their devices, run over micro-batches by the executor a schedule needs."""
 
 from __future__ import annotations
 
@@ -45,7 +45,13 @@ class Pipeline(nn.Module):
 
     Call it like the model: inputs go to the first device (moved there if needed), outputs come back
     on the last device with the structure the source model returns. Training uses autograd as usual:
-    ``loss = f(pipe(x)); loss.backward()``.
+    ``loss = f(pipe(x)); loss.backward()`` (fill-drain), or lets the pipeline own the loss and follow
+    its schedule (1F1B, interleaved, zero bubble): ``loss = pipe.step(x, target, f)``.
+
+    Behind it: :func:`~.placement.place` (partitions on devices, skip routes), the eager executor
+    (:class:`~.eager.Eager`), the replay executor (:class:`~.replayed.Replayer`, CUDA graphs) and the
+    scheduled step (:class:`~.scheduled.ScheduledStep`), all reading one
+    :class:`~.schedule.Schedule`.
     """
 
     def __init__(

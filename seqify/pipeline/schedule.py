@@ -57,6 +57,7 @@ class Schedule:
     microbatches: int
     actions: tuple[Action, ...]
     split: bool = False
+    ticks: float = 0.0  # the builder's simulated length, in forward times (B = W = 1 split, B = 2 unsplit)
 
     @property
     def partitions(self) -> int:
@@ -190,6 +191,8 @@ class _Device:
     held: int = 0  # F done, B not yet
     kept: int = 0  # F done, W not yet (split schedules)
     busy_until: float = 0.0
+    alternate: bool = False  # after a B, an F first when both are ready (Megatron's steady 1F1B)
+    last: str = ""
 
 
 def _simulate(name: str, placement: Sequence[int], m: int, split: bool, devices: list[_Device],
@@ -222,6 +225,8 @@ def _simulate(name: str, placement: Sequence[int], m: int, split: bool, devices:
         actions.append(Action(d, p, mb, kind))  # type: ignore[arg-type]
         finished[(p, mb, kind)] = clock + cost[kind]
         dev.busy_until = clock + cost[kind]
+        if kind != "W":
+            dev.last = kind
         if kind == "F":
             dev.done_f.append((p, mb))
             dev.held += 1
@@ -244,10 +249,11 @@ def _simulate(name: str, placement: Sequence[int], m: int, split: bool, devices:
                 continue
             all_f = len(dev.done_f) == len(dev.owned) * m
             bs = candidates(dev, "B") if (all_f or not fill_drain) else []
-            if bs:
-                start(d, dev, *_oldest(bs), "B")
-            elif dev.held < dev.limit and dev.kept < dev.hold and (fs := candidates(dev, "F")):
+            fs = candidates(dev, "F") if dev.held < dev.limit and dev.kept < dev.hold else []
+            if fs and (dev.alternate and dev.last == "B" or not bs):
                 start(d, dev, *_oldest(fs), "F")
+            elif bs:
+                start(d, dev, *_oldest(bs), "B")
             elif dev.pending_w:
                 start(d, dev, *dev.pending_w[0], "W")
             else:
@@ -267,7 +273,7 @@ def _simulate(name: str, placement: Sequence[int], m: int, split: bool, devices:
                 break
         else:
             raise ScheduleError(f"{name}: the schedule deadlocks (no step can start); use another schedule")
-    schedule = Schedule(name, tuple(placement), m, tuple(actions), split)
+    schedule = Schedule(name, tuple(placement), m, tuple(actions), split, max(finished.values()))
     schedule.check()
     return schedule
 
@@ -332,7 +338,7 @@ def interleaved(placement: Sequence[int], microbatches: int) -> Schedule:
         f = _megatron(owned, microbatches, d, reverse=False)
         b = _megatron(owned, microbatches, d, reverse=True)
         warmup = min(2 * (d - rank - 1) + (loops - 1) * d, len(f))
-        devices.append(_Device(f, b, warmup + 1, owned))
+        devices.append(_Device(f, b, warmup + 1, owned, alternate=True))
     return _simulate("interleaved", placement, microbatches, False, devices)
 
 

@@ -25,6 +25,12 @@ __all__ = [
     "ZooError",
     "PlotError",
     "SpecError",
+    "CompatError",
+    "CompatDeviceError",
+    "SplitPointError",
+    "TiedParameterError",
+    "ConfigError",
+    "CompatSkipError",
 ]
 
 
@@ -119,3 +125,32 @@ class PlotError(SeqifyError):
 
 class SpecError(SeqifyError):
     """A SPEC (``torchvision:NAME``, ``zoo:NAME``, ``FILE.py:FACTORY``) that names no model, or a builder that fails."""
+
+
+class CompatError(SeqifyError, ValueError):
+    """A torchgpipe-style argument (balance, chunks, checkpoint) that ``seqify.compat`` cannot accept (a
+    ``ValueError`` too, as torchgpipe raises)."""
+
+
+class CompatDeviceError(DeviceError, IndexError):
+    """Fewer devices than partitions for ``seqify.compat.torchgpipe.GPipe`` (an ``IndexError`` too, as
+    torchgpipe raises)."""
+
+
+class SplitPointError(SeqifyError, ValueError):
+    """A torch.distributed.pipelining-style split point that names no module of the source, or none that
+    starts or ends at a layer of the converted model."""
+
+
+class TiedParameterError(SharedParameterError):
+    """A parameter shared across partitions that cannot be kept exact as one copy per device (it is
+    changed in place by the forward, or it is not a leaf the optimizer steps)."""
+
+
+class ConfigError(SeqifyError, ValueError):
+    """A run description (``seqify.pipeline_from_config``) with a missing, unknown or ill-typed entry."""
+
+
+class CompatSkipError(SkipError, TypeError):
+    """``seqify.compat.torchgpipe.verify_skippables`` found skips stashed or popped in an invalid order or
+    number (a ``TypeError`` too, as torchgpipe raises)."""

@@ -1,0 +1,3 @@
+"""seqify.compat: the APIs of torchgpipe and torch.distributed.pipelining, backed by seqify."""
+
+__all__ = ["torchgpipe", "pipelining"]

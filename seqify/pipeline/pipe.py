@@ -23,6 +23,7 @@ from .inplace import INPUT, mutated_roots, written_tensors
 from .microbatch import gather, is_tensors, scatter
 from .replay import run
 from .schedule import clock_cycles
+from . import tied
 from .stage import Stage
 from .transfer import Transfer
 
@@ -138,22 +139,6 @@ def _check_balance(balance: Sequence[int], layers: int) -> list[int]:
     return balance
 
 
-def _check_shared(parts: list[nn.Sequential]) -> None:
-    owner: dict[int, tuple[int, str, str]] = {}
-    for j, part in enumerate(parts):
-        for layer_name, layer in part.named_children():
-            for pname, p in layer.named_parameters():
-                seen = owner.get(id(p))
-                if seen is None:
-                    owner[id(p)] = (j, layer_name, pname)
-                elif seen[0] != j:
-                    raise SharedParameterError(
-                        f"parameter {seen[1]}.{seen[2]} is shared by layer {seen[1]!r} (partition {seen[0]}) and "
-                        f"layer {layer_name!r} (partition {j}); a parameter lives on one device. Change the balance "
-                        f"so both layers land in one partition, or untie the weights."
-                    )
-
-
 def _check_meta(parts: list[nn.Sequential]) -> None:
     for j, part in enumerate(parts):
         name = meta_tensor(part)
@@ -254,10 +239,12 @@ class Pipeline(nn.Module):
         for count in balance:
             parts.append(nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count]))))
             start += count
-        _check_shared(parts)
+        ties = tied.find(parts)  # parameters used across partitions: a copy per later partition (tied.py)
+        tied.check(ties, parts, graphs)
         _check_meta(parts)
         part_of = [j for j, count in enumerate(balance) for _ in range(count)]
-        _place(parts, devices)
+        with tied.unplugged(ties):
+            _place(parts, devices)
         if deferred_batch_norm:
             parts = [defer_batch_norm(p, chunks) for p in parts]  # type: ignore[misc]
         pops: list[list[SkipKey]] = [[] for _ in parts]
@@ -277,6 +264,8 @@ class Pipeline(nn.Module):
         self.checkpoint = checkpoint
         self.plan = plan
         self.stages = [Stage(j, p, d, tuple(pops[j]), tuple(stashes[j])) for j, (p, d) in enumerate(zip(parts, devices))]
+        tied.wrap(self.stages, ties)
+        self.ties = ties
         self._norms = [norms_of(p) for p in parts]
         self._snapshot: tuple[tuple[int, ...], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
         # Modules whose running statistics a training forward updates: restored when a step raises.
@@ -405,6 +394,8 @@ class Pipeline(nn.Module):
             carried = None if isinstance(batches[0], torch.Tensor) else len(batches[0])
             flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
             try:
+                if self.ties:
+                    raise Unreplayable("weights tied across partitions are copied per call; the step runs eagerly")
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
                     replay = build(self.stages, flat, carried, self.graphs, self._transfer)
             except SeqifyError:

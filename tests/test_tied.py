@@ -116,3 +116,14 @@ def test_a_tied_weight_changed_in_place_by_the_forward_is_refused() -> None:
     with pytest.raises(seqify.TiedParameterError, match="changes it in place") as info:
         seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[1, len(seq) - 1])
     assert isinstance(info.value, seqify.SharedParameterError) and "Change the balance" in str(info.value)
+
+
+def test_tied_weights_across_processes_are_refused() -> None:
+    from seqify.distributed import DistributedStage
+
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.Tanh(), b)
+    with pytest.raises(seqify.TiedParameterError, match=r"layer '2' \(stage 1\).*seqify.pipeline"):
+        DistributedStage(model, [2, 1], index=1, device=torch.device("cpu"))
+    DistributedStage(model, [3], index=0, device=torch.device("cpu"))  # one stage holds both: fine

@@ -18,6 +18,7 @@ changes in place, and ``graphs=True`` (captured graphs read parameters at fixed 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -134,3 +135,23 @@ def wrap(stages: Sequence[Any], ties: Sequence[Tie]) -> None:
         for i, name in enumerate(stage.names):
             if name in per_layer:
                 stage.modules[i] = _WithCopies(stage.modules[i], per_layer[name], stage.device)
+
+
+def refuse_across_processes(model: nn.Sequential, balance: Sequence[int]) -> None:
+    """One process per stage (``seqify.distributed``) keeps no copy in step with another process's
+    parameter: a weight that layers of two stages use is refused there."""
+    layers = list(model._modules.items())
+    parts, start = [], 0
+    for count in balance:
+        parts.append(nn.Sequential(OrderedDict(layers[start:start + count])))
+        start += count
+    ties = find(parts)
+    if ties:
+        tie = ties[0]
+        j, names = next(iter(tie.slots.items()))
+        raise TiedParameterError(
+            f"parameter {tie.name} (stage {tie.owner}) is also used by layer {next(iter(names))!r} (stage {j}); "
+            "seqify.distributed runs each stage in its own process, where the two would train apart. Change the "
+            "balance so both layers land in one stage, or pipeline in one process over several GPUs "
+            "(seqify.pipeline(model, gpus=N)), which ties them."
+        )

@@ -67,7 +67,7 @@ def test_a_list_of_split_points_begins_a_stage_at_each() -> None:
     assert split_balance(seq, ["layer1.1", "head"]) == split_balance(
         seq, {"layer1.1": SplitPoint.BEGINNING, "layer2": SplitPoint.END}
     )
-    pipe = pipeline(net(), (x,), split_spec=["layer2.0.b"], devices=["cpu", "cpu"])
+    pipe = pipeline(net(), (x,), split_points=["layer2.0.b"], devices=["cpu", "cpu"])
     second = stage_keys(pipe)[1]
     assert "layer2.0.b.weight" in second and "layer2.0.a.weight" not in second
 

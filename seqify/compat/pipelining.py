@@ -104,6 +104,7 @@ def pipeline(
     mb_kwargs: dict[str, Any] | None = None,
     split_spec: SplitSpec | None = None,
     *,
+    split_points: Iterable[str] | None = None,
     devices: Sequence[Any] | None = None,
     checkpoint: str = "never",
     **options: Any,
@@ -111,7 +112,12 @@ def pipeline(
     """torch's ``pipeline(module, mb_args, mb_kwargs, split_spec)`` for one process: the model converted by
     seqify (``mb_args``/``mb_kwargs``: an example micro-batch), split at ``split_spec`` and placed one stage
     per device (default: one GPU each, or CPU). Returns a :class:`seqify.Pipeline` for
-    :class:`ScheduleGPipe` / :class:`Schedule1F1B`. Without checkpointing by default, as in torch."""
+    :class:`ScheduleGPipe` / :class:`Schedule1F1B`. ``split_points=["layer3", "layer4.1"]`` is
+    ``split_spec`` as a list (a stage begins at each). Without checkpointing by default, as in torch."""
+    if split_points is not None:
+        if split_spec is not None:
+            raise SplitPointError("give split_spec or split_points, not both")
+        split_spec = list(split_points)
     if isinstance(module, nn.Sequential):
         model = module
     else:

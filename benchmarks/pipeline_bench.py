@@ -1,15 +1,19 @@
 """Training throughput of ResNet-101 on GPUs: one GPU, seqify's pipeline, torchgpipe and torch pipelining.
 
     python benchmarks/pipeline_bench.py [--batch 256] [--chunks 4 8 16 32] [--loops 1 2] [--precision fp32]
-                                        [--anchors] [--out DIR]
+                                        [--schedule gpipe 1f1b interleaved zb-h1] [--anchors] [--out DIR]
 
 Everything runs in one invocation on the same GPUs, one configuration after another: the one-GPU
 baseline (the source model, eager), the converted model on one GPU, seqify over two GPUs (eager and
 with CUDA graphs) for each chunk count, looped placements (``--loops 2``: four partitions on
 cuda:0, cuda:1, cuda:0, cuda:1, CUDA-graphed, run breadth-first), torchgpipe 0.0.7 over a hand-flattened Sequential when it is
 installed, and torch.distributed.pipelining with hand-cut stages (through torchrun, --anchors).
+``--schedule`` adds, per chunk count, one row per schedule side by side, trained with
+``pipe.step(x, y, loss_fn)``: gpipe with CUDA graphs (looped with ``--loops 2``), 1f1b, interleaved
+(two partitions per GPU) and zb-h1 (also in a V over two partitions per GPU with ``--loops 2``)
+eagerly, each with the memory the schedule's plan predicts per GPU.
 Prints a table of samples/s, the ratio to the one-GPU baseline of the same precision, and the peak
-memory per GPU; writes the rows as JSON to DIR/pipeline_bench_PRECISION.json. seqify.distributed
+allocated and reserved memory per GPU on every row; writes the rows as JSON to DIR/pipeline_bench_PRECISION.json. seqify.distributed
 (distributed_bench.py) runs with --anchors in fp32 only.
 """
 
@@ -57,9 +61,11 @@ def timed(step: Callable[[], None], warm: int, steps: int) -> float:
 
 
 def record(name: str, sec: float, batch: int, **extra: Any) -> None:
-    """Peak memory is what the caching allocator reserved (captured graphs' pools included)."""
+    """Peak memory per GPU: what tensors held (allocated) and what the caching allocator reserved
+    (captured graphs' pools included); ``peak_gib`` is the reserved one, as in older result files."""
     row = dict(name=name, batch=batch, sec_per_step=round(sec, 4), samples_per_s=round(batch / sec, 1),
-               peak_gib=[round(torch.cuda.max_memory_reserved(d) / 2**30, 2) for d in gpus()], **extra)
+               peak_gib=[round(torch.cuda.max_memory_reserved(d) / 2**30, 2) for d in gpus()],
+               peak_allocated_gib=[round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for d in gpus()], **extra)
     ROWS.append(row)
     print(json.dumps(row), flush=True)
 
@@ -87,6 +93,55 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
         opt.step()
 
     return step
+
+
+def scheduled_step(pipe: seqify.Pipeline, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                   bf16: bool) -> Callable[[], None]:
+    """A training step that lets the pipeline's schedule own the loss (1F1B, interleaved, zero bubble)."""
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.float(), target)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            pipe.step(x, y, loss_fn)
+        opt.step()
+
+    return step
+
+
+def schedule_rows(args: argparse.Namespace, x: torch.Tensor, y1: torch.Tensor, bf16: bool, tag: str,
+                  plans: dict[tuple[int, int], list[int]]) -> None:
+    """One row per (chunks, schedule): the same model, batch and balance strategy, side by side."""
+    B = x.size(0)
+    for chunks in args.chunks:
+        for schedule in args.schedule:
+            layouts = [2] if schedule == "interleaved" else ([1, 2] if 2 in args.loops and schedule != "1f1b" else [1])
+            for loops in layouts:
+                graphs = schedule == "gpipe"
+                shape = ("-v" if schedule == "zb-h1" else f"-loop{loops}") if loops > 1 else ""
+                name = f"sched-{schedule}{shape}-{'graphs' if graphs else 'eager'}-c{chunks}{tag}"
+                try:
+                    seq = seqify.convert(fresh())
+                    parts = 2 * loops
+                    if (chunks, parts) not in plans:
+                        plans[(chunks, parts)] = seqify.balance(seq, parts, sample=x[: B // chunks].cpu(), by=args.balance,
+                                                                device=x.device, progress=False).balance
+                        cleanup()
+                    balance = plans[(chunks, parts)]
+                    pipe = seqify.pipeline(seq, gpus=2, loops=loops, balance=balance, chunks=chunks, checkpoint="never",
+                                           graphs=graphs, schedule=schedule)
+                    predicted = [round(b / 2**30, 2) for b in pipe.plan_memory(x).per_device]
+                    cleanup()
+                    opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+                    step = scheduled_step(pipe, opt, x, y1, bf16)
+                    record(name, timed(step, args.warm, args.steps), B, balance=balance, predicted_gib=predicted)
+                    if graphs and pipe.graph_error:
+                        failed(name + " (graphs fell back to eager)", RuntimeError(pipe.graph_error[-300:]))
+                    del seq, pipe, opt, step
+                except Exception as e:
+                    failed(name, e)
+                cleanup()
 
 
 def torchrun(script: str, args: list[str], label: str) -> None:
@@ -136,6 +191,9 @@ def main() -> None:
     p.add_argument("--skip-eager", action="store_true", help="only CUDA-graphed seqify runs")
     p.add_argument("--loops", type=int, nargs="+", default=[1],
                    help="partitions per GPU to try (1: one partition per GPU; 2: cuda:0, cuda:1, cuda:0, cuda:1)")
+    p.add_argument("--schedule", nargs="+", default=[], choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
+                   help="also train with pipe.step under these schedules, one row each per chunk count")
+    p.add_argument("--skip-seqify", action="store_true", help="skip the seqify rows without --schedule")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     B = args.batch
@@ -167,7 +225,9 @@ def main() -> None:
         except Exception as e:
             failed(f"single-converted{tag}", e)
         cleanup()
-        for chunks in args.chunks:
+        if args.schedule:
+            schedule_rows(args, x, y1, bf16, tag, plans)
+        for chunks in ([] if args.skip_seqify else args.chunks):
             for loops in args.loops:
                 for graphs in ([True] if args.skip_eager or loops > 1 else [False, True]):
                     loop = f"-loop{loops}" if loops > 1 else ""
@@ -234,15 +294,17 @@ def main() -> None:
             base[False] = r["samples_per_s"]
         if r.get("name") == "single-bf16":
             base[True] = r["samples_per_s"]
-    print("\n| configuration | samples/s | x one GPU (same precision) | peak GiB per GPU |")
-    print("|---|---|---|---|")
+    print("\n| configuration | samples/s | x one GPU (same precision) | peak GiB allocated per GPU | peak GiB reserved "
+          "per GPU | predicted GiB per GPU |")
+    print("|---|---|---|---|---|---|")
     for r in ROWS:
         if "error" in r:
-            print(f"| {r['name']} | failed: {r['error'][:60]} | | |")
+            print(f"| {r['name']} | failed: {r['error'][:60]} | | | | |")
             continue
         b = base["bf16" in r["name"]]
         ratio = f"{r['samples_per_s'] / b:.2f}" if b else "n/a"
-        print(f"| {r['name']} | {r['samples_per_s']:.1f} | {ratio} | {' / '.join(str(v) for v in r.get('peak_gib', []))} |")
+        gib = [" / ".join(str(v) for v in r.get(k, [])) for k in ("peak_allocated_gib", "peak_gib", "predicted_gib")]
+        print(f"| {r['name']} | {r['samples_per_s']:.1f} | {ratio} | {gib[0]} | {gib[1]} | {gib[2]} |")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ __all__ = [
     "TiedParameterError",
     "ConfigError",
     "CompatSkipError",
+    "ScheduleError",
+    "MemoryCapError",
 ]
 
 
@@ -143,8 +145,8 @@ class SplitPointError(SeqifyError, ValueError):
 
 
 class TiedParameterError(SharedParameterError):
-    """A parameter shared across partitions that cannot be kept exact as one copy per device (it is
-    changed in place by the forward, or it is not a leaf the optimizer steps)."""
+    """A parameter shared across partitions that cannot be kept exact as a copy per partition: the forward
+    changes it in place, ``graphs=True`` reads it at a fixed address, or stages run in separate processes."""
 
 
 class ConfigError(SeqifyError, ValueError):
@@ -154,3 +156,11 @@ class ConfigError(SeqifyError, ValueError):
 class CompatSkipError(SkipError, TypeError):
     """``seqify.compat.torchgpipe.verify_skippables`` found skips stashed or popped in an invalid order or
     number (a ``TypeError`` too, as torchgpipe raises)."""
+
+
+class ScheduleError(SeqifyError):
+    """A pipeline schedule that is unknown, does not fit the placement, or breaks an ordering rule."""
+
+
+class MemoryCapError(SeqifyError):
+    """No schedule and checkpointing choice fits ``memory_cap``; the message gives the smallest cap that does."""

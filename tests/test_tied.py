@@ -127,3 +127,19 @@ def test_tied_weights_across_processes_are_refused() -> None:
     with pytest.raises(seqify.TiedParameterError, match=r"layer '2' \(stage 1\).*seqify.pipeline"):
         DistributedStage(model, [2, 1], index=1, device=torch.device("cpu"))
     DistributedStage(model, [3], index=0, device=torch.device("cpu"))  # one stage holds both: fine
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_scheduled_step_with_tied_weights_equals_one_device(schedule: str) -> None:
+    torch.manual_seed(0)
+    source = TinyGPT().double()
+    one = copy.deepcopy(source)
+    idx = torch.randint(0, 11, (4, 6))
+    seq = seqify.convert(source, (idx,))
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[3, len(seq) - 3], chunks=2, schedule=schedule)
+    loss = pipe.step(idx, idx, loss_of)
+    expected = sum(loss_of(one(i), i) for i in idx.tensor_split(2)) / 2
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(source.named_parameters(), one.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)

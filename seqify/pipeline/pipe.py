@@ -2,196 +2,38 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import operator
-import traceback
-import warnings
 
 import torch
 from torch import nn
 
-from ..errors import SeqifyError, BalanceError, BoundaryError, DeviceError, EmptyModelError, MetaDeviceError, SharedParameterError
-from ..sequential import Sequential, meta_tensor
-from ..skip.layout import routes
-from ..skip.namespace import SkipKey
-from .batchnorm import DeferredBatchNorm, defer_batch_norm
-from .checkpoint import checkpointed, norms_of
-from .inplace import INPUT, mutated_roots, written_tensors
-from .microbatch import gather, is_tensors, scatter
-from .replay import run
-from .schedule import clock_cycles
-from . import tied
-from .stage import Stage
+from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, MemoryCapError, ScheduleError
+from ..sequential import Sequential
+from .batchnorm import DeferredBatchNorm
+from .checkpoint import norms_of
+from .eager import Eager, checkpoint_stop
+from .inplace import INPUT, mutated_roots
+from .memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
+from .microbatch import gather, scatter
+from .placement import (  # noqa: F401  (names other modules import from here)
+    CHECKPOINT,
+    STRATEGIES,
+    _check_balance,
+    _check_chunks,
+    _check_meta,
+    _counts,
+    _place,
+    place,
+    resolve_devices,
+)
+from .replay import Replay, run
+from .replayed import GraphWarning, Replayer
+from .schedule import SCHEDULES, Schedule, make, round_robin, v_shape
+from .scheduled import ScheduledStep, loss_weights
 from .transfer import Transfer
 
 __all__ = ["Pipeline", "pipeline", "resolve_devices", "GraphWarning"]
-
-
-class GraphWarning(UserWarning):
-    """CUDA graphs were asked for but could not be captured; the pipeline runs eagerly."""
-
-CHECKPOINT = ("always", "except_last", "never")
-STRATEGIES = ("time", "memory", "flops", "params")
-
-
-def resolve_devices(gpus: int | None, devices: Sequence[Any] | None, partitions: int | None) -> list[torch.device]:
-    """The device of every partition, from ``devices``, ``gpus`` or what the machine has."""
-    if devices is not None and gpus is not None:
-        raise DeviceError("pass either gpus=N or devices=[...], not both")
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int)):
-        raise DeviceError(f"gpus={gpus!r}: give a number of GPUs, or devices=[...]")
-    if devices is not None:
-        if isinstance(devices, (str, torch.device, int)):
-            raise DeviceError(
-                f"devices={devices!r}: give a list with one device per partition, e.g. devices=['cuda:0', "
-                "'cuda:1'] or devices=['cpu', 'cpu']"
-            )
-        devices = list(devices)
-        if not devices:
-            raise DeviceError("devices=[] names no device; give one device per partition")
-        out = []
-        for d in devices:
-            try:
-                device = torch.device(f"cuda:{d}" if isinstance(d, int) else d)
-            except (RuntimeError, TypeError, ValueError) as e:
-                raise DeviceError(
-                    f"{d!r} in devices is not a device ({(str(e).splitlines() or [''])[0]}); name devices like "
-                    "'cuda:0', 'cuda:1' or 'cpu'"
-                ) from None
-            if device.type == "cuda":
-                if not torch.cuda.is_available():
-                    raise DeviceError(f"device {device} does not exist: CUDA is not available here; use devices=['cpu', ...]")
-                index = device.index if device.index is not None else torch.cuda.current_device()
-                if index >= torch.cuda.device_count():
-                    raise DeviceError(
-                        f"device {device} does not exist: this machine has {torch.cuda.device_count()} GPUs "
-                        f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
-                    )
-                device = torch.device("cuda", index)
-            elif device.type not in ("cpu",):
-                raise DeviceError(f"device {device} is not supported: use CUDA devices or 'cpu'")
-            out.append(device)
-        return out
-    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus is not None:
-        if gpus < 1:
-            raise DeviceError(f"gpus={gpus}: ask for at least one GPU")
-        if gpus > available:
-            raise DeviceError(
-                f"gpus={gpus} but this machine has {available} GPU{'s' if available != 1 else ''}; "
-                "use fewer, or devices=['cpu', 'cpu'] to pipeline on the CPU"
-            )
-        return [torch.device("cuda", i) for i in range(gpus)]
-    if available:
-        return [torch.device("cuda", i) for i in range(partitions or available)][:available]
-    if partitions:
-        return [torch.device("cpu")] * partitions
-    raise DeviceError("no GPU here: pass devices=['cpu', 'cpu'] (or a balance list) to pipeline on the CPU")
-
-
-def _layer_names(model: nn.Sequential) -> list[str]:
-    return list(model._modules)
-
-
-def _counts(balance: Any, layers: int) -> list[int]:
-    """``balance`` as a list of whole numbers (the counts are checked by :func:`_check_balance`)."""
-    if isinstance(balance, (int, float, torch.Tensor)) or not hasattr(balance, "__iter__"):
-        half = layers // 2
-        raise BalanceError(
-            f"balance={balance!r}: give a list of layer counts, one per partition (e.g. balance=[{layers - half}, "
-            f"{half}] for this model's {layers} layers), or a strategy: one of {STRATEGIES}"
-        )
-    counts = []
-    for b in balance:
-        try:
-            if isinstance(b, bool):
-                raise TypeError
-            counts.append(operator.index(b))
-        except TypeError:
-            raise BalanceError(f"balance={list(balance)!r}: every entry must be a whole number of layers, not {b!r}") from None
-    return counts
-
-
-def _check_chunks(chunks: Any) -> int:
-    try:
-        if isinstance(chunks, bool):
-            raise TypeError
-        value = operator.index(chunks)
-    except TypeError:
-        raise BalanceError(f"chunks={chunks!r}: give a whole number of micro-batches (>= 1)") from None
-    if value < 1:
-        raise BalanceError(f"chunks={chunks}: need at least one micro-batch")
-    return value
-
-
-def _check_balance(balance: Sequence[int], layers: int) -> list[int]:
-    balance = _counts(balance, layers)
-    if any(b < 1 for b in balance):
-        raise BalanceError(f"balance {balance} has an empty partition; every partition needs at least one layer")
-    if sum(balance) != layers:
-        raise BalanceError(
-            f"balance {balance} sums to {sum(balance)} but the model has {layers} layers; "
-            "make the counts add up to the number of layers (or pass a strategy such as balance='params')"
-        )
-    return balance
-
-
-def _check_meta(parts: list[nn.Sequential]) -> None:
-    for j, part in enumerate(parts):
-        name = meta_tensor(part)
-        if name is not None:
-            raise MetaDeviceError(
-                f"layer {name.split('.')[0]!r} (partition {j}) holds {name} on the meta device (shapes, no data); a "
-                "pipeline moves its layers to their devices, which needs data. Materialise the weights first: "
-                "model.to_empty(device='cpu'), then initialise them or load a checkpoint "
-                "(seq.load_original_state_dict(torch.load(path))), then pipeline the model."
-            )
-
-
-def _place(parts: list[nn.Sequential], devices: Sequence[torch.device]) -> None:
-    """Move each partition to its device. A tensor several layers share stays one tensor per device; a
-    read-only buffer that partitions on different devices read (a constant of the source's forward) gets a
-    copy on each. A buffer that changes as the model runs (BatchNorm statistics, ``self.count += 1``) and
-    that layers of different partitions use is refused, like a shared parameter: partitions run a
-    micro-batch at different times (partition 0 is a micro-batch ahead), so a later partition would read
-    it changed by later micro-batches, and on another device it would be a stale copy."""
-    from ..convert.build import Tensors
-
-    written = {id(t) for part in parts for layer in part for t in written_tensors(layer)}
-    slots: dict[int, list[tuple[int, str, nn.Module, str, str]]] = {}
-    for j, part in enumerate(parts):
-        seen: set[tuple[int, str, str]] = set()
-        for layer_name, layer in part.named_children():
-            for m in layer.modules():
-                for kind in ("_parameters", "_buffers"):
-                    for name, t in getattr(m, kind).items():
-                        if t is not None and (id(m), kind, name) not in seen:
-                            seen.add((id(m), kind, name))
-                            slots.setdefault(id(t), []).append((j, layer_name, m, kind, name))
-    for tid, entries in slots.items():
-        if len({j for j, *_ in entries}) < 2:
-            continue
-        changes = tid in written or any(not isinstance(m, Tensors) for _, _, m, _, _ in entries)
-        if changes:
-            a = entries[0]
-            b = next(e for e in entries if e[0] != a[0])
-            raise SharedParameterError(
-                f"buffer {a[4]!r} is used by layer {a[1]!r} (partition {a[0]}, {devices[a[0]]}) and layer {b[1]!r} "
-                f"(partition {b[0]}, {devices[b[0]]}) and may change as the model runs; partitions run each "
-                "micro-batch at different times (and may sit on different devices), so such a buffer must stay in "
-                "one partition. Change the balance so both layers land in one partition."
-            )
-    for part, device in zip(parts, devices):
-        part.to(device)
-    for entries in slots.values():
-        if len(entries) < 2:
-            continue
-        first: dict[torch.device, torch.Tensor] = {}
-        for j, _, m, kind, name in entries:
-            getattr(m, kind)[name] = first.setdefault(devices[j], getattr(m, kind)[name])
 
 
 class Pipeline(nn.Module):
@@ -213,6 +55,8 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool = False,
         graphs: bool = False,
         plan: Any = None,
+        schedule: str | Schedule = "gpipe",
+        placement: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT:
@@ -225,47 +69,18 @@ class Pipeline(nn.Module):
         if graphs and any(torch.device(d).type != "cuda" for d in devices):
             raise DeviceError("graphs=True needs every partition on a CUDA device")
         chunks = _check_chunks(chunks)
-        names = _layer_names(model)
-        balance = _check_balance(balance, len(names))
-        if len(devices) != len(balance):
-            raise DeviceError(
-                f"{len(balance)} partitions but {len(devices)} devices {list(map(str, devices))}; "
-                "give one device per partition (repeat a device to put several partitions on it)"
-            )
-        found = routes(model)
-        layers = list(model._modules.values())
-        parts: list[nn.Sequential] = []
-        start = 0
-        for count in balance:
-            parts.append(nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count]))))
-            start += count
-        ties = tied.find(parts)  # parameters used across partitions: a copy per later partition (tied.py)
-        tied.check(ties, parts, graphs)
-        _check_meta(parts)
-        part_of = [j for j, count in enumerate(balance) for _ in range(count)]
-        with tied.unplugged(ties):
-            _place(parts, devices)
-        if deferred_batch_norm:
-            parts = [defer_batch_norm(p, chunks) for p in parts]  # type: ignore[misc]
-        pops: list[list[SkipKey]] = [[] for _ in parts]
-        stashes: list[list[SkipKey]] = [[] for _ in parts]
-        self.skip_partitions: dict[SkipKey, tuple[int, int]] = {}
-        for r in found:
-            a, b = part_of[r.stash], part_of[r.pop]
-            if a != b:
-                stashes[a].append(r.key)
-                pops[b].append(r.key)
-                self.skip_partitions[r.key] = (a, b)
+        placed = place(model, balance, devices, chunks=chunks, deferred_batch_norm=deferred_batch_norm, graphs=graphs)
+        parts = placed.partitions
+        self.skip_partitions = placed.skip_partitions
         self.partitions = nn.ModuleList(parts)
         object.__setattr__(self, "model", model)
         self.devices = list(devices)
-        self.balance = balance
+        self.balance = placed.balance
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.plan = plan
-        self.stages = [Stage(j, p, d, tuple(pops[j]), tuple(stashes[j])) for j, (p, d) in enumerate(zip(parts, devices))]
-        tied.wrap(self.stages, ties)
-        self.ties = ties
+        self.stages = placed.stages
+        self.ties = placed.ties
         self._norms = [norms_of(p) for p in parts]
         self._snapshot: tuple[tuple[int, ...], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
         # Modules whose running statistics a training forward updates: restored when a step raises.
@@ -276,15 +91,21 @@ class Pipeline(nn.Module):
         self._deferred = [m for p in parts for m in p.modules() if isinstance(m, DeferredBatchNorm)]
         self._transfer = Transfer()
         self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
-        self.graphs = graphs
-        self._graphed: tuple[Any, Any] | None = None
-        self.graph_error: str | None = None
-        self._replay_eager = False  # tests: drive the step as graphs would, with eager programs (any device)
+        self._eager = Eager(self.stages, self._transfer, self.skip_partitions, self._norms, self._deferred)
+        self.placement = _placement(placement, self.devices)
+        self._replayer = Replayer(self.stages, self.devices, self._transfer, self.partitions.parameters, graphs,
+                                  self.placement)
+        self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
+        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+            raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a Schedule")
+        self.schedule = schedule
+        self._schedules: dict[int, Schedule] = {}
+        self._memory: tuple[Any, list[PartitionMemory]] | None = None
         self.training = model.training
         # A model that may modify its input in place gets micro-batches that are copies: views of one
         # tensor share autograd's version counter, so one micro-batch's change would invalidate what
         # another saved for backward (and the caller's tensor stays as it was).
-        self._copy_input = INPUT in mutated_roots(layers)
+        self._copy_input = INPUT in mutated_roots(list(model._modules.values()))
 
     @property
     def chunks(self) -> int:
@@ -312,10 +133,35 @@ class Pipeline(nn.Module):
         self.model.train(mode)
         return self
 
+    # The replay executor's state, under the names it has always had.
+    @property
+    def graphs(self) -> bool:
+        """Whether training steps replay captured CUDA graphs (False once capturing failed)."""
+        return self._replayer.graphs
+
+    @graphs.setter
+    def graphs(self, value: bool) -> None:
+        self._replayer.graphs = value
+
+    @property
+    def graph_error(self) -> str | None:
+        """Why capturing CUDA graphs failed (a traceback), or None."""
+        return self._replayer.error
+
+    @property
+    def _replay_eager(self) -> bool:  # tests: drive the step as graphs would, with eager programs (any device)
+        return self._replayer.eager
+
+    @_replay_eager.setter
+    def _replay_eager(self, value: bool) -> None:
+        self._replayer.eager = value
+
+    @property
+    def _graphed(self) -> tuple[Any, Replay] | None:
+        return self._replayer.built
+
     def _checkpoint_stop(self, micro_batches: int) -> int:
-        if not torch.is_grad_enabled():
-            return 0
-        return {"always": micro_batches, "except_last": micro_batches - 1, "never": 0}[self.checkpoint]
+        return checkpoint_stop(self.checkpoint, micro_batches)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
@@ -331,7 +177,7 @@ class Pipeline(nn.Module):
             batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
         saved = self._save_statistics() if self._statistics else None
         try:
-            replay = self._replay(batches)
+            replay = self._replayer.programs(batches, self.training)
             if replay is not None:
                 out = run(replay, [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches])
             else:
@@ -341,6 +187,97 @@ class Pipeline(nn.Module):
                 self._restore_statistics(saved)
             raise
         return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
+
+    def schedule_for(self, micro_batches: int) -> Schedule:
+        """The pipeline's schedule for this many micro-batches (built once per count)."""
+        got = self._schedules.get(micro_batches)
+        if got is None:
+            got = self._schedules[micro_batches] = make(self.schedule, self.placement, micro_batches)
+        return got
+
+    def step(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+             reduction: str | None = None) -> torch.Tensor:
+        """One training step that owns the loss: forward, ``loss_fn(output, target)`` per micro-batch and
+        backward, in the order of the pipeline's schedule. Gradients accumulate in ``.grad`` as
+        ``loss_fn(model(x), target).backward()`` on one device would leave them; returns that loss,
+        detached. ``reduction`` ('mean' or 'sum', default ``loss_fn.reduction`` or 'mean') says how
+        ``loss_fn`` reduces over samples, so micro-batch losses are weighed to add up to the batch's."""
+        if not (self.training and torch.is_grad_enabled()):
+            raise ScheduleError("pipe.step trains: call pipe.train() and run it with gradients enabled (not under "
+                                "torch.no_grad()); for inference call pipe(x)")
+        reduction = reduction or getattr(loss_fn, "reduction", "mean")
+        model = self.model
+        if isinstance(model, Sequential):
+            carried = model.flatten_inputs(x) if not isinstance(x, tuple) else model.flatten_inputs(*x)
+        else:
+            carried = x
+        if self.schedule == "gpipe" and (self.graphs or self._replay_eager):
+            out = self(*x) if isinstance(x, tuple) and isinstance(model, Sequential) else self(x)
+            loss = loss_fn(out, self._transfer(target, self.devices[-1]))
+            loss.backward()
+            return loss.detach()
+        carried = self._transfer(carried, self.devices[0])
+        batches = scatter(carried, self.chunks)
+        if self._copy_input:
+            batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
+        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
+        targets = _split_like(self._transfer(target, self.devices[-1]), sizes)
+        unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
+        saved = self._save_statistics() if self._statistics else None
+        try:
+            return self._stepper(self.schedule_for(len(batches)), batches, targets, loss_fn,
+                                 loss_weights(sizes, reduction), self._checkpoint_stop(len(batches)), unflatten)
+        except BaseException:
+            if saved:
+                self._restore_statistics(saved)
+            raise
+
+    def plan_memory(self, sample: Any, *, schedule: str | Schedule | None = None,
+                    checkpoint: str | None = None) -> MemoryPlan:
+        """Predicted peak bytes per device (the schedule's device numbers) for training on the mini-batch
+        ``sample`` with ``schedule`` and ``checkpoint`` (default: the pipeline's own), from the bytes
+        one micro-batch keeps for backward in each partition (measured once, running statistics left as
+        they were) times what the schedule keeps in flight. Optimizer state is not included."""
+        checkpoint = checkpoint or self.checkpoint
+        if checkpoint not in CHECKPOINT:
+            raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
+        model = self.model
+        carried = model.flatten_inputs(*sample) if isinstance(model, Sequential) and isinstance(sample, tuple) else (
+            model.flatten_inputs(sample) if isinstance(model, Sequential) else sample)
+        batches = scatter(self._transfer(carried, self.devices[0]), self.chunks)
+        key = tuple((tuple(t.shape), t.dtype) for t in ((batches[0],) if isinstance(batches[0], torch.Tensor)
+                                                          else batches[0]))
+        if self._memory is None or self._memory[0] != key:
+            self._memory = (key, measure(self.stages, batches[0]))
+        built = make(schedule if schedule is not None else self.schedule, self.placement, len(batches))
+        return predict(self._memory[1], built, checkpoint)
+
+    def fit_memory(self, cap: int | float | str, sample: Any) -> MemoryPlan:
+        """Pick the fastest schedule and checkpointing whose predicted peak fits ``cap`` on every device
+        and switch to them; raise :class:`MemoryCapError` naming the smallest cap any choice fits."""
+        limit = parse_bytes(cap)
+        loops = len(self.placement) // (max(self.placement) + 1)
+        if self.placement == v_shape(max(self.placement) + 1) and loops == 2:
+            names = ["zb-h1"]
+        elif loops > 1:
+            names = ["interleaved", "gpipe"]
+        else:
+            names = ["zb-h1", "1f1b", "gpipe"]
+        if isinstance(self.schedule, Schedule) or self.schedule in names:  # the caller's choice first
+            names = [self.schedule] + [n for n in names if n != self.schedule]  # type: ignore[list-item]
+        plans = [self.plan_memory(sample, schedule=n, checkpoint=c)
+                 for c in ("never", "except_last", "always") for n in names]
+        for plan, name in zip(plans, names * 3):
+            if plan.peak <= limit:
+                self.schedule, self.checkpoint = name, plan.checkpoint
+                self._schedules.clear()
+                return plan
+        best = min(plans, key=lambda p: p.peak)
+        raise MemoryCapError(
+            f"memory_cap={cap!r} ({limit} bytes) is below every predicted peak; the smallest cap that works is "
+            f"{best.peak} bytes ({best}). Raise memory_cap to at least that, add devices or use more chunks "
+            "(optimizer state is not counted)"
+        )
 
     def _save_statistics(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
         """Copy the running statistics this forward may update, once per mini-batch (not per micro-batch),
@@ -369,113 +306,40 @@ class Pipeline(nn.Module):
             for tensors, copies in saved:
                 torch._foreach_copy_(tensors, copies)
 
-    def _replay(self, batches: list[Any]) -> Any:
-        """The step's programs for these micro-batches (built, and captured as CUDA graphs, on first use)."""
-        if not ((self.graphs or self._replay_eager) and self.training and torch.is_grad_enabled()):
-            return None
-        from .replay import Unreplayable, build
-
-        autocast = torch.is_autocast_enabled("cuda")
-        dtype = torch.get_autocast_dtype("cuda") if autocast else None
-        key = (
-            tuple(
-                tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in ((v,) if isinstance(v, torch.Tensor) else v))
-                for v in batches
-            ),
-            autocast,
-            dtype,
-            # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them
-            tuple(p.data_ptr() for p in self.partitions.parameters()),
-            # which inputs are one tensor (one buffer behind two slots)
-            tuple(tuple(map(id, v)).index(id(t)) for v in batches if not isinstance(v, torch.Tensor) for t in v),
-        )
-        if self._graphed is None or self._graphed[0] != key:
-            self._graphed = None  # let the old graphs' memory go first
-            carried = None if isinstance(batches[0], torch.Tensor) else len(batches[0])
-            flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
-            try:
-                if self.ties:
-                    raise Unreplayable("weights tied across partitions are copied per call; the step runs eagerly")
-                with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
-                    replay = build(self.stages, flat, carried, self.graphs, self._transfer)
-            except SeqifyError:
-                raise
-            except Exception as e:
-                if not (self.graphs or isinstance(e, Unreplayable)):
-                    raise
-                self._fall_back(e)
-                return None
-            self._graphed = (key, replay)
-        return self._graphed[1]
-
     def _fall_back(self, error: Exception) -> None:
-        """Run eagerly from now on: some layers cannot be captured (host syncs, CPU tensors,
-        data-dependent shapes) or the step cannot be fixed programs (non-tensor outputs, aliasing
-        values changed in place). With graphs=True say so, once."""
-        self.graph_error = traceback.format_exc()
-        if self.graphs:
-            self.graphs = False
-            warnings.warn(
-                f"seqify.pipeline(graphs=True): capturing CUDA graphs failed ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''}); running eagerly instead (pipe.graph_error has "
-                "the trace)",
-                GraphWarning,
-                stacklevel=4,
-            )
-            for d in self.devices:
-                torch.cuda.synchronize(d)
-        self._replay_eager = False
+        """Run eagerly from now on (see :meth:`Replayer.fall_back`)."""
+        self._replayer.fall_back(error)
 
     def _run(self, values: list[Any]) -> list[Any]:
-        m, n = len(values), len(self.stages)
-        stop = self._checkpoint_stop(m)
-        for bn in self._deferred:
-            bn.chunks = m
-            bn._reset_tracking()
-        pending: list[dict[SkipKey, tuple[Any, Any]]] = [{} for _ in range(m)]  # skip -> (value, ready)
-        ready: list[Any] = [None] * m  # when micro-batch i's carried value is ready to copy
-        transfer = self._transfer
-        observe = self.on_transfer
-        try:
-            for cycle in clock_cycles(m, n):
-                for i, j in cycle:
-                    stage = self.stages[j]
-                    x = values[i]
-                    memo: dict[int, Any] | None = {} if stage.pops or type(x) is tuple else None
-                    if j > 0:
-                        if not is_tensors(x):
-                            prev = self.stages[j - 1]
-                            raise BoundaryError(
-                                f"layer {prev.names[-1]!r}, the last of partition {j - 1}, returns "
-                                f"{type(x).__name__}; only a tensor or a tuple of tensors can cross to partition {j}. "
-                                "Move the cut (balance) so this value stays inside one partition, or convert with "
-                                "example_inputs so seqify knows which values are tensors."
-                            )
-                        x = transfer(x, stage.device, ready[i], memo)
-                        if observe is not None:
-                            observe("carry", "", j - 1, j, i)
-                    skips = {}
-                    for key in stage.pops:
-                        value, when = pending[i].pop(key)
-                        skips[key] = transfer(value, stage.device, when, memo)
-                        if observe is not None:
-                            observe("skip", key[1], self.skip_partitions[key][0], j, i)
-                    if i < stop:
-                        y, out = checkpointed(stage.fresh, x, skips, norms=self._norms[j])
-                    else:
-                        y, out = stage(x, skips)
-                    values[i] = y
-                    ready[i] = transfer.mark(stage.device)
-                    for key, value in out.items():
-                        pending[i][key] = (value, ready[i])
-        except BaseException:
-            for bn in self._deferred:
-                bn._reset_tracking()
-            raise
-        left = [k[1] for p in pending for k in p]
-        if left:
-            raise BoundaryError(f"skips {sorted(set(left))} were stashed but no later partition popped them")
-        return values
+        return self._eager.forward(values, self._checkpoint_stop(len(values)), self.on_transfer)
+
+
+def _placement(placement: Sequence[int] | None, devices: Sequence[torch.device]) -> tuple[int, ...]:
+    """Which pipeline device (0..d-1) each partition runs on: given, or one partition per device."""
+    if placement is None:
+        return tuple(range(len(devices)))
+    placement = tuple(placement)
+    if len(placement) != len(devices) or set(placement) != set(range(max(placement, default=-1) + 1)):
+        raise ScheduleError(f"placement {placement}: give each of the {len(devices)} partitions a device number "
+                            "0..d-1, every number used")
+    return placement
+
+
+def _split_like(target: Any, sizes: list[int]) -> list[Any]:
+    """``target`` cut along the batch dimension into micro-batches of ``sizes`` (tensors, or tuples,
+    lists and dicts of them; anything else is given to every micro-batch whole)."""
+    if isinstance(target, torch.Tensor):
+        if target.dim() == 0 or target.size(0) != sum(sizes):
+            raise BoundaryError(f"target has shape {tuple(target.shape)} but the batch has {sum(sizes)} samples; "
+                                "pipe.step splits the target along its first dimension like the input")
+        return list(target.split(sizes))
+    if isinstance(target, (tuple, list)):
+        parts = [_split_like(t, sizes) for t in target]
+        return [type(target)(p[i] for p in parts) for i in range(len(sizes))]
+    if isinstance(target, dict):
+        parts_d = {k: _split_like(v, sizes) for k, v in target.items()}
+        return [{k: v[i] for k, v in parts_d.items()} for i in range(len(sizes))]
+    return [target] * len(sizes)
 
 
 def pipeline(
@@ -491,6 +355,8 @@ def pipeline(
     loops: int = 1,
     example_inputs: Any = None,
     sample: Any = None,
+    schedule: str | Schedule = "gpipe",
+    memory_cap: int | float | str | None = None,
     **convert_options: Any,
 ) -> Pipeline:
     """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
@@ -522,6 +388,17 @@ def pipeline(
             transfers. A ``balance`` list then has ``loops`` entries per device.
         sample: an input batch (or micro-batch) for the 'time', 'memory' and 'flops' strategies;
             defaults to ``example_inputs``.
+        schedule: the order of forward and backward work in :meth:`Pipeline.step`: 'gpipe'
+            (fill-drain), '1f1b', 'interleaved' (several partitions per device: ``loops > 1``), 'zb-h1'
+            (zero bubble: backward split into input and weight gradients; with ``loops=2`` the partitions
+            are placed in a V: cuda:0, cuda:1, cuda:1, cuda:0), or a
+            :class:`~seqify.pipeline.schedule.Schedule`. ``pipe(x)`` followed by ``loss.backward()``
+            always runs fill-drain.
+        memory_cap: bytes (or a size such as '40GiB') every device may use: the pipeline switches to the
+            fastest schedule and checkpointing whose predicted peak (parameters + gradients + the
+            activations the schedule keeps in flight, measured on ``sample`` or ``example_inputs``)
+            fits, or raises :class:`~seqify.MemoryCapError` naming the smallest cap that works.
+            ``pipe.plan_memory(sample)`` gives the prediction per device.
 
     Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
     the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
@@ -539,19 +416,29 @@ def pipeline(
     chunks = _check_chunks(chunks)
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
         raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
+    if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+        raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a seqify.pipeline.schedule.Schedule")
+    v = schedule == "zb-h1" and loops == 2
+
+    def lay(devs: list[torch.device]) -> tuple[list[torch.device], tuple[int, ...]]:
+        if v:
+            return devs + devs[::-1], v_shape(len(devs))
+        return devs * loops, round_robin(len(devs), loops)
     if isinstance(balance, str) or balance is None:
         strategy = balance or "params"
         if strategy not in STRATEGIES:
             raise BalanceError(f"balance={strategy!r}: use a list of layer counts or one of {STRATEGIES}")
-        placed = resolve_devices(gpus, devices, None) * loops
+        placed, slots = lay(resolve_devices(gpus, devices, None))
         if len(placed) > layers:
             raise BalanceError(f"{len(placed)} partitions but the model has only {layers} layers; use fewer devices")
         from ..partition import balance as make_plan
 
         probe = sample if sample is not None else example_inputs
         plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
-        return Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
-                        deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan)
+        pipe = Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
+                        deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
+                        placement=slots)
+        return _capped(pipe, memory_cap, probe)
     counts = _counts(balance, layers)
     if len(counts) > layers:
         raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
@@ -559,6 +446,22 @@ def pipeline(
         raise BalanceError(
             f"balance has {len(counts)} partitions, not a multiple of loops={loops}: give loops partitions per device"
         )
-    placed = resolve_devices(gpus, devices, len(counts) // loops) * loops
-    return Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
-                    deferred_batch_norm=deferred_batch_norm, graphs=graphs)
+    placed, slots = lay(resolve_devices(gpus, devices, len(counts) // loops))
+    pipe = Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
+                    deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots)
+    return _capped(pipe, memory_cap, sample if sample is not None else example_inputs)
+
+
+def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipeline:
+    """``pipe`` switched to a schedule and checkpointing that fit ``cap`` (unchanged without a cap)."""
+    if cap is None:
+        return pipe
+    parse_bytes(cap)
+    if sample is None:
+        raise MemoryCapError("memory_cap needs a sample mini-batch to measure activations: pass sample=x (or "
+                             "example_inputs=x) shaped like a training batch")
+    if pipe.graphs:
+        raise MemoryCapError("memory_cap may turn on checkpointing, which graphs=True does not run; use graphs=False "
+                             "with memory_cap, or pick checkpoint and schedule yourself with pipe.plan_memory(x)")
+    pipe.fit_memory(cap, sample)
+    return pipe

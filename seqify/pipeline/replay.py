@@ -12,10 +12,11 @@ from torch import nn
 from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
 from .microbatch import is_tensors
+from .schedule import Schedule, gpipe
 from .stage import Stage
 from .transfer import Transfer
 
-__all__ = ["Program", "Replay", "Unreplayable", "build", "order", "run"]
+__all__ = ["Program", "Replay", "Unreplayable", "build", "order", "run", "slots"]
 
 
 class Unreplayable(Exception):
@@ -141,34 +142,29 @@ def _capture(programs: list[Program], device: torch.device, warmup: int, stream:
 Route = tuple[int, int]
 
 
-def order(devices: Sequence[torch.device], micro_batches: int,
-          needs: Callable[[int, int], list[tuple[int, int]]], backward: bool) -> list[tuple[int, int]]:
-    """The (micro-batch, partition) programs in the order to issue them.
+def slots(devices: Sequence[torch.device]) -> tuple[int, ...]:
+    """A schedule placement from partition devices: partitions on one device share its number."""
+    first: dict[torch.device, int] = {}
+    return tuple(first.setdefault(d, len(first)) for d in devices)
 
-    Each device runs its programs partition by partition, all micro-batches of one partition before
-    the next (forward: lowest partition first; backward: the reverse). With one partition per device
-    this is GPipe's fill-drain; with several (devices ``[0, 1, 0, 1]``) it is a looped, breadth-first
-    schedule whose bubble shrinks with the number of partitions per device. Devices take turns, and
-    a program is issued only after the programs it ``needs``, so every event it waits for is recorded.
-    """
-    queues: dict[torch.device, list[tuple[int, int]]] = {}
-    for j, d in enumerate(devices):
-        queues.setdefault(d, []).extend((i, j) for i in range(micro_batches))
-    for q in queues.values():
-        q.sort(key=lambda ij: (-ij[1], -ij[0]) if backward else (ij[1], ij[0]))
+
+def order(devices: Sequence[torch.device], micro_batches: int,
+          needs: Callable[[int, int], list[tuple[int, int]]], backward: bool,
+          schedule: Schedule | None = None) -> list[tuple[int, int]]:
+    """The (micro-batch, partition) programs in the order to issue them: the forwards (or backwards) of
+    ``schedule``, by default GPipe's fill-drain over these devices (:func:`~.schedule.gpipe`). With one
+    partition per device that is fill-drain; with several (devices ``[0, 1, 0, 1]``) it is looped:
+    each device runs all micro-batches of one partition before the next, which shrinks the bubble with
+    the number of partitions per device. A program comes after every program it ``needs`` (the
+    schedule's F and B chains imply the routes between partitions; checked here)."""
+    if schedule is None:
+        schedule = gpipe(slots(devices), micro_batches)
+    out = schedule.backwards() if backward else schedule.forwards()
     issued: set[tuple[int, int]] = set()
-    out: list[tuple[int, int]] = []
-    heads = {d: 0 for d in queues}
-    while len(out) < len(devices) * micro_batches:
-        progressed = False
-        for d, q in queues.items():
-            if heads[d] < len(q) and all(n in issued for n in needs(*q[heads[d]])):
-                issued.add(q[heads[d]])
-                out.append(q[heads[d]])
-                heads[d] += 1
-                progressed = True
-        if not progressed:  # cannot happen for routes that only point forward
-            raise GraphError("the pipeline's partitions depend on each other in a cycle")
+    for ij in out:
+        if any(n not in issued for n in needs(*ij)):
+            raise GraphError(f"schedule {schedule.name!r} issues program {ij} before one it reads from")
+        issued.add(ij)
     return out
 
 
@@ -178,7 +174,7 @@ class Replay:
     the backward order, and hands parameter gradients over as ``.grad`` once the backward is done."""
 
     def __init__(self, stages: Sequence[Stage], programs: list[list[Program]], routes: list[list[Route]],
-                 returns: int | None, transfer: Transfer) -> None:
+                 returns: int | None, transfer: Transfer, schedule: Schedule | None = None) -> None:
         self.stages = stages
         self.programs = programs  # [partition][micro-batch]
         self.routes = routes  # [partition][input slot] -> (partition, output slot)
@@ -193,8 +189,12 @@ class Replay:
                 self.consumers[a][o].append((j, s))
         sources = [sorted({a for a, _ in slots}) for slots in routes]
         users = [sorted({b for outs in self.consumers[j] for b, _ in outs}) for j in range(len(stages))]
-        self.forward_order = order(self.devices, m, lambda i, j: [(i, a) for a in sources[j]], backward=False)
-        self.backward_order = order(self.devices, m, lambda i, j: [(i, b) for b in users[j]], backward=True)
+        if schedule is not None and (schedule.split or schedule.partitions != len(stages) or schedule.microbatches != m):
+            raise GraphError(f"replay runs every forward, then every backward: schedule {schedule.name!r} does not "
+                             f"fit (split backward, or not {len(stages)} partitions and {m} micro-batches)")
+        self.schedule = schedule or gpipe(slots(self.devices), m)
+        self.forward_order = order(self.devices, m, lambda i, j: [(i, a) for a in sources[j]], False, self.schedule)
+        self.backward_order = order(self.devices, m, lambda i, j: [(i, b) for b in users[j]], True, self.schedule)
         self.cuda = all(d.type == "cuda" for d in self.devices)
         self.transfer = transfer  # its copy streams, one per device
         self._events: dict[tuple[int, int, bool], torch.cuda.Event] = {}
@@ -388,7 +388,7 @@ def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None
 
 
 def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
-          graphs: bool, transfer: Transfer, warmup: int = 2) -> Replay:
+          graphs: bool, transfer: Transfer, warmup: int = 2, schedule: Schedule | None = None) -> Replay:
     """Programs for these micro-batches (shapes, dtypes, grad requirements), captured as CUDA graphs
     when ``graphs``. Building runs the step once eagerly on the real inputs (so what flows on is real
     data) and restores every buffer afterwards (running statistics, counters): it leaves no trace.
@@ -396,13 +396,13 @@ def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carr
     With graphs everything here runs on a side stream per device: autograd remembers the stream each
     node ran on, and a captured backward must never reach back to a device's default stream."""
     if not graphs:
-        return _build(stages, batches, carried, None, transfer, warmup)
+        return _build(stages, batches, carried, None, transfer, warmup, schedule)
     streams = {d: torch.cuda.Stream(d) for d in dict.fromkeys(s.device for s in stages)}
     with ExitStack() as scope:
         for d, stream in streams.items():
             stream.wait_stream(torch.cuda.current_stream(d))
             scope.enter_context(torch.cuda.stream(stream))
-        replay = _build(stages, batches, carried, streams, transfer, warmup)
+        replay = _build(stages, batches, carried, streams, transfer, warmup, schedule)
     for d, stream in streams.items():
         torch.cuda.current_stream(d).wait_stream(stream)
     return replay
@@ -423,7 +423,8 @@ def _check_aliasing(seen: dict[int, tuple[int, int]], values: Sequence[torch.Ten
 
 
 def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
-           streams: dict[torch.device, torch.cuda.Stream] | None, transfer: Transfer, warmup: int) -> Replay:
+           streams: dict[torch.device, torch.cuda.Stream] | None, transfer: Transfer, warmup: int,
+           schedule: Schedule | None = None) -> Replay:
     saved = _buffers([s.layers for s in stages])
     # Where some partition changes what it receives in place, a value must reach it as the one tensor
     # (or view of one tensor) it is in the source; fixed buffers are copies, so such steps run eagerly.
@@ -472,7 +473,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
             programs.append(row)
         if stashed:
             raise BoundaryError(f"skips {sorted(k[1] for k in stashed)} were stashed but no later partition popped them")
-        replay = Replay(stages, programs, routes, returns, transfer)
+        replay = Replay(stages, programs, routes, returns, transfer, schedule)
         _reach(replay, streams, warmup)
         return replay
     finally:

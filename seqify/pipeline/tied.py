@@ -155,3 +155,8 @@ def refuse_across_processes(model: nn.Sequential, balance: Sequence[int]) -> Non
             "balance so both layers land in one stage, or pipeline in one process over several GPUs "
             "(seqify.pipeline(model, gpus=N)), which ties them."
         )
+
+
+def in_use(stages: Sequence[Any]) -> bool:
+    """Whether some stage calls a layer through tied copies (executors of fixed programs then run eagerly)."""
+    return any(isinstance(m, _WithCopies) for stage in stages for m in stage.modules)

@@ -132,6 +132,7 @@ def test_step_fills_losses_and_gradients_as_torchs_schedule(one_rank: None, ours
     losses: list[torch.Tensor] = [torch.zeros(())]  # cleared first, as torch does
     out = ours(pipe, 3, loss_fn=loss_fn, scale_grads=scale_grads).step(x, target=y, losses=losses)
     assert torch.equal(out, expected)
+    assert pipe.schedule == ("1f1b" if ours is Schedule1F1B else "gpipe")  # run in that order by pipe.step
     assert len(losses) == 3 and all(torch.equal(a, b) for a, b in zip(losses, expected_losses))
     for (name, p), q in zip(source.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)

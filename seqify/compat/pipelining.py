@@ -137,7 +137,9 @@ class ScheduleGPipe:
     ``step(x, target=y, losses=losses)`` splits the mini-batch into ``n_microbatches``, runs them
     through the pipeline, computes ``loss_fn(output, target)`` per micro-batch (into ``losses``, detached,
     one per micro-batch, as torch fills it) and accumulates their gradients into ``.grad``, divided by
-    ``n_microbatches`` when ``scale_grads`` (torch's default). It returns the merged output.
+    ``n_microbatches`` when ``scale_grads`` (torch's default). It returns the merged output (detached).
+    Training runs through ``pipe.step`` in the schedule's order; eval mode or keyword inputs run the
+    pipeline's forward, then the losses.
     """
 
     def __init__(
@@ -158,6 +160,8 @@ class ScheduleGPipe:
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
+
+    kind = "gpipe"  # the seqify schedule pipe.step runs this in
 
     def step(
         self,
@@ -180,6 +184,8 @@ class ScheduleGPipe:
         self.pipe.chunks = self.n_microbatches
         if backward and target is None:
             raise SplitPointError(f"{type(self).__name__}.step needs target=... to compute loss_fn per micro-batch")
+        if backward and not kwargs and self.pipe.training and torch.is_grad_enabled():
+            return self._scheduled(args[0] if len(args) == 1 else args, target, losses, return_outputs)
         if backward:
             out = self.pipe(*args, **kwargs)
         else:
@@ -195,6 +201,33 @@ class ScheduleGPipe:
                 (total / len(per) if self.scale_grads else total).backward()
         return out if return_outputs else None
 
+    def _scheduled(self, x: Any, target: Any, losses: list[torch.Tensor] | None, return_outputs: bool) -> Any:
+        """The step run by ``pipe.step`` in this schedule's order (``kind``), each micro-batch's loss
+        weighed 1 / n_microbatches (``scale_grads``) or 1, as torch's schedules weigh them."""
+        pipe = self.pipe
+        if pipe.schedule != self.kind:
+            pipe.schedule = self.kind
+            pipe._schedules.clear()  # schedules are built per micro-batch count, for pipe.schedule
+        seen: list[tuple[torch.Tensor, Any]] = []
+        n = self.n_microbatches
+        loss_fn = self.loss_fn
+
+        def per_micro_batch(out: Any, tgt: Any) -> torch.Tensor:
+            loss = loss_fn(out, tgt)  # type: ignore[misc]
+            seen.append((loss.detach(), pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)))
+            return loss / n if self.scale_grads else loss
+
+        pipe.step(x, target, per_micro_batch, reduction="sum")
+        if losses is not None:
+            losses.clear()
+            losses.extend(loss for loss, _ in seen)
+        if not return_outputs:
+            return None
+        outs = [o for _, o in seen]
+        leaves = [pytree.tree_flatten(o)[0] for o in outs]
+        spec = pytree.tree_flatten(outs[0])[1]
+        return pytree.tree_unflatten([torch.cat(ts) if isinstance(ts[0], torch.Tensor) else ts[0] for ts in zip(*leaves)], spec)
+
     def _losses(self, out: Any, target: Any) -> list[torch.Tensor]:
         """``loss_fn`` of each micro-batch's output and target, split as the pipeline split the input."""
         device = self.pipe.output_device
@@ -207,6 +240,8 @@ class ScheduleGPipe:
 
 
 class Schedule1F1B(ScheduleGPipe):
-    """torch's ``Schedule1F1B``: the same losses and gradients as :class:`ScheduleGPipe`. In one process
-    seqify runs micro-batches in GPipe's clock-cycle order; 1F1B's smaller activation memory comes with one
-    process per stage: ``seqify.distributed.stage(model, balance=..., schedule='1f1b')`` under torchrun."""
+    """torch's ``Schedule1F1B``: the same losses and gradients as :class:`ScheduleGPipe`, run in 1F1B order
+    (a backward after each forward once the pipeline is full, which bounds the activations each stage
+    keeps) by ``pipe.step``; one process per stage: ``seqify.distributed.stage(..., schedule='1f1b')``."""
+
+    kind = "1f1b"

@@ -143,3 +143,22 @@ def test_a_scheduled_step_with_tied_weights_equals_one_device(schedule: str) -> 
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     for (name, p), q in zip(source.named_parameters(), one.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_tied_weights_across_two_gpus(checkpoint: str) -> None:
+    """The copy crosses devices: the LM head on cuda:1 computes with a copy of the embedding on cuda:0."""
+    torch.manual_seed(0)
+    source = TinyGPT().double()
+    one = copy.deepcopy(source)
+    idx = torch.randint(0, 11, (4, 6))
+    seq = seqify.convert(source, (idx,))
+    pipe = seqify.pipeline(seq, devices=["cuda:0", "cuda:1"], balance=[3, len(seq) - 3], chunks=2, checkpoint=checkpoint)
+    assert source.wte.weight.device == torch.device("cuda:0") and source.lm_head.weight is source.wte.weight
+    logits = pipe(idx)
+    sum(loss_of(lg, i) for lg, i in zip(logits.tensor_split(2), idx.cuda(1).tensor_split(2))).backward()
+    sum(loss_of(one(i), i) for i in idx.tensor_split(2)).backward()
+    for (name, p), q in zip(source.named_parameters(), one.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-10, atol=1e-12, msg=name)

@@ -97,6 +97,11 @@ def test_bad_split_points_say_what_to_do(spec: object, phrases: list[str]) -> No
         assert phrase in str(info.value), str(info.value)
 
 
+def test_split_points_given_where_mb_kwargs_go_are_explained() -> None:
+    with pytest.raises(seqify.SplitPointError, match="split_points="):
+        pipeline(net(), (torch.randn(2, 4, dtype=torch.float64),), ["layer2"])  # type: ignore[arg-type]
+
+
 def test_a_name_inside_a_plain_sequential_layer_points_to_convert() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
     with pytest.raises(seqify.SplitPointError, match="seqify.convert"):

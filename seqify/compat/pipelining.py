@@ -114,6 +114,11 @@ def pipeline(
     per device (default: one GPU each, or CPU). Returns a :class:`seqify.Pipeline` for
     :class:`ScheduleGPipe` / :class:`Schedule1F1B`. ``split_points=["layer3", "layer4.1"]`` is
     ``split_spec`` as a list (a stage begins at each). Without checkpointing by default, as in torch."""
+    if mb_kwargs is not None and not isinstance(mb_kwargs, dict):
+        raise SplitPointError(
+            f"mb_kwargs={mb_kwargs!r}: the third argument is the example's keyword arguments (a dict), as in torch's "
+            "pipeline(module, mb_args, mb_kwargs, split_spec); pass split points as split_spec=... or split_points=[...]"
+        )
     if split_points is not None:
         if split_spec is not None:
             raise SplitPointError("give split_spec or split_points, not both")

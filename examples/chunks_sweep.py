@@ -1,7 +1,7 @@
 """How training throughput depends on the number of micro-batches (chunks), with a plot.
 
     python examples/chunks_sweep.py                                    # every GPU (or cpu,cpu), ResNet-101
-    python examples/chunks_sweep.py --model resnet18 --batch 8 --size 32 --chunks 1 2 4 --steps 1
+    python examples/chunks_sweep.py --model resnet18 --batch 8 --size 32 --chunks 1 2 4 --steps 1   # a quick run on a CPU
 
 More micro-batches shrink the pipeline's fill and drain bubble ((stages - 1) / (chunks + stages - 1) of
 the time is idle) but make each kernel smaller; the sweep finds the best trade on your hardware. On a
@@ -33,6 +33,10 @@ def main() -> None:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = args.devices.split(",") if args.devices else [f"cuda:{i}" for i in range(gpus)] or ["cpu", "cpu"]
+    if not devices[0].startswith("cuda") and args.batch * args.size**2 * len(args.chunks) * args.steps > 8 * 32**2 * 3 * 1 * 16:
+        print(f"note: {len(args.chunks)} configurations x {args.steps + 1} steps of {args.batch}x3x{args.size}x{args.size} "
+              f"on a CPU take many minutes; for a quick run: --model resnet18 --batch 8 --size 32 --chunks 1 2 4 "
+              "--steps 1", flush=True)
     torch.manual_seed(0)
     seq = seqify.convert(torchvision.models.get_model(args.model, weights=None))
     by = "time" if devices[0].startswith("cuda") else "flops"

@@ -1,7 +1,7 @@
 """Load a checkpoint written for the source model into its conversion, through load_original_state_dict.
 
     python examples/load_weights.py                       # ResNet-50
-    python examples/load_weights.py --model resnet18 --size 64
+    python examples/load_weights.py --model resnet18 --size 64   # a quick run on a CPU
 
 The converted model's layers are named after the source (layer1.0.conv1 becomes layer1_0_conv1), but
 original_state_dict() and load_original_state_dict() speak the source's own keys, so checkpoints written

@@ -11,7 +11,11 @@ where chunks=6 is the tutorial's batch 120 / split_size 20, and the rest of the 
 is unchanged. Without two GPUs it runs on two CPU devices.
 
     python examples/resnet50_two_gpus.py                          # the tutorial's sizes
-    python examples/resnet50_two_gpus.py --batch 8 --size 32 --batches 1 --repeats 1
+    python examples/resnet50_two_gpus.py --batch 8 --size 32 --batches 1 --repeats 1   # a quick run on a CPU
+
+The tutorial's sizes take about a second a run on two GPUs but many minutes on a CPU (the example warns).
+BatchNorm in training mode needs more than one sample per micro-batch, so --chunks is lowered to at most
+--batch // 2 (the example prints when it does).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import timeit
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -59,9 +64,18 @@ def main() -> None:
     devices = [torch.device("cuda:0"), torch.device("cuda:1")] if two else [torch.device("cpu")] * 2
     print(f"devices: {[str(d) for d in devices]}{'' if two else ' (no 2 GPUs here: two CPU partitions)'}")
 
+    chunks = max(1, min(args.chunks, args.batch // 2))  # BatchNorm (train) needs >= 2 samples per micro-batch
+    if chunks != args.chunks:
+        print(f"chunks: {chunks} instead of {args.chunks}: {args.batch} samples in {args.chunks} micro-batches "
+              "would leave some with 1 sample, which BatchNorm cannot normalise in training mode", flush=True)
+    if not two and args.batch * args.size**2 * args.batches * args.repeats > 8 * 32**2 * 4:
+        print(f"note: {2 * args.repeats} training runs of {args.batches} batches of {args.batch}x3x{args.size}x"
+              f"{args.size} on a CPU take many minutes; for a quick run: --batch 8 --size 32 --batches 1 "
+              "--repeats 1", flush=True)
+
     # The whole port: seqify converts torchvision's ResNet-50 and splits it over the two devices.
     pipe = seqify.pipeline(torchvision.models.resnet50(num_classes=NUM_CLASSES), devices=devices, balance="params",
-                           chunks=args.chunks)
+                           chunks=chunks)
     print(f"{pipe}: partition 0 ends at layer {pipe.stages[0].names[-1]!r}")
 
     single = torchvision.models.resnet50(num_classes=NUM_CLASSES).to(devices[0])
@@ -76,18 +90,28 @@ def main() -> None:
         stds.append(statistics.pstdev(times))
         print(f"{name:18s} {means[-1]:.3f} s +- {stds[-1]:.3f} per run of {args.batches} batches")
     if args.plot:
-        from seqify import plot
-
-        plt = plot._plt()
-        fig, ax = plt.subplots()
-        ax.bar(range(len(means)), means, yerr=stds, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
-        ax.set_ylabel("ResNet50 execution time (s)")
-        ax.set_xticks(range(len(means)))
-        ax.set_xticklabels(list(runs))
-        ax.yaxis.grid(True)
-        fig.tight_layout()
+        fig = bar_chart(list(runs), means, stds, args.repeats,
+                        f"ResNet-50 training, {args.batches} batch{'es' if args.batches > 1 else ''} of {args.batch}x3x"
+                        f"{args.size}x{args.size}, {chunks} micro-batches on {devices[0].type}")
         fig.savefig(args.plot)
         print(f"plot: {args.plot}")
+
+
+def bar_chart(names: list[str], means: list[float], stds: list[float], repeats: int, title: str) -> Any:
+    """The tutorial's bar chart, titled; error bars only when several runs give a spread to show."""
+    from seqify import plot
+
+    plt = plot._plt()
+    fig, ax = plt.subplots()
+    spread = stds if repeats > 1 else None  # one run has no spread
+    ax.bar(range(len(means)), means, yerr=spread, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
+    ax.set_title(f"{title}\n{f'mean and std of {repeats} runs' if repeats > 1 else 'one run'}", fontsize=9)
+    ax.set_ylabel("ResNet50 execution time (s)")
+    ax.set_xticks(range(len(means)))
+    ax.set_xticklabels(names)
+    ax.yaxis.grid(True)
+    fig.tight_layout()
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Train a ResNet over processes with seqify.distributed: one pipeline stage per rank, under torchrun.
 
     torchrun --nproc-per-node 2 examples/torchrun_resnet.py                 # 2 stages (GPUs, or CPUs with gloo)
+    torchrun --standalone --nproc-per-node 2 examples/torchrun_resnet.py --model resnet18 --batch 4 --size 32 --steps 1   # a quick run on a CPU
     torchrun --nproc-per-node 4 examples/torchrun_resnet.py --stages 2      # 2 stages x 2 data-parallel replicas
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/torchrun_resnet.py --stages 4                              # two machines
@@ -32,15 +33,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
 
+    chunks = max(1, min(args.chunks, args.batch // 2))  # BatchNorm (train) needs >= 2 samples per micro-batch
     sd.init()
     world = dist.get_world_size()
     stages = args.stages or world
     torch.manual_seed(0)  # every rank must build the same model
     seq = seqify.convert(torchvision.models.get_model(args.model, num_classes=10))
     plan = seqify.balance(seq, stages, by="params", progress=False)
-    stage = sd.stage(seq, balance=plan.balance, chunks=args.chunks)
+    stage = sd.stage(seq, balance=plan.balance, chunks=chunks)
     opt = torch.optim.SGD(stage.parameters(), lr=0.01, momentum=0.9)
     if dist.get_rank() == 0:
+        if chunks != args.chunks:
+            print(f"chunks: {chunks} instead of {args.chunks}: micro-batches of 1 sample cannot be normalised by "
+                  "BatchNorm in training mode", flush=True)
         print(f"{world} processes: {stages} stages x {world // stages} replicas, balance {plan.balance}", flush=True)
 
     g = torch.Generator().manual_seed(stage.replica)

@@ -3,6 +3,10 @@
     python examples/train_resnet101.py                            # every GPU, or 2 CPU partitions without GPUs
     python examples/train_resnet101.py --batch 4 --size 32 --steps 2   # a quick run on a CPU
 
+The default sizes train ResNet-101 at 64x224x224 for 5 steps: a few seconds a step on GPUs, minutes on
+a CPU (the example says so when it starts there). BatchNorm in training mode needs more than one sample
+per micro-batch, so --chunks is lowered to at most --batch // 2 (the example prints when it does).
+
 The model is torchvision's own ResNet-101, converted into an exact seqify.Sequential; the partitions
 come from seqify.balance (by measured time on GPUs, by FLOPs on the CPU); training is ordinary PyTorch:
 an optimizer over pipe.parameters(), loss.backward(), optimizer.step().
@@ -38,12 +42,19 @@ def main() -> None:
     seq = seqify.convert(model)
     print(seq.summary())
 
-    micro = torch.randn(max(1, args.batch // args.chunks), 3, args.size, args.size)
+    chunks = max(1, min(args.chunks, args.batch // 2))  # BatchNorm (train) needs >= 2 samples per micro-batch
+    if chunks != args.chunks:
+        print(f"chunks: {chunks} instead of {args.chunks}: {args.batch} samples in {args.chunks} micro-batches "
+              "would leave some with 1 sample, which BatchNorm cannot normalise in training mode", flush=True)
+    if not devices[0].startswith("cuda") and args.batch * args.size**2 > 8 * 64**2:
+        print(f"note: {args.batch}x3x{args.size}x{args.size} on a CPU takes minutes per step; for a quick run: "
+              "--batch 4 --size 32 --steps 2", flush=True)
+    micro = torch.randn(max(1, args.batch // chunks), 3, args.size, args.size)
     by = "time" if devices[0].startswith("cuda") else "flops"
     plan = seqify.balance(seq, len(devices), micro, by=by, device=devices[0] if by == "time" else None)
     print(plan)
 
-    pipe = seqify.pipeline(seq, devices=devices, balance=plan.balance, chunks=args.chunks)
+    pipe = seqify.pipeline(seq, devices=devices, balance=plan.balance, chunks=chunks)
     print(pipe)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(args.batch, 3, args.size, args.size, device=pipe.input_device)

@@ -35,6 +35,9 @@ def main() -> None:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = ["cuda:0", "cuda:1"] if gpus >= 2 else ["cpu", "cpu"]
+    if gpus < 2 and args.batch * args.channels**2 * args.size**2 > 2 * 8**2 * 64**2 * 64:
+        print(f"note: measuring and training U-Net(C={args.channels}) at {args.batch}x3x{args.size}x{args.size} on a "
+              "CPU takes minutes; for a quick run: --depth 3 --channels 8 --size 64", flush=True)
     torch.manual_seed(0)
     seq = seqify.zoo.get("unet", depth=args.depth, blocks=args.blocks, channels=args.channels)
     params = sum(t.numel() * t.element_size() for t in seq.state_dict().values())

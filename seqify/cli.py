@@ -8,19 +8,22 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .advice import DATA_DEPENDENT, costs_depend_on_data, data_dependent_advice, for_cli
 from .convert import convert
 from .demo import NOT_EXACT, OK, _bit_equal, _gpus, _section, demo
-from .errors import SeqifyError
+from .errors import BalanceError, SampleError, SeqifyError, SpecError, UntraceableError
 from .partition.cost import BY
 
 __all__ = ["main"]
 
 USAGE = 2
+INTERNAL = 3
 
 EPILOG = """\
 examples:
@@ -37,7 +40,7 @@ examples:
 {spec}
 
 exit codes: 0 success; 1 an exactness check failed; 2 usage or input error (bad SPEC, bad option,
-a model seqify cannot convert: the message says what to do).
+a model seqify cannot convert: the message says what to do); 3 an internal error (a bug: please report it).
 """
 
 
@@ -45,14 +48,39 @@ a model seqify cannot convert: the message says what to do).
 def _load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
     from . import spec
 
-    model = spec.load(args.spec, spec.parse_args(args.arg))
+    kwargs = spec.parse_args(args.arg)
+    try:
+        model = spec.load(args.spec, kwargs)
+    except SeqifyError:
+        raise
+    except Exception as e:  # the user's builder (or import) raised: their code, not a seqify bug
+        raise SpecError(f"building the model {args.spec!r} failed: {type(e).__name__}: {e}\n"
+                        "Fix the builder or its --arg values; seqify needs it to return an nn.Module.") from e
     shape = spec.sample_shape(model, args.batch, args.size, args.shape)
     return model, spec.random_input(shape, args.seed)
 
 
 def _convert(module: torch.nn.Module, x: torch.Tensor, example: bool) -> Any:
+    print(f"converting {type(module).__name__} ...", flush=True)  # large models take seconds: say so first
     start = time.perf_counter()
-    seq = convert(module, (x,) if example else None)
+    try:
+        seq = convert(module, (x,) if example else None)
+    except UntraceableError as e:
+        if DATA_DEPENDENT in str(e):
+            raise UntraceableError(data_dependent_advice(str(e))) from e
+        if example or "example_inputs" not in str(e):
+            raise
+        # Would the example input help? Only for branches on shapes: try it, and advise what fits.
+        try:
+            convert(module, (x,))
+        except SeqifyError as again:
+            if DATA_DEPENDENT in str(again):
+                raise UntraceableError(data_dependent_advice(str(again))) from e
+            raise e from None  # the example does not help either: the first message stands
+        except Exception:
+            raise e from None
+        raise UntraceableError(f"{e}\nThis input's shape resolves it: add --example "
+                               "(the conversion is then valid for inputs shaped like it).") from e
     print(f"converted in {time.perf_counter() - start:.2f} s{' (specialised to the example input)' if example else ''}")
     return seq
 
@@ -67,7 +95,7 @@ def _run_check(module: torch.nn.Module, seq: Any, x: torch.Tensor) -> bool:
     except SeqifyError:
         raise
     except Exception as e:
-        raise SeqifyError(
+        raise SampleError(
             f"the model fails on a random input of shape {tuple(x.shape)} ({type(e).__name__}: {e}); "
             "give the input it expects with --shape (e.g. --shape 1x3x32x32) or --size"
         ) from e
@@ -79,7 +107,7 @@ def _run_check(module: torch.nn.Module, seq: Any, x: torch.Tensor) -> bool:
 def convert_cmd(args: argparse.Namespace) -> int:
     model, x = _load(args)
     seq = _convert(model.module, x, args.example)
-    print(seq.summary())
+    print(for_cli(seq.summary()))
     ok = True
     if not args.no_check:
         ok = _run_check(model.module, seq, x)
@@ -104,20 +132,19 @@ def _describe(layer: torch.nn.Module) -> str:
 
 
 def inspect_cmd(args: argparse.Namespace) -> int:
-    from .partition import balance
-
     model, x = _load(args)
     seq = _convert(model.module, x, args.example)
-    print(seq.summary())
+    print(for_cli(seq.summary()))
     plan = None
     if args.stages:
-        device = args.device if args.by in ("time", "memory") else None
-        plan = balance(seq, args.stages, x, by=args.by, device=device)
+        plan = _plan(seq, args, x)
     if not args.no_layers:
         _section(f"layers ({len(seq)})")
         part_of = [str(j) for j, n in enumerate(plan.balance) for _ in range(n)] if plan else []
         rows = [("#", "stage", "name", "type", "params", "what")]
-        for i, (name, layer) in enumerate(seq.named_children()):
+        # by index, as the plan counts: a module used twice (ResNet's shared ReLU) is two layers, which
+        # named_children() would list once
+        for i, (name, layer) in enumerate(seq._modules.items()):
             params = sum(p.numel() for p in layer.parameters())
             rows.append((str(i), part_of[i] if plan else "", name, type(layer).__name__, f"{params:,}", _describe(layer)))
         if plan is None:  # no stage column
@@ -132,7 +159,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
         print("  none: a plain chain")
     _section(f"opaque layers ({len(seq.opaque)})")
     for o in seq.opaque:
-        print(f"  {o}")
+        print(f"  {for_cli(str(o))}")
     if not seq.opaque:
         print("  none: every module was split into layers")
     if seq.guards:
@@ -154,6 +181,23 @@ def inspect_cmd(args: argparse.Namespace) -> int:
                 made += plot.save(plot.plot_plan(plan), os.path.join(args.plots, "plan"))
             print(f"plots written to {args.plots}/: " + ", ".join(p.name for p in made))
     return OK
+
+
+def _plan(seq: Any, args: argparse.Namespace, x: torch.Tensor) -> Any:
+    """The partition plan --stages asks for; by FLOPs unless --by says otherwise, falling back to measured
+    time when a layer's FLOPs depend on the data (an opaque layer that branches on values)."""
+    from .partition import balance
+
+    by = args.by or "flops"
+    device = args.device if by in ("time", "memory") else None
+    try:
+        return balance(seq, args.stages, x, by=by, device=device)
+    except BalanceError as e:
+        if args.by is not None or not costs_depend_on_data(str(e)):
+            raise
+        print(f"note: {for_cli(str(e)).split('; balance')[0]}; balancing by measured time on {args.device or 'cpu'} instead "
+              "(--by time)", flush=True)
+        return balance(seq, args.stages, x, by="time", device=args.device)
 
 
 # -- bench ------------------------------------------------------------------------------------------------
@@ -231,7 +275,7 @@ def _bench_cpu(args: argparse.Namespace) -> int:
     try:
         _timed_steps(model, x, 1, cpu, "warm-up")
     except Exception as e:
-        raise SeqifyError(f"{args.model} fails to train on a {batch}x3x{size}x{size} batch ({type(e).__name__}: "
+        raise SampleError(f"{args.model} fails to train on a {batch}x3x{size}x{size} batch ({type(e).__name__}: "
                           f"{e}); try a larger --batch or --size") from e
     src = _timed_steps(model, x, args.steps, cpu, "source forward+backward")
     conv = _timed_steps(seq, x, args.steps, cpu, "converted forward+backward")
@@ -284,13 +328,48 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     pass
 
 
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least`` (a usage error, exit 2, otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is too small: it must be at least {least}")
+        return value
+
+    parse.__name__ = "count"  # argparse names the type in "invalid count value"
+    return parse
+
+
+POSITIVE, NATURAL = _count(1), _count(0)
+
+
+def _torchvision_model(name: str) -> str:
+    """An argparse type: a torchvision model name, with close matches when it is not one."""
+    import difflib
+
+    from torchvision import models
+
+    known = models.list_models()
+    if name in known:
+        return name
+    close = difflib.get_close_matches(name, known, n=4, cutoff=0.5)
+    raise argparse.ArgumentTypeError(
+        f"torchvision has no model {name!r}" + (f" (did you mean {', '.join(close)}?)" if close else "")
+        + "; torchvision.models.list_models() lists them"
+    )
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     from .spec import SPEC_HELP
 
     p.add_argument("spec", metavar="SPEC", help="the model: torchvision:NAME, zoo:NAME, FILE.py:FACTORY or MODULE:FACTORY")
     p.add_argument("--arg", action="append", metavar="KEY=VALUE", help="keyword argument for the builder (repeatable)")
-    p.add_argument("--size", type=int, help="input side: a BATCH x 3 x SIZE x SIZE input (default: the model's, else 224)")
-    p.add_argument("--batch", type=int, default=1, help="batch of the random input")
+    p.add_argument("--size", type=POSITIVE, help="input side: a BATCH x 3 x SIZE x SIZE input (default: the model's, else 224)")
+    p.add_argument("--batch", type=POSITIVE, default=1, help="batch of the random input")
     p.add_argument("--shape", help="the input's full shape, e.g. 2x3x32x32 (overrides --size and --batch)")
     p.add_argument("--example", action="store_true",
                    help="convert with the input as example_inputs (for shape-dependent Python code)")
@@ -330,23 +409,23 @@ def _parser() -> argparse.ArgumentParser:
         "counts (2 CPU partitions without GPUs, every GPU otherwise); record a timeline of one step; write "
         "plots. Exit code 1 if anything is not exact.",
     )
-    p.add_argument("--model", default="resnet101", help="a torchvision classification model")
-    p.add_argument("--batch", type=int, default=2, help="batch of the exactness check")
-    p.add_argument("--size", type=int, default=224, help="image side of the exactness check")
+    p.add_argument("--model", default="resnet101", type=_torchvision_model, help="a torchvision classification model")
+    p.add_argument("--batch", type=POSITIVE, default=2, help="batch of the exactness check")
+    p.add_argument("--size", type=POSITIVE, default=224, help="image side of the exactness check")
     p.add_argument("--devices", help="comma-separated partition devices, e.g. cpu,cpu,cpu or cuda:0,cuda:1 "
                    "(default: every GPU, else cpu,cpu)")
     p.add_argument("--by", choices=BY,
                    help="balance cost model (default: time on GPUs, flops on CPU)")
-    p.add_argument("--train-batch", type=int, help="training batch (default: 64 on GPUs, 8 on CPU)")
-    p.add_argument("--train-size", type=int, help="training image side (default: 224 on GPUs, 64 on CPU)")
-    p.add_argument("--chunks", type=int, help="micro-batches of the timeline (default: 8 on GPUs, 4 on CPU)")
-    p.add_argument("--sweep", type=int, nargs="+", metavar="CHUNKS",
+    p.add_argument("--train-batch", type=POSITIVE, help="training batch (default: 64 on GPUs, 8 on CPU)")
+    p.add_argument("--train-size", type=POSITIVE, help="training image side (default: 224 on GPUs, 64 on CPU)")
+    p.add_argument("--chunks", type=POSITIVE, help="micro-batches of the timeline (default: 8 on GPUs, 4 on CPU)")
+    p.add_argument("--sweep", type=POSITIVE, nargs="+", metavar="CHUNKS",
                    help="micro-batch counts to measure (default: 2 4 8 16 on GPUs, 1 2 4 8 on CPU)")
-    p.add_argument("--steps", type=int, default=1, help="timed training steps per configuration")
+    p.add_argument("--steps", type=POSITIVE, default=1, help="timed training steps per configuration")
     p.add_argument("--plots", default="seqify-demo-plots", metavar="DIR", help="where to write the plots")
     p.add_argument("--no-plots", action="store_true", help="write no plots")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--show", type=int, default=5, help="how many skips to list")
+    p.add_argument("--show", type=NATURAL, default=5, help="how many skips to list")
     p.set_defaults(run=demo)
 
     p = add("convert", help="convert the model SPEC names and save it (torch.save)",
@@ -363,8 +442,9 @@ def _parser() -> argparse.ArgumentParser:
             "(with its partition), every skip, the opaque layers and the guards; with --stages, the "
             "optimal partition plan for the input.")
     _model_options(p)
-    p.add_argument("--stages", type=int, default=0, help="partitions to plan for (0: no plan)")
-    p.add_argument("--by", default="flops", choices=BY, help="balance cost model")
+    p.add_argument("--stages", type=NATURAL, default=0, help="partitions to plan for (0: no plan)")
+    p.add_argument("--by", choices=BY, help="balance cost model (default: flops, or time where a layer's "
+                   "flops depend on the data)")
     p.add_argument("--device", default=None, help="where --by time/memory measure (default: CPU)")
     p.add_argument("--no-layers", action="store_true", help="leave out the layer table")
     p.add_argument("--plots", metavar="DIR", help="also write skips (and plan) plots into DIR")
@@ -375,14 +455,14 @@ def _parser() -> argparse.ArgumentParser:
             "training throughput against one GPU for several micro-batch counts, eager and with CUDA "
             "graphs (benchmarks/pipeline_bench.py adds torchgpipe and torch pipelining). Otherwise: how long "
             "conversion takes and the converted model's speed against its source on the CPU.")
-    p.add_argument("--model", default="resnet101")
-    p.add_argument("--batch", type=int, default=128, action=_Given, help="batch (CPU table: 2 unless given)")
-    p.add_argument("--size", type=int, default=224, action=_Given, help="image side (CPU table: 128 unless given)")
-    p.add_argument("--chunks", type=int, nargs="+", help="micro-batch counts (default: 4 8 16)")
-    p.add_argument("--gpus", type=int, help="GPUs to use (default: all)")
-    p.add_argument("--loops", type=int, default=1, help="partitions per GPU (2: cuda:0, cuda:1, cuda:0, cuda:1)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
-    p.add_argument("--warm", type=int, default=1, help="untimed warm-up steps per configuration")
+    p.add_argument("--model", default="resnet101", type=_torchvision_model)
+    p.add_argument("--batch", type=POSITIVE, default=128, action=_Given, help="batch (CPU table: 2 unless given)")
+    p.add_argument("--size", type=POSITIVE, default=224, action=_Given, help="image side (CPU table: 128 unless given)")
+    p.add_argument("--chunks", type=POSITIVE, nargs="+", help="micro-batch counts (default: 4 8 16)")
+    p.add_argument("--gpus", type=POSITIVE, help="GPUs to use (default: all)")
+    p.add_argument("--loops", type=POSITIVE, default=1, help="partitions per GPU (2: cuda:0, cuda:1, cuda:0, cuda:1)")
+    p.add_argument("--steps", type=POSITIVE, default=3, help="timed steps per configuration")
+    p.add_argument("--warm", type=NATURAL, default=1, help="untimed warm-up steps per configuration")
     p.set_defaults(run=bench, batch_given=False, size_given=False)
 
     p = add("zoo", help="list the zoo, or check that every zoo model converts and pipelines exactly")
@@ -398,14 +478,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except SeqifyError as e:
+        text = for_cli(str(e))
         hint = ""
-        if "example_inputs" in str(e) and getattr(args, "spec", None):
+        if "example_inputs" in text and getattr(args, "spec", None):
             hint = "\n(on the command line: add --example, with --shape or --size for the input)"
-        print(f"seqify: error: {e}{hint}", file=sys.stderr)
+        print(f"seqify: error: {text}{hint}", file=sys.stderr)
         return USAGE
     except KeyboardInterrupt:
         print("seqify: interrupted", file=sys.stderr)
         return 130
+    except Exception:  # not a user mistake (those raise SeqifyError): a bug, so show where
+        traceback.print_exc()
+        print(f"seqify: internal error in 'seqify {args.command}' (a bug: please report it with the traceback "
+              "above)", file=sys.stderr)
+        return INTERNAL
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ def _check_exact(model: torch.nn.Module, reference: torch.nn.Module, seq: Any, x
     model.eval()
     reference.eval()
     with torch.no_grad():
-        ok_eval = _bit_equal(seq(x), reference(x))
+        want = _source_output(reference, x)
+        ok_eval = _bit_equal(seq(x), want)
     print(f"  eval forward bit-equal (torch.equal):      {ok_eval}")
     model.train()
     reference.train()
@@ -83,6 +84,43 @@ def _check_exact(model: torch.nn.Module, reference: torch.nn.Module, seq: Any, x
     return ok_eval and ok_train and ok_grad and ok_bn
 
 
+def _fixed_size(model: torch.nn.Module, name: str, sizes: dict[str, int | None]) -> int | None:
+    """The one image side ``model`` takes (ViT's ``image_size``), checked against the sizes given as options."""
+    from .errors import SampleError
+
+    fixed = getattr(model, "image_size", None)
+    if not isinstance(fixed, int):
+        return None
+    for option, side in sizes.items():
+        if side is not None and side != fixed:
+            raise SampleError(f"{name} takes {fixed}x{fixed} images only (its image_size), not {side}x{side}: "
+                              f"the image size must be {fixed}; use {option} {fixed}")
+    return fixed
+
+
+def _check_micro_batches(model: torch.nn.Module, batch: int, chunks: list[int]) -> None:
+    """BatchNorm in training mode cannot normalise a micro-batch of one sample: refuse such chunk counts."""
+    from .errors import SampleError
+
+    if max(chunks) * 2 <= batch or not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                           for m in model.modules()):
+        return
+    raise SampleError(f"{max(chunks)} micro-batches of a training batch of {batch} leave some with 1 sample, which "
+                      f"BatchNorm cannot normalise in training mode: use --chunks and --sweep of at most "
+                      f"{max(1, batch // 2)}, or a --train-batch of at least {2 * max(chunks)}")
+
+
+def _source_output(source: torch.nn.Module, x: torch.Tensor) -> Any:
+    """The source model's output on ``x``; a model that refuses the input is the user's --size or --batch."""
+    from .errors import SampleError
+
+    try:
+        return source(x)
+    except Exception as e:
+        raise SampleError(f"the source {type(source).__name__} fails on a random {'x'.join(map(str, x.shape))} "
+                          f"batch ({type(e).__name__}: {e}); give an input it takes with --size and --batch") from e
+
+
 def _demo_devices(args: argparse.Namespace) -> list[torch.device]:
     if args.devices:
         from .pipeline.pipe import resolve_devices
@@ -105,7 +143,6 @@ def demo(args: argparse.Namespace) -> int:
     on_gpu = devices[0].type == "cuda"
     where = ", ".join(str(d) for d in devices)
     train_batch = args.train_batch or (64 if on_gpu else 8)
-    train_size = args.train_size or (224 if on_gpu else 64)
     chunks = args.chunks or (8 if on_gpu else 4)
     sweep_chunks = args.sweep or ([2, 4, 8, 16] if on_gpu else [1, 2, 4, 8])
     by = args.by or ("time" if on_gpu else "flops")
@@ -115,7 +152,11 @@ def demo(args: argparse.Namespace) -> int:
     note = "" if on_gpu or args.devices else " (no GPU here: 2 partitions on the CPU)"
     print(f"seqify demo: torchvision {args.model} over {len(devices)} partitions on {where}{note}", flush=True)
     model = torchvision.models.get_model(args.model, weights=None)
+    fixed = _fixed_size(model, args.model, {"--size": args.size, "--train-size": args.train_size})
+    train_size = args.train_size or fixed or (224 if on_gpu else 64)
     reference = copy.deepcopy(model)
+    runs = sorted(set(sweep_chunks) | {chunks})
+    _check_micro_batches(model, train_batch, runs)
 
     _section("1. convert", clock=True)
     start = time.perf_counter()
@@ -158,7 +199,6 @@ def demo(args: argparse.Namespace) -> int:
         tag = "warm-up" if step < 0 else f"step {step + 1}"
         print(f"  {what:24s} {tag:8s} loss {loss:.4f}  {took:6.2f} s", flush=True)
 
-    runs = sorted(set(sweep_chunks) | {chunks})
     checkpoint = "never" if on_gpu else "except_last"
     sweep = measure.sweep(seq, data, target, devices=devices, balance=plan.balance, chunks=runs, steps=args.steps,
                           warm=1, checkpoint=checkpoint, optimizer=optimizer, on_step=report, show=False,

@@ -33,6 +33,7 @@ __all__ = [
     "CompatSkipError",
     "ScheduleError",
     "MemoryCapError",
+    "SampleError",
 ]
 
 
@@ -164,3 +165,7 @@ class ScheduleError(SeqifyError):
 
 class MemoryCapError(SeqifyError):
     """No schedule and checkpointing choice fits ``memory_cap``; the message gives the smallest cap that does."""
+
+
+class SampleError(SeqifyError):
+    """The input the command line builds (``--size``, ``--batch``, ``--shape``) does not fit the model."""

@@ -66,12 +66,28 @@ def _finish(fig: Any, path: str | os.PathLike[str] | None) -> Any:
     return fig
 
 
-def _size(value: float) -> str:
-    if value >= _MB * 1024:
-        return f"{value / _MB / 1024:.2f} GB"
-    if value >= _MB:
-        return f"{value / _MB:.1f} MB"
-    return f"{value / 1024:.0f} KB"
+def byte_unit(largest: float) -> tuple[float, str]:
+    """One unit for every byte count in a picture (``(bytes per unit, name)``), fitted to the largest."""
+    for scale, name in ((_MB * 1024, "GB"), (_MB, "MB"), (1024.0, "KB")):
+        if largest >= scale:
+            return scale, name
+    return 1.0, "B"
+
+
+def time_unit(largest: float) -> tuple[float, str]:
+    """A time unit fitted to ``largest`` seconds: ``(units per second, name)``; 80 s reads as s, not ms."""
+    if largest >= 10.0:
+        return 1.0, "s"
+    if largest >= 0.01:
+        return 1e3, "ms"
+    return 1e6, "µs"
+
+
+def _swatch(label: str, **style: Any) -> Any:
+    """A legend entry with a neutral swatch, for bars whose colours mean the stage, not the series."""
+    from matplotlib.patches import Patch
+
+    return Patch(facecolor=style.pop("facecolor", "white"), edgecolor="black", label=label, **style)
 
 
 # -- partition plan -------------------------------------------------------------------------------------
@@ -93,19 +109,21 @@ def plot_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, title: s
     xs = list(range(n))
     compute = [s.compute / scale for s in stages]
     transfer = [s.transfer / scale for s in stages]
-    ax.bar(xs, compute, color=colors, edgecolor="black", linewidth=0.6, label="layers' cost")
+    ax.bar(xs, compute, color=colors, edgecolor="black", linewidth=0.6)
+    handles = [_swatch("layers' cost (colour: stage)", facecolor="darkgrey")]
     if any(transfer):
-        ax.bar(xs, transfer, bottom=compute, color="lightgrey", edgecolor="black", hatch="//", linewidth=0.6,
-               label="incoming cut (transfer)")
+        ax.bar(xs, transfer, bottom=compute, color="lightgrey", edgecolor="black", hatch="//", linewidth=0.6)
+        handles.append(_swatch("incoming cut (transfer)", facecolor="lightgrey", hatch="//"))
     mean = sum(s.cost for s in stages) / n / scale
-    ax.axhline(mean, color="black", linestyle=":", linewidth=1, label=f"mean {mean:.4g} {unit}")
+    handles.append(ax.axhline(mean, color="black", linestyle=":", linewidth=1, label=f"mean {mean:.4g} {unit}"))
+    cut_scale, cut_unit = byte_unit(max([s.in_bytes for s in stages[1:]] + [0]))
     top = max(s.cost for s in stages) / scale
     for s, x in zip(stages, xs):
         ax.text(x, s.cost / scale + top * 0.02, f"{s.cost / scale:.3g}", ha="center", va="bottom", fontsize=9)
     for k in range(1, n):  # the cut between stage k-1 and k
         s = stages[k]
         what = "clean" if s.clean else f"{len(s.in_skips)} skip{'s' if len(s.in_skips) != 1 else ''}"
-        label = f"{_size(s.in_bytes)}\n({what})" if plan.measured else f"cut\n({what})"
+        label = f"{s.in_bytes / cut_scale:.3g} {cut_unit}\n({what})" if plan.measured else f"cut\n({what})"
         ax.annotate(label, xy=(k - 0.5, top * 0.55), ha="center", va="center", fontsize=8,
                     bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "grey"})
         ax.axvline(k - 0.5, color="grey", linestyle="--", linewidth=0.8)
@@ -115,20 +133,22 @@ def plot_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, title: s
     ax.set_ylabel(f"cost per stage ({unit}, {plan.by})")
     ax.set_ylim(0, top * 1.5)
     ax.set_title("cost per stage; boxes: bytes crossing each cut", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right", framealpha=0.95)
+    ax.legend(handles=handles, fontsize=8, loc="upper right", framealpha=0.95)
 
-    params = [s.param_bytes / _MB for s in stages]
-    acts = [s.activation_bytes / _MB for s in stages]
-    mem.bar(xs, params, color=colors, edgecolor="black", linewidth=0.6, label="parameters + buffers")
+    mem_scale, mem_unit = byte_unit(max(s.param_bytes + (s.activation_bytes if plan.measured else 0) for s in stages))
+    params = [s.param_bytes / mem_scale for s in stages]
+    acts = [s.activation_bytes / mem_scale for s in stages]
+    mem.bar(xs, params, color=colors, edgecolor="black", linewidth=0.6)
+    mem_handles = [_swatch("parameters + buffers (colour: stage)", facecolor="darkgrey")]
     if plan.measured:
-        mem.bar(xs, acts, bottom=params, color="white", edgecolor="black", hatch="..", linewidth=0.6,
-                label="activations kept for backward")
+        mem.bar(xs, acts, bottom=params, color="white", edgecolor="black", hatch="..", linewidth=0.6)
+        mem_handles.append(_swatch("activations kept for backward", hatch=".."))
     mem.set_xticks(xs)
     mem.set_xticklabels([f"stage {s.index}" for s in stages], fontsize=8)
-    mem.set_ylabel("MB per stage (for the sample batch)")
+    mem.set_ylabel(f"{mem_unit} per stage (for the sample batch)")
     mem.set_title("memory per stage", fontsize=10)
     mem.set_ylim(0, max(p + a for p, a in zip(params, acts if plan.measured else [0.0] * n)) * 1.35 or 1.0)
-    mem.legend(fontsize=8, loc="upper center", framealpha=0.95)
+    mem.legend(handles=mem_handles, fontsize=8, loc="upper center", framealpha=0.95)
     where = f" on {plan.device}" if plan.device else ""
     fig.suptitle(title or f"Partition plan by {plan.by}{where}: {n} stages, imbalance {plan.imbalance:.3f}",
                  fontsize=12)
@@ -219,7 +239,7 @@ def plot_timeline(timeline: Any, path: str | os.PathLike[str] | None = None, *, 
     colors = _colors(m)
     rows = timeline.partitions
     fig, ax = plt.subplots(figsize=(12, 1.3 + 1.0 * rows), constrained_layout=True)
-    ms = 1e3
+    ms, unit = time_unit(max(timeline.seconds, max(b.end for b in timeline.boxes)))  # units per second
     end = max(b.end for b in timeline.boxes) * ms
     for b in timeline.boxes:
         color = colors[b.micro_batch % len(colors)] if b.micro_batch >= 0 else "grey"
@@ -238,17 +258,17 @@ def plot_timeline(timeline: Any, path: str | os.PathLike[str] | None = None, *, 
     ax.set_yticklabels([f"partition {j}\n{d}" for j, d in enumerate(timeline.devices)], fontsize=9)
     ax.set_ylim(0, rows)
     ax.set_xlim(0, end * 1.01)
-    ax.set_xlabel("time since the step began (ms)")
+    ax.set_xlabel(f"time since the step began ({unit})")
     for j in range(1, rows):
         ax.axhline(j, color="grey", linewidth=0.5)
-    handles = [Patch(facecolor="grey", edgecolor="black", label="F: forward"),
-               Patch(facecolor="grey", edgecolor="black", alpha=0.55, label="B: backward"),
+    handles = [Patch(facecolor="dimgrey", edgecolor="black", label="F: forward (colour: micro-batch)"),
+               Patch(facecolor="dimgrey", edgecolor="black", alpha=0.55, label="B: backward (lighter)"),
                Patch(facecolor="none", edgecolor="black", hatch="///", label="recompute inside B\n(checkpointing)")]
     handles += [Patch(facecolor=colors[i], label=f"micro-batch {i}") for i in range(min(m, 8))]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     label = f"{timeline.label}: " if timeline.label else ""
     ax.set_title(title or f"{label}pipeline timeline, {rows} partitions x {timeline.chunks} micro-batches, "
-                 f"one step {timeline.seconds * ms:.0f} ms", fontsize=12)
+                 f"one step {timeline.seconds * ms:.3g} {unit}", fontsize=12)
     return _finish(fig, path)
 
 

@@ -1,4 +1,4 @@
-"""progress: a dependency-free progress bar on stderr, shown only where someone is watching."""
+"""progress: a dependency-free progress bar on stderr on a terminal, a line now and then in a log."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ __all__ = ["progress", "shown"]
 T = TypeVar("T")
 
 _WIDTH = 28
+_LINE_AFTER = 3.0  # seconds: without a terminal, waits shorter than this print nothing
+_LINE_EVERY = 10.0  # seconds between lines without a terminal
 
 
 def shown(enabled: bool = True) -> bool:
@@ -28,10 +30,14 @@ def shown(enabled: bool = True) -> bool:
 def progress(iterable: Iterable[T], total: int, desc: str = "", enabled: bool = True) -> Iterator[T]:
     """Yield from ``iterable`` and draw ``desc [####    ] i/total`` on stderr as it goes.
 
-    Silent unless ``enabled`` and stderr is a TTY (or the environment sets ``SEQIFY_PROGRESS=1``).
+    The bar needs ``enabled`` and stderr a TTY (or ``SEQIFY_PROGRESS=1``); otherwise, if ``enabled``, waits
+    over a few seconds print a plain line every ten seconds (``SEQIFY_PROGRESS=0`` silences both).
     """
     if not shown(enabled):
-        yield from iterable
+        if enabled and os.environ.get("SEQIFY_PROGRESS") != "0":
+            yield from _lines(iterable, total, desc)
+        else:
+            yield from iterable
         return
     start = time.perf_counter()
     done = 0
@@ -43,6 +49,24 @@ def progress(iterable: Iterable[T], total: int, desc: str = "", enabled: bool = 
             _draw(desc, done, total, time.perf_counter() - start)
     finally:
         sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _lines(iterable: Iterable[T], total: int, desc: str) -> Iterator[T]:
+    """Without a terminal (a log, CI): one line ``desc: i/total, N s`` once a wait passes a few seconds, then
+    every ten seconds and at the end, so long waits are never silent and short ones add nothing."""
+    start = time.perf_counter()
+    last, done, printed = start - _LINE_EVERY + _LINE_AFTER, 0, False
+    for item in iterable:
+        yield item
+        done += 1
+        now = time.perf_counter()
+        if now - last >= _LINE_EVERY and done < total:
+            sys.stderr.write(f"{desc or 'working'}: {done}/{total}, {now - start:.0f} s\n")
+            sys.stderr.flush()
+            last, printed = now, True
+    if printed:
+        sys.stderr.write(f"{desc or 'working'}: {done}/{total} done in {time.perf_counter() - start:.0f} s\n")
         sys.stderr.flush()
 
 

@@ -1,69 +1,69 @@
-"""Every example runs on a CPU with small sizes, as a user would start it, and says what it promises."""
+"""Every example runs on a CPU exactly as its docstring's quick command says, and prints what it promises."""
 
 from __future__ import annotations
 
+import ast
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+QUICK = "# a quick run on a CPU"
 pytestmark = pytest.mark.timeout(300)
 
 
-def run(*argv: str, timeout: float = 240) -> str:
+def quick_command(name: str) -> str:
+    """The docstring line of ``examples/name`` marked as its quick CPU run (exactly one per example)."""
+    doc = ast.get_docstring(ast.parse((EXAMPLES / name).read_text())) or ""
+    lines = [line.split("#")[0].strip() for line in doc.splitlines() if line.rstrip().endswith(QUICK)]
+    assert len(lines) == 1, f"examples/{name}: its docstring needs exactly one command line ending in {QUICK!r}"
+    return lines[0]
+
+
+def run_quick(name: str, cwd: Path, timeout: float = 240) -> str:
+    """Run the docstring's command verbatim from a folder holding ``examples/`` (files it writes land in ``cwd``)."""
+    argv = shlex.split(quick_command(name))
+    launcher = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
+    assert argv[0] in launcher, f"examples/{name}: unexpected launcher {argv[0]!r}"
+    (cwd / "examples").symlink_to(EXAMPLES, target_is_directory=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MPLBACKEND="Agg")
-    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=EXAMPLES.parent)
+    done = subprocess.run([*launcher[argv[0]], *argv[1:]], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=cwd)
     assert done.returncode == 0, f"{argv} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
 
-def test_every_example_has_a_smoke_test() -> None:
-    tested = {"train_resnet101.py", "unet_memory.py", "load_weights.py", "chunks_sweep.py", "resnet50_two_gpus.py",
-              "torchrun_resnet.py"}
-    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+def test_every_example_has_a_quick_command() -> None:
+    names = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert names == sorted(PROMISES)
+    for name in names:
+        assert quick_command(name).split()[0] in ("python", "torchrun")
 
 
-def test_train_resnet101() -> None:
-    out = run(str(EXAMPLES / "train_resnet101.py"), "--batch", "4", "--size", "32", "--steps", "1", "--chunks", "2")
-    assert "ResNet: 345 layers" in out and "Pipeline([" in out
-    assert "step 0: loss" in out
+PROMISES: dict[str, list[str]] = {
+    "train_resnet101.py": ["ResNet: 345 layers", "Pipeline([", "step 0: loss", "step 1: loss",
+                           "chunks: 2 instead of 8"],
+    "unet_memory.py": ["one device: no plan of 1 stages fits", "PartitionPlan by memory on cpu: 2 stages",
+                       "trained one step over ['cpu', 'cpu']"],
+    "load_weights.py": ["outputs bit-equal to the trained model's: True",
+                        "round trip into a plain torchvision model bit-equal: True"],
+    "chunks_sweep.py": ["chunks   2:", "best:"],
+    "resnet50_two_gpus.py": ["two CPU partitions", "Pipeline (seqify)", "Single device", "chunks: 4 instead of 6"],
+    "torchrun_resnet.py": ["2 processes: 2 stages x 1 replicas", "step 0: loss", "chunks: 2 instead of 4"],
+}
 
 
-def test_unet_memory() -> None:
-    out = run(str(EXAMPLES / "unet_memory.py"), "--depth", "3", "--channels", "8", "--size", "64", "--batch", "2",
-              "--chunks", "2")
-    assert "one device: no plan of 1 stages fits" in out
-    assert "PartitionPlan by memory on cpu: 2 stages" in out and "trained one step over ['cpu', 'cpu']" in out
-
-
-def test_load_weights() -> None:
-    out = run(str(EXAMPLES / "load_weights.py"), "--model", "resnet18", "--size", "32")
-    assert "outputs bit-equal to the trained model's: True" in out
-    assert "round trip into a plain torchvision model bit-equal: True" in out
-
-
-def test_chunks_sweep(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    out = run(str(EXAMPLES / "chunks_sweep.py"), "--model", "resnet18", "--batch", "4", "--size", "32", "--chunks", "1",
-              "2", "--steps", "1", "--out", str(tmp_path))
-    assert "chunks   2:" in out and "best:" in out
-    assert (tmp_path / "sweep.png").stat().st_size > 0 and (tmp_path / "sweep.svg").exists()
-
-
-def test_resnet50_two_gpus(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    out = run(str(EXAMPLES / "resnet50_two_gpus.py"), "--batch", "4", "--size", "32", "--batches", "1", "--repeats", "1",
-              "--chunks", "2", "--plot", str(tmp_path / "mp_vs_rn.png"))
-    assert "two CPU partitions" in out and "Pipeline (seqify)" in out and "Single device" in out
-    assert (tmp_path / "mp_vs_rn.png").exists()
-
-
-def test_torchrun_resnet() -> None:
-    out = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
-              str(EXAMPLES / "torchrun_resnet.py"), "--model", "resnet18", "--batch", "4", "--size", "32", "--steps", "1",
-              "--chunks", "2")
-    assert "2 processes: 2 stages x 1 replicas" in out and "step 0: loss" in out
+@pytest.mark.parametrize("name", sorted(PROMISES))
+def test_quick_command_from_the_docstring(name: str, tmp_path: Path) -> None:
+    out = run_quick(name, tmp_path)
+    assert "note:" not in out, f"examples/{name}: its quick command warns that it is slow:\n{out}"
+    for text in PROMISES[name]:
+        assert text in out, f"examples/{name}: {text!r} missing from its output:\n{out}"
+    if name == "chunks_sweep.py" and "plot skipped" not in out:
+        assert (tmp_path / "chunks-sweep" / "sweep.png").stat().st_size > 0
+        assert (tmp_path / "chunks-sweep" / "sweep.svg").exists()

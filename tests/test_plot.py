@@ -141,3 +141,73 @@ def test_plot_error_without_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(plot.PlotError, match="pip install"):
         plot.plot_sweep(measure.Sweep([measure.SweepPoint(1, 4, 0.5, 1)], ["cpu"], [1]))
     assert isinstance(plot.PlotError("x"), seqify.SeqifyError)
+
+
+# -- what a reader sees: titles, units, legends ---------------------------------------------------------------
+
+
+def test_timeline_time_unit_fits_the_step() -> None:
+    """An 80 s CPU step reads in seconds, not as 80000 ms; a 5 ms step in ms."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    for seconds, unit, shown in ((80.0, "s", "80 s"), (0.005, "µs", "5e+03 µs"), (0.5, "ms", "500 ms")):
+        boxes = [measure.Box(0, 0, "forward", 0.0, seconds / 2), measure.Box(1, 0, "forward", seconds / 2, seconds)]
+        fig = plot.plot_timeline(measure.Timeline(devices=["cpu", "cpu"], chunks=1, boxes=boxes, seconds=seconds))
+        ax = fig.axes[0]
+        assert ax.get_xlabel() == f"time since the step began ({unit})"
+        assert ax.get_title().endswith(f"one step {shown}")
+        plt.close(fig)
+
+
+def _plan_with_cuts(in_bytes: list[int]) -> seqify.PartitionPlan:
+    import dataclasses
+
+    torch.manual_seed(0)
+    seq = seqify.convert(torchvision.models.resnet18(num_classes=10))
+    plan = seqify.balance(seq, len(in_bytes), torch.randn(1, 3, 64, 64), by="flops", progress=False)
+    stages = tuple(dataclasses.replace(s, in_bytes=b) for s, b in zip(plan.stages, in_bytes))
+    return dataclasses.replace(plan, stages=stages)
+
+
+def test_plan_uses_one_byte_unit_and_neutral_legend_swatches() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    fig = plot.plot_plan(_plan_with_cuts([0, 512 * 1024, 3 * 2**20]))
+    ax, mem = fig.axes[:2]
+    cuts = [t.get_text() for t in ax.texts if "\n(" in t.get_text()]
+    assert [c.split("\n")[0] for c in cuts] == ["0.5 MB", "3 MB"]  # not "512 KB" beside "3.0 MB"
+    stage_colors = {to_rgba(c) for c in plot._colors(3)}
+    for legend in (ax.get_legend(), mem.get_legend()):
+        for text, patch in zip(legend.get_texts(), legend.get_patches()):
+            if "colour: stage" in text.get_text():  # the bars' colour is the stage, so the swatch is neutral
+                assert to_rgba(patch.get_facecolor()) not in stage_colors
+    assert any("colour: stage" in t.get_text() for t in ax.get_legend().get_texts())
+    assert mem.get_ylabel().split()[0] in ("B", "KB", "MB", "GB")
+    plt.close(fig)
+
+
+def test_example_bar_chart_has_a_title_and_no_error_bars_from_one_run() -> None:
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    import matplotlib.pyplot as plt
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "resnet50_two_gpus.py"
+    spec = importlib.util.spec_from_file_location("resnet50_two_gpus_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    names = ["Pipeline (seqify)", "Single device"]
+    one = example.bar_chart(names, [2.0, 1.5], [0.0, 0.0], 1, "ResNet-50 training").axes[0]
+    assert "ResNet-50 training" in one.get_title() and "one run" in one.get_title()
+    from matplotlib.container import ErrorbarContainer
+
+    def error_bars(ax: object) -> bool:
+        return any(isinstance(c, ErrorbarContainer) or getattr(c, "errorbar", None) for c in ax.containers)
+
+    assert not error_bars(one)
+    many = example.bar_chart(names, [2.0, 1.5], [0.1, 0.2], 10, "ResNet-50 training").axes[0]
+    assert error_bars(many) and "10 runs" in many.get_title()
+    plt.close("all")

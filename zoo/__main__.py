@@ -46,6 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="check every model converts and pipelines exactly (small sizes)")
     args = p.parse_args(argv)
     names = args.names or list(ENTRIES)
+    from seqify.errors import ZooError
+
+    from . import entry
+
+    try:
+        for n in names:
+            entry(n)  # unknown names fail here, with close matches
+    except ZooError as e:
+        print(f"python -m seqify.zoo: error: {e}", file=sys.stderr)
+        return 2  # a usage error, as for the seqify command
     if args.check:
         from .check import check_all
 

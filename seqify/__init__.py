@@ -3,6 +3,7 @@
 from typing import Any
 
 from . import skip
+from .config import Config, pipeline_from_config
 from .convert import convert
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors
@@ -16,11 +17,11 @@ from .tune import tune
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", "measure", "plot", "tune", "PipeConfig", *_errors]
+__all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", "measure", "plot", "tune", "PipeConfig", "Config", "pipeline_from_config", "checkpoint", "compat", *_errors]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("zoo", "measure", "plot"):  # imported on first use: they build on everything else
+    if name in ("zoo", "measure", "plot", "checkpoint", "compat"):  # imported on first use: they build on everything else
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

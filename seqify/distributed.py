@@ -22,6 +22,7 @@ from .pipeline.microbatch import gather, scatter
 from .pipeline.pipe import CHECKPOINT, _check_balance, _place
 from .pipeline.schedule import SCHEDULES, Schedule, make
 from .pipeline.stage import Stage
+from .pipeline import tied
 from .sequential import Sequential
 from .skip.layout import routes
 
@@ -221,6 +222,7 @@ class DistributedStage(nn.Module):
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
         names = list(model._modules)
         balance = _check_balance(balance, len(names))
+        tied.refuse_across_processes(model, balance)
         starts = [sum(balance[:j]) for j in range(len(balance))]
         part_of = [j for j, count in enumerate(balance) for _ in range(count)]
         layers = list(model._modules.values())

@@ -30,6 +30,12 @@ __all__ = [
     "MemoryCapError",
     "PeerError",
     "TuneError",
+    "CompatError",
+    "CompatDeviceError",
+    "SplitPointError",
+    "TiedParameterError",
+    "ConfigError",
+    "CompatSkipError",
 ]
 
 
@@ -128,6 +134,35 @@ class SpecError(SeqifyError):
 
 class SampleError(SeqifyError):
     """The input the command line builds (``--size``, ``--batch``, ``--shape``) does not fit the model."""
+
+
+class CompatError(SeqifyError, ValueError):
+    """A torchgpipe-style argument (balance, chunks, checkpoint) that ``seqify.compat`` cannot accept (a
+    ``ValueError`` too, as torchgpipe raises)."""
+
+
+class CompatDeviceError(DeviceError, IndexError):
+    """Fewer devices than partitions for ``seqify.compat.torchgpipe.GPipe`` (an ``IndexError`` too, as
+    torchgpipe raises)."""
+
+
+class SplitPointError(SeqifyError, ValueError):
+    """A torch.distributed.pipelining-style split point that names no module of the source, or none that
+    starts or ends at a layer of the converted model."""
+
+
+class TiedParameterError(SharedParameterError):
+    """A parameter shared across partitions that cannot be kept exact as a copy per partition: the forward
+    changes it in place, ``graphs=True`` reads it at a fixed address, or stages run in separate processes."""
+
+
+class ConfigError(SeqifyError, ValueError):
+    """A run description (``seqify.pipeline_from_config``) with a missing, unknown or ill-typed entry."""
+
+
+class CompatSkipError(SkipError, TypeError):
+    """``seqify.compat.torchgpipe.verify_skippables`` found skips stashed or popped in an invalid order or
+    number (a ``TypeError`` too, as torchgpipe raises)."""
 
 
 class ScheduleError(SeqifyError):

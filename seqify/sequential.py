@@ -128,6 +128,8 @@ class Sequential(nn.Sequential):
         self.mode_dependent = mode_dependent
         self.source = source
         self.training = training
+        #: per layer, the source module paths whose code it runs (set by conversion; empty when unknown)
+        self.layer_paths: dict[str, tuple[str, ...]] = {}
         # The hook dicts of the source modules conversion flattened (their forwards became layers): a hook
         # registered there after conversion would never run, so calls check that they stay empty.
         from .trace import HOOK_DICTS

@@ -518,13 +518,25 @@ def test_memory_cap_no_plan_meets() -> None:
         seqify.balance(three_layers(), 2, by="params", memory_cap=1)
 
 
-def test_parameter_shared_across_partitions() -> None:
-    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
-    b.weight = a.weight
-    model = nn.Sequential(a, nn.ReLU(), b)
-    with raises(seqify.SharedParameterError, "layer '0' (partition 0) and layer '2' (partition 1)", "Change the balance"):
-        seqify.pipeline(model, devices=CPU2, balance=[2, 1])
-    seqify.pipeline(nn.Sequential(nn.Tanh(), a, nn.ReLU(), b), devices=CPU2, balance=[1, 3])  # the fix
+def test_tied_parameter_changed_in_place_across_partitions() -> None:
+    class Decaying(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.tanh(self.a(x))
+            self.a.weight.mul_(0.5)
+            return self.b(y)
+
+    model = Decaying()
+    model.a.weight.requires_grad_(False)
+    seq = seqify.convert(model)
+    with raises(seqify.TiedParameterError, "parameter a.weight (partition 0)", "(partition 1)", "changes it in place",
+                "Change the balance"):
+        seqify.pipeline(seq, devices=CPU2, balance=[1, len(seq) - 1])
+    seqify.pipeline(seq, devices=["cpu"], balance=[len(seq)])  # the fix: both uses in one partition
 
 
 CPU_META = [torch.device("cpu"), torch.device("meta")]

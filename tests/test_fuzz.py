@@ -103,7 +103,7 @@ def splits_a_parameter(seq: seqify.Sequential, balance: list[int]) -> bool:
     program=Program(inputs=(2,), ops=(("conv", 0, 2, 1), ("inorm", 1), ("act", 2, 3), ("conv", 3, 2, 1)), outputs=(4,)),
     cuts=(2,), chunks=2, checkpoint="always",
 ))
-# A module called twice, its calls in different partitions: refused with SharedParameterError.
+# A module called twice, its calls in different partitions: its weight is tied across them.
 @example(case=PipeCase(
     program=Program(inputs=(2,), ops=(("conv", 0, 2, 1), ("act", 1, 0), ("reuse", 2, 0, (2, 2, 1))), outputs=(3,)),
     cuts=(0,), chunks=2, checkpoint="never",
@@ -130,11 +130,11 @@ def check_pipeline(case: PipeCase, replay: bool) -> None:
     assume(len(seq) >= 2)
     balance = case.balance(len(seq))
     options = dict(devices=["cpu"] * len(balance), balance=balance, chunks=case.chunks, checkpoint=case.checkpoint)
-    if splits_a_parameter(seq, balance):
-        with pytest.raises(seqify.SharedParameterError, match="Change the balance"):
-            seqify.pipeline(seq, **options)
+    try:
+        pipe = seqify.pipeline(seq, **options)
+    except seqify.SharedParameterError as e:  # a parameter split across partitions is tied; only a buffer
+        assert splits_a_parameter(seq, balance) and "buffer" in str(e), e  # that changes is refused
         return
-    pipe = seqify.pipeline(seq, **options)
     pipe._replay_eager = replay
     got = pipe(*[x.clone() for x in inputs])
     assert (pipe._graphed is not None or pipe.graph_error is not None) == replay  # replayed, or said why not

@@ -229,4 +229,18 @@ def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False) -> Sequen
         source=type(traced.model).__name__,
         flattened=traced.flattened,
     )
+    seq.layer_paths = {step.name: _module_paths(step.nodes) for step in plan.steps}
     return seq
+
+
+def _module_paths(nodes: list[fx.Node]) -> tuple[str, ...]:
+    """The source module paths whose code a layer's nodes run, in order ('' for the model's own forward):
+    what split points by module name (``seqify.compat.pipelining``) are mapped through."""
+    paths: dict[str, None] = {}
+    for node in nodes:
+        if node.op == "call_module":
+            paths[str(node.target)] = None
+        elif node.op in ("call_function", "call_method"):
+            stack = node.meta.get("nn_module_stack") or {}
+            paths[next(reversed(stack.values()))[0] if stack else ""] = None
+    return tuple(paths)

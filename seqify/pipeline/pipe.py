@@ -25,7 +25,6 @@ from .placement import (  # noqa: F401  (names other modules import from here)
     _check_balance,
     _check_chunks,
     _check_meta,
-    _check_shared,
     _counts,
     _place,
     place,
@@ -79,7 +78,7 @@ class Pipeline(nn.Module):
         if graphs and any(torch.device(d).type != "cuda" for d in devices):
             raise DeviceError("graphs=True needs every partition on a CUDA device")
         chunks = _check_chunks(chunks)
-        placed = place(model, balance, devices, chunks=chunks, deferred_batch_norm=deferred_batch_norm)
+        placed = place(model, balance, devices, chunks=chunks, deferred_batch_norm=deferred_batch_norm, graphs=graphs)
         parts = placed.partitions
         self.skip_partitions = placed.skip_partitions
         self.partitions = nn.ModuleList(parts)
@@ -90,6 +89,7 @@ class Pipeline(nn.Module):
         self.checkpoint = checkpoint
         self.plan = plan
         self.stages = placed.stages
+        self.ties = placed.ties
         self._norms = [norms_of(p) for p in parts]
         self._snapshot: tuple[tuple[int, ...], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
         # Modules whose running statistics a training forward updates: restored when a step raises.

@@ -18,6 +18,7 @@ from ..skip.layout import routes
 from ..skip.namespace import SkipKey
 from .batchnorm import defer_batch_norm
 from .inplace import written_tensors
+from . import tied
 from .stage import Stage
 
 __all__ = ["CHECKPOINT", "STRATEGIES", "Placement", "place", "resolve_devices"]
@@ -128,22 +129,6 @@ def _check_balance(balance: Sequence[int], layers: int) -> list[int]:
     return balance
 
 
-def _check_shared(parts: list[nn.Sequential]) -> None:
-    owner: dict[int, tuple[int, str, str]] = {}
-    for j, part in enumerate(parts):
-        for layer_name, layer in part.named_children():
-            for pname, p in layer.named_parameters():
-                seen = owner.get(id(p))
-                if seen is None:
-                    owner[id(p)] = (j, layer_name, pname)
-                elif seen[0] != j:
-                    raise SharedParameterError(
-                        f"parameter {seen[1]}.{seen[2]} is shared by layer {seen[1]!r} (partition {seen[0]}) and "
-                        f"layer {layer_name!r} (partition {j}); a parameter lives on one device. Change the balance "
-                        f"so both layers land in one partition, or untie the weights."
-                    )
-
-
 def _check_meta(parts: list[nn.Sequential]) -> None:
     for j, part in enumerate(parts):
         name = meta_tensor(part)
@@ -209,10 +194,11 @@ class Placement:
     balance: list[int]
     stages: list[Stage]
     skip_partitions: dict[SkipKey, tuple[int, int]] = field(default_factory=dict)
+    ties: list[tied.Tie] = field(default_factory=list)  # parameters several partitions use (tied.py)
 
 
 def place(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device], *, chunks: int = 1,
-          deferred_batch_norm: bool = False) -> Placement:
+          deferred_batch_norm: bool = False, graphs: bool = False) -> Placement:
     """Split ``model`` by ``balance``, check the split (shared parameters, meta tensors, buffers that
     change across partitions), move each partition to its device and route the skips between them."""
     names = _layer_names(model)
@@ -229,10 +215,12 @@ def place(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.
     for count in balance:
         parts.append(nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count]))))
         start += count
-    _check_shared(parts)
+    ties = tied.find(parts)  # parameters used across partitions: a copy per later partition (tied.py)
+    tied.check(ties, parts, graphs)
     _check_meta(parts)
     part_of = [j for j, count in enumerate(balance) for _ in range(count)]
-    _place(parts, devices)
+    with tied.unplugged(ties):
+        _place(parts, devices)
     if deferred_batch_norm:
         parts = [defer_batch_norm(p, chunks) for p in parts]  # type: ignore[misc]
     pops: list[list[SkipKey]] = [[] for _ in parts]
@@ -245,4 +233,5 @@ def place(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.
             pops[b].append(r.key)
             skip_partitions[r.key] = (a, b)
     stages = [Stage(j, p, d, tuple(pops[j]), tuple(stashes[j])) for j, (p, d) in enumerate(zip(parts, devices))]
-    return Placement(parts, list(devices), balance, stages, skip_partitions)
+    tied.wrap(stages, ties)
+    return Placement(parts, list(devices), balance, stages, skip_partitions, ties)

@@ -11,6 +11,7 @@ import warnings
 import torch
 
 from ..errors import SeqifyError
+from . import tied
 from .replay import Replay, Unreplayable, build, slots
 from .schedule import gpipe
 from .stage import Stage
@@ -71,6 +72,8 @@ class Replayer:
             carried = None if isinstance(batches[0], torch.Tensor) else len(batches[0])
             flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
             try:
+                if tied.in_use(self.stages):
+                    raise Unreplayable("weights tied across partitions are copied per call; the step runs eagerly")
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
                     schedule = gpipe(self.placement, len(flat))  # the order the programs are issued in
                     replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule)

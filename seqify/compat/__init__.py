@@ -1,0 +1,5 @@
+"""seqify.compat: the APIs of torchgpipe and torch.distributed.pipelining, backed by seqify."""
+
+from . import pipelining, torchgpipe
+
+__all__ = ["torchgpipe", "pipelining"]

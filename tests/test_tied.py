@@ -1,0 +1,164 @@
+"""Weights tied across partitions (GPT-2's embedding and LM head) train exactly as on one device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import seqify
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class TinyGPT(nn.Module):
+    """GPT-2's shape in miniature: token + position embeddings, two blocks, an LM head tied to the embedding."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8, length: int = 6) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(length, dim)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU()) for _ in range(2)])
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        h = self.wte(idx) + self.wpe(pos)
+        h = h + self.blocks(h)
+        return self.lm_head(self.ln_f(h))
+
+
+def backward_ops(out: torch.Tensor) -> set[str]:
+    """The kinds of node in ``out``'s autograd graph."""
+    seen: dict[int, str] = {}
+    todo = [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and id(fn) not in seen:
+            seen[id(fn)] = type(fn).__name__
+            todo += [f for f, _ in fn.next_functions]
+    return set(seen.values())
+
+
+def loss_of(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+@pytest.mark.parametrize("cut", ["after wte", "middle", "before lm_head"])
+def test_tied_embedding_and_head_train_as_on_one_device(checkpoint: str, cut: object) -> None:
+    torch.manual_seed(0)
+    source = TinyGPT().double()
+    one = copy.deepcopy(source)
+    idx = torch.randint(0, 11, (4, 6))
+    seq = seqify.convert(source, (idx,))
+    names = list(seq._modules)
+    first = {"after wte": names.index("wte") + 1, "middle": len(seq) // 2, "before lm_head": names.index("lm_head")}[cut]
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[first, len(seq) - first], chunks=2, checkpoint=checkpoint)
+    assert len(pipe.ties) == 1 and pipe.ties[0].param is source.wte.weight
+    assert source.lm_head.weight is source.wte.weight  # the source stays tied
+
+    assert "ToCopyBackward0" in backward_ops(pipe(idx))  # the later partition computes with a copy
+    ref_loss = sum(loss_of(one(i), i) for i in idx.tensor_split(2))
+    ref_loss.backward()
+    logits = pipe(idx)  # one mini-batch of two micro-batches
+    loss = sum(loss_of(lg, i) for lg, i in zip(logits.tensor_split(2), idx.tensor_split(2)))
+    loss.backward()
+    with torch.no_grad():
+        assert torch.equal(logits, torch.cat([one(i) for i in idx.tensor_split(2)]))
+    for (name, p), q in zip(source.named_parameters(), one.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert len(list(pipe.parameters())) == len(list(source.parameters()))  # the tied weight once, for optimizers
+
+    for model in (source, one):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+    for (name, p), q in zip(source.named_parameters(), one.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=name)
+    with torch.no_grad():  # the next step sees the updated weight in both partitions
+        torch.testing.assert_close(pipe(idx), torch.cat([one(i) for i in idx.tensor_split(2)]), rtol=1e-12, atol=1e-12)
+
+
+def test_a_plain_sequential_with_a_tied_weight_in_two_partitions() -> None:
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.Tanh(), b).double()
+    one = copy.deepcopy(model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    pipe = seqify.pipeline(model, devices=["cpu", "cpu"], balance=[2, 1], chunks=2)
+    y = pipe(x)
+    assert torch.equal(y, one(x))
+    y.pow(2).sum().backward()
+    one(x).pow(2).sum().backward()
+    torch.testing.assert_close(a.weight.grad, one[0].weight.grad, rtol=1e-12, atol=1e-12)
+    assert b.weight is a.weight and model[2].weight is model[0].weight
+
+
+def test_a_tied_weight_changed_in_place_by_the_forward_is_refused() -> None:
+    class Decaying(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.tanh(self.a(x))
+            self.a.weight.mul_(0.5)  # a frozen weight decayed as the model runs
+            return self.b(y)
+
+    model = Decaying()
+    model.a.weight.requires_grad_(False)
+    seq = seqify.convert(model)
+    with pytest.raises(seqify.TiedParameterError, match="changes it in place") as info:
+        seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[1, len(seq) - 1])
+    assert isinstance(info.value, seqify.SharedParameterError) and "Change the balance" in str(info.value)
+
+
+def test_tied_weights_across_processes_are_refused() -> None:
+    from seqify.distributed import DistributedStage
+
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.Tanh(), b)
+    with pytest.raises(seqify.TiedParameterError, match=r"layer '2' \(stage 1\).*seqify.pipeline"):
+        DistributedStage(model, [2, 1], index=1, device=torch.device("cpu"))
+    DistributedStage(model, [3], index=0, device=torch.device("cpu"))  # one stage holds both: fine
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_scheduled_step_with_tied_weights_equals_one_device(schedule: str) -> None:
+    torch.manual_seed(0)
+    source = TinyGPT().double()
+    one = copy.deepcopy(source)
+    idx = torch.randint(0, 11, (4, 6))
+    seq = seqify.convert(source, (idx,))
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[3, len(seq) - 3], chunks=2, schedule=schedule)
+    loss = pipe.step(idx, idx, loss_of)
+    expected = sum(loss_of(one(i), i) for i in idx.tensor_split(2)) / 2
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(source.named_parameters(), one.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_tied_weights_across_two_gpus(checkpoint: str) -> None:
+    """The copy crosses devices: the LM head on cuda:1 computes with a copy of the embedding on cuda:0."""
+    torch.manual_seed(0)
+    source = TinyGPT().double()
+    one = copy.deepcopy(source)
+    idx = torch.randint(0, 11, (4, 6))
+    seq = seqify.convert(source, (idx,))
+    pipe = seqify.pipeline(seq, devices=["cuda:0", "cuda:1"], balance=[3, len(seq) - 3], chunks=2, checkpoint=checkpoint)
+    assert source.wte.weight.device == torch.device("cuda:0") and source.lm_head.weight is source.wte.weight
+    logits = pipe(idx)
+    sum(loss_of(lg, i) for lg, i in zip(logits.tensor_split(2), idx.cuda(1).tensor_split(2))).backward()
+    sum(loss_of(one(i), i) for i in idx.tensor_split(2)).backward()
+    for (name, p), q in zip(source.named_parameters(), one.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-10, atol=1e-12, msg=name)

@@ -25,6 +25,8 @@ __all__ = [
     "ZooError",
     "PlotError",
     "SpecError",
+    "ExportError",
+    "VerifyError",
 ]
 
 
@@ -119,3 +121,12 @@ class PlotError(SeqifyError):
 
 class SpecError(SeqifyError):
     """A SPEC (``torchvision:NAME``, ``zoo:NAME``, ``FILE.py:FACTORY``) that names no model, or a builder that fails."""
+
+
+class ExportError(UntraceableError):
+    """``torch.export`` could not capture the model's forward on the example inputs (the export frontend)."""
+
+
+class VerifyError(ConversionError):
+    """The converted model does not compute what its source computes on the example inputs (convert's
+    self-check); the message names the first layer whose value differs."""

@@ -47,7 +47,7 @@ def _bind(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str,
             f"example_inputs do not fit {name}.forward{sig}: {e}; pass a tensor, a tuple of positional "
             "arguments, or a dict by parameter name (e.g. {'input_ids': ids})"
         ) from None
-    batch = torch.export.Dim("batch", min=1)
+    batch = torch.export.Dim.AUTO  # export infers the batch range; a batch it cannot free stays fixed (guarded)
     params: list[Param] = []
     kwargs: dict[str, Any] = {}
     dynamic: dict[str, Any] = {}
@@ -99,16 +99,22 @@ def _refuse_cache(model: nn.Module, kwargs: dict[str, Any]) -> None:
             f"example_inputs pass past_key_values to {name}: seqify converts the model for whole-sequence "
             "forwards (training, prefill); pass use_cache=False and no past_key_values"
         )
-    if "use_cache" in sig:
-        config = getattr(model, "config", None)
-        wanted = kwargs.get("use_cache", getattr(config, "use_cache", None) if sig["use_cache"].default is None else sig["use_cache"].default)
-        if wanted:
-            raise ExampleInputError(
-                f"{name} would return a key/value cache (use_cache is on, from "
-                f"{'example_inputs' if 'use_cache' in kwargs else 'model.config.use_cache'}): a cache is state kept "
-                "between calls, which a converted model cannot return. Pass use_cache=False in example_inputs "
-                "(and to every call), or set model.config.use_cache = False before converting"
-            )
+    if kwargs.get("use_cache"):
+        raise ExampleInputError(_CACHE.format(name=name, source="example_inputs"))
+
+
+_CACHE = (
+    "{name} would return a key/value cache (use_cache is on, from {source}): a cache is state kept between "
+    "calls, which a converted model cannot return. Pass use_cache=False in example_inputs (and to every call), "
+    "or set model.config.use_cache = False before converting"
+)
+
+
+def _refuse_cache_output(model: nn.Module, structure: Any, spec: Any) -> None:
+    """A cache object in the output (use_cache from the model's config) is refused like an explicit one."""
+    past = structure.get("past_key_values") if isinstance(structure, dict) else None
+    if past is not None or "Cache" in str(spec):
+        raise ExampleInputError(_CACHE.format(name=type(model).__name__, source="model.config.use_cache"))
 
 
 @contextmanager
@@ -169,6 +175,9 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
         _refuse_writes(model, seen)
         return ep
     assert last is not None
+    config = getattr(model, "config", None)
+    if "use_cache" not in kwargs and getattr(config, "use_cache", False) and "use_cache" in inspect.signature(model.forward).parameters:
+        raise ExampleInputError(_CACHE.format(name=name, source="model.config.use_cache")) from last
     site = _error_site(last)
     raise ExportError(
         f"torch.export cannot capture {name}.forward: {_first_line(last)}"
@@ -338,6 +347,7 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     spec = ep.module_call_graph[0].signature.out_spec if ep.module_call_graph[0].signature else None
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     structure = pytree.tree_unflatten(flat, spec) if spec is not None else out.args[0]
+    _refuse_cache_output(model, structure, spec)
     graph._codegen = fx.graph.CodeGen()
     out.args = (structure,)
     called = {str(n.target) for n in graph.nodes if n.op == "call_module"}

@@ -116,7 +116,7 @@ def _bigger(kwargs: dict[str, Any]) -> dict[str, Any]:
 def two_stages(seq: seqify.Sequential) -> list[int]:
     """A 2-stage balance nearest the middle that no shared parameter crosses (T5 shares its embedding
     between encoder and decoder)."""
-    layers = list(seq.children())
+    layers = list(seq._modules.values())  # one module may be several layers (a shared activation)
     owned = [{id(p) for p in layer.parameters()} for layer in layers]
     cuts = [k for k in range(1, len(layers))
             if not set().union(*owned[:k]) & set().union(*owned[k:])]

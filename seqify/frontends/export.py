@@ -299,6 +299,29 @@ def _module_calls(graph: fx.Graph, model: nn.Module) -> None:
             graph.erase_node(n)
 
 
+def on_device_of(like: torch.Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op(*args, **kwargs)`` creating its result on ``like``'s device: export bakes the example's device
+    into factory ops (``arange``, ``ones``, ``to``); a layer on another device must make them where it runs."""
+    return op(*args, **kwargs, device=like.device)
+
+
+def _devices(graph: fx.Graph, device: torch.device) -> None:
+    """Rewrite ops that name the example's device to take the device of a tensor they travel with."""
+    previous: fx.Node | None = None
+    for node in list(graph.nodes):
+        here = node.kwargs.get("device") if node.op == "call_function" else None
+        if isinstance(here, (torch.device, str)) and torch.device(here) == device:
+            tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            like = tensors[0] if tensors else previous
+            if like is not None:
+                kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}
+                node.args = (like, node.target, *node.args)
+                node.kwargs = kwargs
+                node.target = on_device_of
+        if node.op in ("placeholder", "call_function", "call_module") and isinstance(node.meta.get("val"), torch.Tensor):
+            previous = node
+
+
 def _shape_guards(graph: fx.Graph, inputs: list[fx.Node], names: list[str]) -> list[Guard]:
     """Every input dimension export specialised (all but a dynamic batch) is re-checked on each call."""
     guards: list[Guard] = []
@@ -341,6 +364,9 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     graph = gm.graph
     constants, inputs = _clean(gm, model, kwargs)
     _module_calls(graph, model)
+    example = next((t for t in pytree.tree_leaves(kwargs) if isinstance(t, torch.Tensor)), None)
+    if example is not None:
+        _devices(graph, example.device)
     input_names = [f"{k}" for k, v in kwargs.items() for _ in pytree.tree_leaves(v) if isinstance(v, (torch.Tensor, tuple, list, dict))]
     guards = _shape_guards(graph, inputs, input_names)
     out = next(n for n in graph.nodes if n.op == "output")

@@ -257,3 +257,21 @@ def test_verify_names_the_first_layer_that_differs() -> None:
     seq._modules["bn"] = wrong
     text = first_difference(model, seq, (x,))
     assert text is not None and "'bn'" in text
+
+
+def test_llama_benchmark_runs_tiny_on_cpu(tmp_path: Any) -> None:
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "llama_bench.py"
+    spec = importlib.util.spec_from_file_location("llama_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "llama.json"
+    rows = bench.main(["--tiny", "--device", "cpu", "--out", str(out)])
+    names = [r["name"] for r in rows]
+    assert names[0].startswith("source") and any("converted" in n for n in names) and any("pipeline" in n for n in names)
+    assert all(r.get("loss_finite") for r in rows), rows
+    assert json.loads(out.read_text())["rows"] == rows

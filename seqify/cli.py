@@ -47,7 +47,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
 
     model = spec.load(args.spec, spec.parse_args(args.arg))
     shape = spec.sample_shape(model, args.batch, args.size, args.shape)
-    return model, spec.random_input(shape, args.seed)
+    return model, spec.random_input(shape, args.seed, model.vocab)
 
 
 def _convert(module: torch.nn.Module, x: torch.Tensor, example: bool) -> Any:

@@ -275,3 +275,18 @@ def test_llama_benchmark_runs_tiny_on_cpu(tmp_path: Any) -> None:
     assert names[0].startswith("source") and any("converted" in n for n in names) and any("pipeline" in n for n in names)
     assert all(r.get("loss_finite") for r in rows), rows
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_cli_converts_a_transformers_spec(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from seqify.cli import main
+
+    out = tmp_path / "llama.pt"
+    code = main(["convert", "transformers:LlamaForCausalLM", "--example", "--arg", "hidden_size=16",
+                 "--arg", "intermediate_size=32", "--arg", "num_hidden_layers=1", "--arg", "num_attention_heads=2",
+                 "--arg", "num_key_value_heads=1", "--arg", "vocab_size=64", "--size", "8", "--batch", "2",
+                 "-o", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "export frontend" in text and "bit-equal to the source: True" in text
+    seq = torch.load(out, weights_only=False)
+    assert seq.frontend == "export"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,19 @@ from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
 __all__ = ["export_trace"]
 
 _aten = torch.ops.aten
+
+
+def aten_op(name: str, overload: str, namespace: str = "aten") -> Any:
+    """The ATen operator ``namespace::name.overload``: how a saved converted model finds its ops again."""
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _reduce_op(op: torch._ops.OpOverload) -> tuple[Any, tuple[str, str, str]]:
+    return aten_op, (op._schema.name.split("::")[1], op._overloadname, op.namespace)
+
+
+# Layers made from export graphs call ATen operators, which torch cannot pickle: save them by name.
+copyreg.pickle(torch._ops.OpOverload, _reduce_op)
 #: Checks export inserts that compute nothing (they also bake the example's device in).
 _ASSERTS = {
     _aten._assert_tensor_metadata.default,

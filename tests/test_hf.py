@@ -166,7 +166,8 @@ def test_train_pipeline_gradients_match_source() -> None:
     reference = copy.deepcopy(model)
     seq = seqify.convert(model, example_inputs=kwargs, frontend="export")
     plan = seqify.balance(seq, 2, kwargs, by="flops", progress=False)
-    assert seqify.balance(seq, 2, kwargs, by="params", progress=False).balance
+    for by in ("params", "time"):
+        assert sum(seqify.balance(seq, 2, kwargs, by=by, progress=False).balance) == len(seq)
     pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=plan.balance, chunks=2)
     pipe(**kwargs).logits.pow(2).mean().backward()
     reference(**kwargs).logits.pow(2).mean().backward()

@@ -9,7 +9,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..errors import ConversionError, EmptyModelError, HookError, OptionError, SeqifyError, VerifyError
+from ..errors import ConversionError, OptionError, SeqifyError, UntraceableError, VerifyError
 from ..sequential import Sequential
 from ..trace import Opaque, Traced, preserved, trace
 from .build import RESERVED, build
@@ -128,12 +128,15 @@ def convert(
 
             check(model, seq, example_inputs, frontend="fx")
         return seq
-    except (OptionError, HookError, EmptyModelError):
-        raise
+    except SeqifyError as e:
+        # Fall back only where fx cannot trace or its result is wrong; other errors teach their own fix.
+        if not isinstance(e, (UntraceableError, VerifyError)) or frontend == "fx" or example_inputs is None:
+            raise
+        if leaf_types or leaf_paths or depth is not None:
+            raise
+        fx_error: Exception = e
     except Exception as e:
         if frontend == "fx" or example_inputs is None or leaf_types or leaf_paths or depth is not None:
-            if isinstance(e, SeqifyError):
-                raise
             raise ConversionError(f"converting {type(model).__name__} with torch.fx failed: {type(e).__name__}: {e}") from e
         fx_error = e
     try:

@@ -107,7 +107,6 @@ def _bind(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str,
 def _refuse_cache(model: nn.Module, kwargs: dict[str, Any]) -> None:
     """A key/value cache is state carried between calls: a pipeline cannot split it. Refuse it up front."""
     name = type(model).__name__
-    sig = inspect.signature(model.forward).parameters
     if kwargs.get("past_key_values") is not None:
         raise ExampleInputError(
             f"example_inputs pass past_key_values to {name}: seqify converts the model for whole-sequence "
@@ -381,7 +380,7 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     example = next((t for t in pytree.tree_leaves(kwargs) if isinstance(t, torch.Tensor)), None)
     if example is not None:
         _devices(graph, example.device)
-    input_names = [f"{k}" for k, v in kwargs.items() for _ in pytree.tree_leaves(v) if isinstance(v, (torch.Tensor, tuple, list, dict))]
+    input_names = [k for k, v in kwargs.items() for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]
     guards = _shape_guards(graph, inputs, input_names)
     out = next(n for n in graph.nodes if n.op == "output")
     spec = ep.module_call_graph[0].signature.out_spec if ep.module_call_graph[0].signature else None

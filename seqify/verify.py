@@ -50,10 +50,13 @@ def _fresh(x: Any) -> Any:
 
 @contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
-    """Buffers (BatchNorm statistics) restored on exit, so a check leaves the model as it found it."""
+    """Buffers (BatchNorm statistics) and attributes restored on exit: a check leaves the model as it found it."""
+    from .trace import preserved  # Python attributes too (a step counter the forward bumps)
+
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        yield
+        with preserved(model):
+            yield
     finally:
         with torch.no_grad():
             for b, value in saved:

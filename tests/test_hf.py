@@ -291,3 +291,11 @@ def test_cli_converts_a_transformers_spec(tmp_path: Any, capsys: pytest.CaptureF
     assert "export frontend" in text and "bit-equal to the source: True" in text
     seq = torch.load(out, weights_only=False)
     assert seq.frontend == "export"
+
+
+def test_self_check_leaves_the_source_alone() -> None:
+    x = torch.randn(4, 3, 6, 6)
+    model = ConvBN().train()
+    before = snapshot(model)
+    seqify.convert(model, example_inputs=(x,), frontend="export")
+    assert_unchanged(model, before)  # BatchNorm statistics and attributes as they were

@@ -119,17 +119,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     devs = devices_of(args)
     rows: list[dict[str, Any]] = []
     adam = args.size == "8b"
-    if args.size != "8b":
-        lm, ids = build(args, devs[0])
+    # The 8B model does not train on one device: it is built on the CPU and only pipelined.
+    lm, ids = build(args, torch.device("cpu") if adam else devs[0])
+    if not adam:
         rows.append(timed("source, one device", trainer(lm, ids, devs[:1], adam), devs[:1], args))
-        start = time.perf_counter()
-        seq = seqify.convert(lm, example_inputs={"input_ids": ids[:2]}, frontend="export")
-        print(f"# converted in {time.perf_counter() - start:.1f} s: {len(seq)} layers, frontend {seq.frontend}", flush=True)
+    start = time.perf_counter()
+    seq = seqify.convert(lm, example_inputs={"input_ids": ids[:2]}, frontend="export", verify=not adam)
+    print(f"# converted in {time.perf_counter() - start:.1f} s: {len(seq)} layers, frontend {seq.frontend}", flush=True)
+    if not adam:
         rows.append(timed("seqify converted, one device", trainer(seq, ids, devs[:1], adam), devs[:1], args))
-        del seq, lm
-    lm, ids = build(args, torch.device("cpu") if args.size == "8b" else devs[0])
-    seq = seqify.convert(lm, example_inputs={"input_ids": ids[:2]},
-                         frontend="export", verify=args.size != "8b")
     plan = seqify.balance(seq, 2, {"input_ids": ids[:2]}, by="params", progress=False)
     settings = [(c, g, loops) for c in args.chunks for g in (False, True) for loops in (1, 2)]
     if args.device == "cpu" or args.size == "8b":

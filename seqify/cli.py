@@ -57,7 +57,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
         raise SpecError(f"building the model {args.spec!r} failed: {type(e).__name__}: {e}\n"
                         "Fix the builder or its --arg values; seqify needs it to return an nn.Module.") from e
     shape = spec.sample_shape(model, args.batch, args.size, args.shape)
-    return model, spec.random_input(shape, args.seed)
+    return model, spec.random_input(shape, args.seed, model.vocab)
 
 
 def _convert(module: torch.nn.Module, x: torch.Tensor, example: bool) -> Any:

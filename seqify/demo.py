@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .convert import convert
+from .verify import bit_equal
 
 __all__ = ["demo", "OK", "NOT_EXACT"]
 
@@ -26,8 +27,7 @@ def _leaves_match(a: object, b: object, same: Callable[[torch.Tensor, torch.Tens
     )
 
 
-def _bit_equal(a: object, b: object) -> bool:
-    return _leaves_match(a, b, torch.equal)
+_bit_equal = bit_equal  # one definition of "computes what the source computes": seqify.verify
 
 
 def _close(a: object, b: object) -> bool:

@@ -36,6 +36,8 @@ __all__ = [
     "TiedParameterError",
     "ConfigError",
     "CompatSkipError",
+    "ExportError",
+    "VerifyError",
 ]
 
 
@@ -180,3 +182,12 @@ class PeerError(SeqifyError):
 class TuneError(SeqifyError):
     """The tuner cannot pick or apply a pipeline configuration: no candidate fits ``memory_cap``, no sample
     to measure, or a saved configuration that does not fit the model or the devices."""
+
+
+class ExportError(UntraceableError):
+    """``torch.export`` could not capture the model's forward on the example inputs (the export frontend)."""
+
+
+class VerifyError(ConversionError):
+    """The converted model does not compute what its source computes on the example inputs (convert's
+    self-check); the message names the first layer whose value differs."""

@@ -306,7 +306,8 @@ class Sequential(nn.Sequential):
         params = sum(p.numel() for p in self.parameters())
         lines = [
             f"seqify.Sequential from {self.source}: {len(self)} layers, {len(self.skips)} skips, "
-            f"{len(self.opaque)} opaque, {params:,} parameters"
+            f"{len(self.opaque)} opaque, {params:,} parameters",
+            f"made by the {getattr(self, 'frontend', 'fx')} frontend",
         ]
         if self.opaque:
             lines.append("opaque layers (kept whole):")

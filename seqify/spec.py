@@ -24,6 +24,8 @@ SPEC names a model:
   zoo:NAME             a seqify.zoo model, e.g. zoo:unet, zoo:amoebanet_d, zoo:resnet50 (list: seqify zoo)
   FILE.py:FACTORY      a function (or class) in a Python file that returns an nn.Module, e.g. nets.py:build
   MODULE:FACTORY       the same from an importable module, e.g. mypackage.models:make_net
+  transformers:CLASS   a Hugging Face transformers model from its config (no download), e.g.
+                       transformers:LlamaForCausalLM --arg num_hidden_layers=2 --arg hidden_size=64
 Keyword arguments for the builder go in --arg KEY=VALUE (Python literals: --arg num_classes=10)."""
 
 
@@ -36,6 +38,7 @@ class Model:
     channels: int = 3
     size: int = 224
     sample_kwargs: dict[str, Any] | None = None
+    vocab: int | None = None  # token-id input (batch x sequence of ids below vocab) instead of an image
 
 
 def parse_args(items: Sequence[str] | None) -> dict[str, Any]:
@@ -127,6 +130,27 @@ def _factory(spec: str, where: str, attr: str) -> Any:
     return fn
 
 
+def _transformers(spec: str, name: str, kwargs: dict[str, Any]) -> Model:
+    """A transformers model class built from its own config class with ``kwargs`` (random weights)."""
+    try:
+        import transformers
+    except ImportError:
+        raise _fail(spec, "transformers is not installed: pip install 'seqify[hf]'") from None
+    cls = getattr(transformers, name, None)
+    config_class = getattr(cls, "config_class", None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module) or config_class is None:
+        raise _fail(spec, f"transformers has no model class {name!r} (e.g. LlamaForCausalLM, BertModel, GPT2LMHeadModel)")
+    kwargs.setdefault("use_cache", False)
+    try:
+        config = config_class(**kwargs)
+        module = cls(config)
+    except Exception as e:
+        raise _fail(spec, f"building {name}({config_class.__name__}(**{kwargs})) failed: {type(e).__name__}: {e}") from e
+    vocab = getattr(config, "vocab_size", None) if getattr(config, "image_size", None) is None else None
+    size = 16 if vocab else int(getattr(config, "image_size", 224))
+    return Model(module, spec, channels=int(getattr(config, "num_channels", 3)), size=size, vocab=vocab)
+
+
 def load(spec: str, kwargs: dict[str, Any] | None = None) -> Model:
     """Build the model ``spec`` names, passing ``kwargs`` to its builder. Raises :class:`SpecError`
     (a SeqifyError) that says what a SPEC looks like when it names nothing."""
@@ -138,6 +162,8 @@ def load(spec: str, kwargs: dict[str, Any] | None = None) -> Model:
         return _torchvision(spec, rest, kwargs)
     if kind == "zoo":
         return _zoo(spec, rest, kwargs)
+    if kind == "transformers":
+        return _transformers(spec, rest, kwargs)
     where, attr = spec.rsplit(":", 1)  # FILE.py:FACTORY (a Windows drive letter stays in the path)
     fn = _factory(spec, where, attr)
     try:
@@ -160,9 +186,14 @@ def sample_shape(model: Model, batch: int, size: int | None, shape: str | None) 
             raise SpecError(f"--shape {shape!r}: every dimension must be at least 1")
         return dims
     side = size or model.size
+    if model.vocab:
+        return (batch, side)  # token ids: batch x sequence length (--size sets the length)
     return (batch, model.channels, side, side)
 
 
-def random_input(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+def random_input(shape: tuple[int, ...], seed: int = 0, vocab: int | None = None) -> torch.Tensor:
+    """Random normal values, or random token ids below ``vocab``."""
     g = torch.Generator().manual_seed(seed)
+    if vocab:
+        return torch.randint(0, vocab, shape, generator=g)
     return torch.randn(shape, generator=g)

@@ -724,3 +724,52 @@ def test_distributed_checkpoint_errors_name_the_file_and_the_fix(tmp_path) -> No
         sd.load(saved[0], tmp_path, torch.optim.SGD(saved[0].parameters(), lr=0.1))
     with raises(seqify.StateDictError, "does not exist", "seqify.distributed.save"):
         sd.merge(tmp_path / "elsewhere")
+
+class _Counts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.f(x) * self.calls
+
+
+def test_export_frontend_options() -> None:
+    with raises(seqify.OptionError, "example_inputs"):
+        seqify.convert(Lin(), frontend="export")
+    with raises(seqify.OptionError, "frontend='fx'"):
+        seqify.convert(Lin(), torch.randn(2, 4), frontend="export", leaf_paths=["f"])
+    with raises(seqify.OptionError, "'auto', 'fx' or 'export'"):
+        seqify.convert(Lin(), frontend="onnx")
+
+
+def test_export_frontend_refuses_attribute_writes() -> None:
+    with raises(seqify.ConversionError, "calls", "buffer"):
+        seqify.convert(_Counts(), torch.randn(2, 4), frontend="export")
+
+
+class _DataDependent(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum() > 0 else x - 1
+
+
+def test_export_error_names_the_forward() -> None:
+    with raises(seqify.ExportError, "_DataDependent.forward", "What to do"):
+        seqify.convert(_DataDependent(), torch.randn(2, 4), frontend="export")
+
+
+def test_verify_error_names_the_layer() -> None:
+    from seqify.verify import check
+
+    model = Lin().eval()
+    x = torch.randn(2, 4)
+    seq = seqify.convert(model, x)
+    check(model, seq, x)
+    wrong = copy.deepcopy(model.g)
+    with torch.no_grad():
+        wrong.bias += 1
+    seq._modules["g"] = wrong
+    with raises(seqify.VerifyError, "layer 'g'", "verify=False"):
+        check(model, seq, x)

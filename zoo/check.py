@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from seqify.demo import _bit_equal
+from seqify.verify import bit_equal as _bit_equal
 from seqify.progress import progress
 
 from .catalog import ENTRIES, entry, get

@@ -9,9 +9,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..errors import OptionError
+from ..errors import ConversionError, OptionError, SeqifyError, UntraceableError, VerifyError
 from ..sequential import Sequential
-from ..trace import Opaque, preserved, trace
+from ..trace import Opaque, Traced, preserved, trace
 from .build import RESERVED, build
 from .linearize import Plan, linearize
 
@@ -83,6 +83,8 @@ def convert(
     leaf_paths: Sequence[str] = (),
     depth: int | None = None,
     check_modes: bool = True,
+    frontend: str = "auto",
+    verify: bool = True,
 ) -> Sequential:
     """Flatten ``model`` into a :class:`seqify.Sequential` that computes exactly what ``model`` computes.
 
@@ -98,6 +100,11 @@ def convert(
         depth: keep every module at this depth whole (1: the model's children).
         check_modes: also trace in the other train/eval mode to detect forwards whose graph depends on
             ``self.training``; such conversions refuse to run in the other mode.
+        frontend: ``"fx"`` (torch.fx: module-level layers, works without example inputs), ``"export"``
+            (non-strict torch.export on ``example_inputs``: transformers, diffusers and other forwards fx
+            cannot trace) or ``"auto"``: fx, and export where fx fails or its result fails the self-check.
+        verify: with ``example_inputs``, run the source and the result once and raise
+            :class:`seqify.VerifyError` naming the first layer whose value differs.
 
     Returns:
         A :class:`seqify.Sequential`; ``seq(*args)`` returns what ``model(*args)`` returns.
@@ -105,6 +112,91 @@ def convert(
     if isinstance(model, Sequential):
         return model
     leaf_types, leaf_paths = _check_options(model, leaf_types, leaf_paths, depth)
+    if frontend not in ("auto", "fx", "export"):
+        raise OptionError(f"frontend={frontend!r}: choose 'auto', 'fx' or 'export'")
+    if frontend == "export":
+        if leaf_types or leaf_paths or depth is not None:
+            raise OptionError(
+                "leaf_types, leaf_paths and depth choose layers of the fx frontend; the export frontend makes "
+                "one layer per module call. Drop them, or use frontend='fx'"
+            )
+        return _via_export(model, example_inputs, check_modes=check_modes, verify=verify)
+    try:
+        seq = _via_fx(model, example_inputs, leaf_types, leaf_paths, depth, check_modes)
+        if verify and example_inputs is not None:
+            from ..verify import check
+
+            check(model, seq, example_inputs, frontend="fx")
+        return seq
+    except SeqifyError as e:
+        # Fall back only where fx cannot trace or its result is wrong; other errors teach their own fix.
+        if not isinstance(e, (UntraceableError, VerifyError)) or frontend == "fx" or example_inputs is None:
+            raise
+        if leaf_types or leaf_paths or depth is not None:
+            raise
+        fx_error: Exception = e
+    except Exception as e:
+        if frontend == "fx" or example_inputs is None or leaf_types or leaf_paths or depth is not None:
+            raise ConversionError(f"converting {type(model).__name__} with torch.fx failed: {type(e).__name__}: {e}") from e
+        fx_error = e
+    try:
+        return _via_export(model, example_inputs, check_modes=check_modes, verify=verify)
+    except SeqifyError as e:
+        e.args = (f"{e.args[0] if e.args else e}\n(the fx frontend failed first: {type(fx_error).__name__}: "
+                  f"{str(fx_error).splitlines()[0] if str(fx_error) else ''})",)
+        raise
+
+
+def _scope_key(node: fx.Node) -> Any:
+    """Export layers group consecutive ops of one module call."""
+    if node.op != "call_function":
+        return None
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack)) if stack else None
+
+
+def _assemble(traced: Traced, *, mode_dependent: bool, group: Any = None) -> Sequential:
+    """linearize + build; a crash inside them becomes a ConversionError naming the model."""
+    try:
+        plan = linearize(traced, reserved=RESERVED, group=group)
+        return build(traced, plan, mode_dependent=mode_dependent)
+    except SeqifyError:
+        raise
+    except Exception as e:
+        raise ConversionError(
+            f"seqify failed to assemble layers for {type(traced.model).__name__}: {type(e).__name__}: {e}. "
+            "Report this as a seqify bug; meanwhile try the other frontend or keep the failing submodule whole"
+        ) from e
+
+
+def _via_export(model: nn.Module, example_inputs: Any, *, check_modes: bool, verify: bool) -> Sequential:
+    from ..frontends.export import export_trace
+
+    if example_inputs is None:
+        raise OptionError(
+            f"frontend='export' needs example_inputs: torch.export runs {type(model).__name__}.forward on them "
+            "(e.g. seqify.convert(model, example_inputs={'input_ids': ids}, frontend='export'))"
+        )
+    traced = export_trace(model, example_inputs)
+    mode_dependent = False
+    if check_modes:
+        with preserved(model):
+            model.train(not traced.training)
+            other = export_trace(model, example_inputs)
+        mode_dependent = bool(_mode_differences(traced.graph, other.graph))
+    seq = _assemble(traced, mode_dependent=mode_dependent, group=_scope_key)
+    seq.frontend = "export"
+    if verify:
+        from ..verify import check
+
+        check(model, seq, example_inputs, frontend="export")
+    return seq
+
+
+def _via_fx(
+    model: nn.Module, example_inputs: Any, leaf_types: tuple[type, ...], leaf_paths: tuple[str, ...],
+    depth: int | None, check_modes: bool,
+) -> Sequential:
     paths = set(leaf_paths)
     traced = trace(model, example_inputs, leaf_types=leaf_types, leaf_paths=sorted(paths), depth=depth)
     mode_dependent = False
@@ -131,5 +223,6 @@ def convert(
         if path not in {o.path for o in traced.opaque}:
             module = model.get_submodule(path)
             traced.opaque.append(Opaque(path, type(module).__name__, "its forward depends on self.training; kept whole so it follows train()/eval()"))
-    plan = linearize(traced, reserved=RESERVED)
-    return build(traced, plan, mode_dependent=mode_dependent)
+    seq = _assemble(traced, mode_dependent=mode_dependent)
+    seq.frontend = "fx"
+    return seq

@@ -165,7 +165,9 @@ def _skip_info(plan: Plan) -> list[SkipInfo]:
     for name, value, a, b in plan.skips:
         val = value_of(value)
         if isinstance(val, torch.Tensor):
-            out.append(SkipInfo(name, a, b, tuple(val.shape), val.dtype, "tensor"))
+            # A symbolic (dynamic batch) size is recorded as its example value.
+            shape = tuple(d.node.hint if isinstance(d, torch.SymInt) else int(d) for d in val.shape)
+            out.append(SkipInfo(name, a, b, shape, val.dtype, "tensor"))
         else:
             out.append(SkipInfo(name, a, b, None, None, plan.kinds[value]))
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 import operator
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +88,7 @@ def _expand_outputs(graph: fx.Graph, output: fx.Node, structure: Any, kinds: dic
     return pytree.tree_map(lambda x: expand(x) if isinstance(x, fx.Node) else x, structure)
 
 
-def _step_name(node: fx.Node) -> str:
+def _step_name(node: fx.Node, scope_only: bool = False) -> str:
     if node.op == "call_module":
         base = str(node.target)
     else:
@@ -96,7 +96,7 @@ def _step_name(node: fx.Node) -> str:
         scope = next(reversed(stack.values()))[0] if stack else ""
         target = node.target if node.op == "call_method" else getattr(node.target, "__name__", "op")
         op = str(target).strip("_") or "op"
-        base = f"{scope}.{op}" if scope else op
+        base = scope if scope and scope_only else f"{scope}.{op}" if scope else op
     name = re.sub(r"\W", "_", base.replace(".", "_"))
     return name or "op"
 
@@ -115,7 +115,27 @@ def _unique(names: Iterable[str], reserved: set[str]) -> list[str]:
     return out
 
 
-def linearize(traced: Traced, reserved: set[str] = frozenset()) -> Plan:  # type: ignore[assignment]
+def _group(heads: list[fx.Node], key: Callable[[fx.Node], Any] | None) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
+    """Consecutive heads with one (non-None) group key join the first one's step."""
+    if key is None:
+        return heads, {}
+    firsts: list[fx.Node] = []
+    joined: dict[fx.Node, fx.Node] = {}
+    previous: Any = None
+    for h in heads:
+        k = key(h)
+        if firsts and k is not None and k == previous:
+            joined[h] = firsts[-1]
+        else:
+            firsts.append(h)
+        previous = k
+    return firsts, joined
+
+
+def linearize(
+    traced: Traced, reserved: set[str] = frozenset(), group: Callable[[fx.Node], Any] | None = None  # type: ignore[assignment]
+) -> Plan:
+    """Order ``traced`` into steps; with ``group``, consecutive ops of one group key share a step."""
     graph = traced.graph
     kinds = classify(graph, traced.model)
     output_node = next(n for n in graph.nodes if n.op == "output")
@@ -132,12 +152,15 @@ def linearize(traced: Traced, reserved: set[str] = frozenset()) -> Plan:  # type
             f"{type(traced.model).__name__} computes no tensor op (its forward only returns or inspects "
             "its inputs); there is nothing to convert or to pipeline"
         )
+    heads, joined = _group(heads, group)
     N = len(heads)
     OUT = N
     step_of: dict[fx.Node, int] = {ph: -1 for ph in placeholders}
     computed: dict[int, list[fx.Node]] = defaultdict(list)
     for i, h in enumerate(heads):
         step_of[h] = i
+    for n, first in joined.items():
+        step_of[n] = step_of[first]
     for n in graph.nodes:
         if n.op.startswith("call") and is_projection(n, kinds):
             step_of[n] = step_of[n.args[0]]
@@ -283,7 +306,7 @@ def linearize(traced: Traced, reserved: set[str] = frozenset()) -> Plan:  # type
             lists[s].sort(key=lambda item: order[item[1]] if isinstance(item, tuple) else order[item])
 
     # -- steps, named after the source ---------------------------------------------------------------
-    names = _unique([_step_name(h) for h in heads], set(reserved) | {"input", "output"})
+    names = _unique([_step_name(h, group is not None) for h in heads], set(reserved) | {"input", "output"})
     steps: list[Step] = []
     index: dict[int, int] = {}
     if stashes[-1]:

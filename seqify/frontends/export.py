@@ -1,0 +1,404 @@
+"""torch.export frontend: a non-strict export graph in the traced form that convert's linearize and build consume."""
+
+from __future__ import annotations
+
+import copyreg
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ..errors import ConversionError, ExampleInputError, ExportError, HookError, SeqifyError
+from ..guard import Guard, check_equal
+from ..signature import EMPTY, InputSpec, Param
+from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
+
+__all__ = ["export_trace"]
+
+_aten = torch.ops.aten
+
+
+def aten_op(name: str, overload: str, namespace: str = "aten") -> Any:
+    """The ATen operator ``namespace::name.overload``: how a saved converted model finds its ops again."""
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _reduce_op(op: torch._ops.OpOverload) -> tuple[Any, tuple[str, str, str]]:
+    return aten_op, (op._schema.name.split("::")[1], op._overloadname, op.namespace)
+
+
+# Layers made from export graphs call ATen operators, which torch cannot pickle: save them by name.
+copyreg.pickle(torch._ops.OpOverload, _reduce_op)
+#: Checks export inserts that compute nothing (they also bake the example's device in).
+_ASSERTS = {
+    _aten._assert_tensor_metadata.default,
+    _aten._assert_scalar.default,
+    _aten.sym_constrain_range_for_size.default,
+}
+
+
+def _bind(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str, Any], dict[str, Any]]:
+    """Bind example inputs to ``model.forward``: params for the InputSpec, export kwargs in signature order,
+    and dynamic shapes (dim 0 of every tensor is one shared batch dimension)."""
+    name = type(model).__name__
+    sig = inspect.signature(model.forward)
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    try:
+        if isinstance(example_inputs, dict):
+            given = dict(sig.bind_partial(**example_inputs).arguments)
+        elif isinstance(example_inputs, (tuple, list)):
+            given = dict(sig.bind_partial(*example_inputs).arguments)
+        else:
+            raise TypeError(f"example_inputs must be a tensor, a tuple or a dict, not {type(example_inputs).__name__}")
+    except TypeError as e:
+        raise ExampleInputError(
+            f"example_inputs do not fit {name}.forward{sig}: {e}; pass a tensor, a tuple of positional "
+            "arguments, or a dict by parameter name (e.g. {'input_ids': ids})"
+        ) from None
+    batch = torch.export.Dim.AUTO  # export infers the batch range; a batch it cannot free stays fixed (guarded)
+    params: list[Param] = []
+    kwargs: dict[str, Any] = {}
+    dynamic: dict[str, Any] = {}
+    for p in sig.parameters.values():
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            if given.get(p.name):
+                raise ExampleInputError(
+                    f"example_inputs pass {sorted(given[p.name]) if isinstance(given[p.name], dict) else 'extra values'} "
+                    f"through {name}.forward's *{'*' if p.kind == inspect.Parameter.VAR_KEYWORD else ''}{p.name}; "
+                    "seqify converts named parameters: pass only the forward's named parameters, or wrap the model "
+                    "in a module whose forward names them"
+                )
+            continue
+        if p.kind == inspect.Parameter.POSITIONAL_ONLY:
+            raise ExampleInputError(f"{name}.forward has the positional-only parameter {p.name!r}; wrap the model in a module whose forward takes it by name")
+        default = EMPTY if p.default is inspect.Parameter.empty else p.default
+        if p.name not in given:
+            if default is EMPTY:
+                raise ExampleInputError(f"example_inputs miss the required argument {p.name!r} of {name}.forward")
+            params.append(Param(p.name, int(p.kind), default, dynamic=False, baked=(default,)))
+            continue
+        value = given[p.name]
+        leaves, spec = pytree.tree_flatten(value)
+        if isinstance(value, torch.Tensor):
+            params.append(Param(p.name, int(p.kind), default, dynamic=True))
+        elif any(isinstance(x, torch.Tensor) for x in leaves):
+            if not all(isinstance(x, torch.Tensor) for x in leaves):
+                raise ExampleInputError(
+                    f"argument {p.name!r} of {name}.forward mixes tensors with other values; pass the non-tensor "
+                    "values as separate arguments"
+                )
+            params.append(Param(p.name, int(p.kind), default, dynamic=True, spec=spec,
+                                baked=tuple(None for _ in leaves), tensor_leaves=tuple(True for _ in leaves)))
+        else:
+            params.append(Param(p.name, int(p.kind), default, dynamic=False, baked=(value,)))
+        kwargs[p.name] = value
+        dynamic[p.name] = pytree.tree_map(
+            lambda x: {0: batch} if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1 else None, value
+        ) if isinstance(value, (torch.Tensor, tuple, list, dict)) else None
+    return params, kwargs, dynamic
+
+
+def _refuse_cache(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """A key/value cache is state carried between calls: a pipeline cannot split it. Refuse it up front."""
+    name = type(model).__name__
+    if kwargs.get("past_key_values") is not None:
+        raise ExampleInputError(
+            f"example_inputs pass past_key_values to {name}: seqify converts the model for whole-sequence "
+            "forwards (training, prefill); pass use_cache=False and no past_key_values"
+        )
+    if kwargs.get("use_cache"):
+        raise ExampleInputError(_CACHE.format(name=name, source="example_inputs"))
+
+
+_CACHE = (
+    "{name} would return a key/value cache (use_cache is on, from {source}): a cache is state kept between "
+    "calls, which a converted model cannot return. Pass use_cache=False in example_inputs (and to every call), "
+    "or set model.config.use_cache = False before converting"
+)
+
+
+def _refuse_cache_output(model: nn.Module, structure: Any, spec: Any) -> None:
+    """A cache object in the output (use_cache from the model's config) is refused like an explicit one."""
+    past = structure.get("past_key_values") if isinstance(structure, dict) else None
+    if past is not None or "Cache" in str(spec):
+        raise ExampleInputError(_CACHE.format(name=type(model).__name__, source="model.config.use_cache"))
+
+
+@contextmanager
+def _writes(model: nn.Module) -> Iterator[list[tuple[str, Any, Any]]]:
+    """Record Python attributes the forward changes on the model's modules (export itself restores them)."""
+    paths = {id(m): p for p, m in model.named_modules()}
+    seen: list[tuple[str, Any, Any]] = []
+    original = nn.Module.__setattr__
+
+    def setattr_(self: nn.Module, name: str, value: Any) -> None:
+        if id(self) in paths and not name.startswith("_") and name != "training":
+            old = self.__dict__.get(name, _MISSING)
+            if old is not value and not isinstance(value, (torch.Tensor, nn.Module)) and not _same(old, value):
+                seen.append((f"{paths[id(self)]}.{name}".lstrip("."), old, value))
+        original(self, name, value)
+
+    nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        nn.Module.__setattr__ = original  # type: ignore[method-assign]
+
+
+def _refuse_writes(model: nn.Module, seen: list[tuple[str, Any, Any]]) -> None:
+    """A forward that sets Python attributes (a step counter) would have its first value baked in."""
+    if seen:
+        where, old, value = seen[0]
+        raise ConversionError(
+            f"{type(model).__name__}: forward writes the attribute {where} ({'unset' if old is _MISSING else repr(old)} "
+            f"-> {value!r}); a converted model would compute every call with the value seen at conversion. Keep "
+            "the value in a buffer (register_buffer, updated in place), or convert with frontend='fx', which "
+            "refuses or keeps such modules whole"
+        )
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -> torch.export.ExportedProgram:
+    name = type(model).__name__
+    last: Exception | None = None
+    for shapes in (dynamic, None):  # a batch dimension the model fixes falls back to static shapes (guarded)
+        with preserved(model), torch.random.fork_rng(devices=[]), _writes(model) as seen:
+            try:
+                ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
+            except SeqifyError:
+                raise
+            except Exception as e:
+                last = e
+                continue
+        _refuse_writes(model, seen)
+        return ep
+    assert last is not None
+    config = getattr(model, "config", None)
+    if "use_cache" not in kwargs and getattr(config, "use_cache", False) and "use_cache" in inspect.signature(model.forward).parameters:
+        raise ExampleInputError(_CACHE.format(name=name, source="model.config.use_cache")) from last
+    site = _error_site(last)
+    raise ExportError(
+        f"torch.export cannot capture {name}.forward: {_first_line(last)}"
+        + (f"\n  at {site}" if site else "")
+        + "\nWhat to do: pass example_inputs the model accepts as a whole (a dict of keyword arguments "
+        "works for transformers models); keep data-dependent code (branches on tensor values) in a submodule "
+        "and use frontend='fx', which keeps such submodules whole"
+    ) from last
+
+
+def _resolve(model: nn.Module, target: str) -> Any:
+    obj: Any = model
+    for atom in target.split("."):
+        obj = getattr(obj, atom, _MISSING)
+        if obj is _MISSING:
+            return _MISSING
+    return obj
+
+
+def _clean(gm: fx.GraphModule, model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[fx.Node]]:
+    """Drop export's own checks, bake constant inputs, and point get_attr at the source's tensors."""
+    graph = gm.graph
+    constants: dict[str, Any] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target in _ASSERTS and not node.users:
+            graph.erase_node(node)
+    flat, _ = pytree.tree_flatten(((), kwargs))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(flat):
+        raise ExportError(f"the exported graph of {type(model).__name__} has {len(placeholders)} inputs for {len(flat)} given")
+    inputs: list[fx.Node] = []
+    for node, value in zip(placeholders, flat):
+        if isinstance(value, torch.Tensor):
+            inputs.append(node)
+        else:
+            node.replace_all_uses_with(value)  # type: ignore[arg-type]
+            graph.erase_node(node)
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        source = _resolve(model, str(node.target))
+        if isinstance(source, (torch.Tensor, nn.Module)):
+            continue  # the source's own parameter, buffer or module: shared, never copied
+        obj = _resolve(gm, str(node.target))
+        key = f"_seqify_export_{len(constants)}"
+        constants[key] = obj
+        node.target = key
+    return constants, inputs
+
+
+def _leaf(model: nn.Module, path: str) -> nn.Module | None:
+    module = _resolve(model, path) if path else model
+    if not isinstance(module, nn.Module) or any(True for _ in module.children()):
+        return None
+    if any(getattr(module, h, None) for h in HOOK_DICTS):
+        return None
+    return module
+
+
+def _runs(graph: fx.Graph) -> Iterator[tuple[str, str, list[fx.Node]]]:
+    """Maximal runs of consecutive call nodes with the same innermost module call (key, path, nodes)."""
+    current: tuple[str, str] | None = None
+    nodes: list[fx.Node] = []
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        key = next(reversed(stack.items())) if node.op == "call_function" and stack else None
+        here = (key[0], key[1][0]) if key else None
+        if here != current:
+            if current is not None and nodes:
+                yield current[0], current[1], nodes
+            current, nodes = here, []
+        if here is not None:
+            nodes.append(node)
+    if current is not None and nodes:
+        yield current[0], current[1], nodes
+
+
+def _inputs(node: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
+    return found
+
+
+def _module_calls(graph: fx.Graph, model: nn.Module) -> None:
+    """A run of ops that is exactly one call of a leaf module (one tensor in, one tensor out, its own
+    parameters and buffers only) becomes a call of that very module, so the layer *is* the source module."""
+    keys: dict[str, int] = {}
+    for key, _, nodes in _runs(graph):
+        keys[key] = keys.get(key, 0) + 1
+    for key, path, nodes in list(_runs(graph)):
+        module = _leaf(model, path)
+        if module is None or keys[key] != 1 or not path:
+            continue
+        own = {id(t) for t in list(module.parameters()) + list(module.buffers())}
+        inside = set(nodes)
+        outer: list[fx.Node] = []
+        ok = True
+        for n in nodes:
+            for a in _inputs(n):
+                if a in inside:
+                    continue
+                if a.op == "get_attr":
+                    ok = ok and id(_resolve(model, str(a.target))) in own
+                elif a not in outer:
+                    outer.append(a)
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        if not ok or len(outer) != 1 or len(outputs) != 1 or not isinstance(outer[0].meta.get("val"), torch.Tensor):
+            continue
+        out = outputs[0]
+        if not isinstance(out.meta.get("val"), torch.Tensor):
+            continue
+        with graph.inserting_after(out):
+            call = graph.create_node("call_module", path, (outer[0],), {})
+        call.meta.update(val=out.meta["val"], nn_module_stack=out.meta.get("nn_module_stack"))
+        out.replace_all_uses_with(call)
+        for n in reversed(nodes):
+            graph.erase_node(n)
+
+
+def on_device_of(like: torch.Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op(*args, **kwargs)`` creating its result on ``like``'s device: export bakes the example's device
+    into factory ops (``arange``, ``ones``, ``to``); a layer on another device must make them where it runs."""
+    return op(*args, **kwargs, device=like.device)
+
+
+def _devices(graph: fx.Graph, device: torch.device) -> None:
+    """Rewrite ops that name the example's device to take the device of a tensor they travel with."""
+    previous: fx.Node | None = None
+    for node in list(graph.nodes):
+        here = node.kwargs.get("device") if node.op == "call_function" else None
+        if isinstance(here, (torch.device, str)) and torch.device(here) == device:
+            tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            like = tensors[0] if tensors else previous
+            if like is not None:
+                kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}
+                node.args = (like, node.target, *node.args)
+                node.kwargs = kwargs
+                node.target = on_device_of
+        if node.op in ("placeholder", "call_function", "call_module") and isinstance(node.meta.get("val"), torch.Tensor):
+            previous = node
+
+
+def _shape_guards(graph: fx.Graph, inputs: list[fx.Node], names: list[str]) -> list[Guard]:
+    """Every input dimension export specialised (all but a dynamic batch) is re-checked on each call."""
+    guards: list[Guard] = []
+    for node, name in zip(inputs, names):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt):
+                continue
+            guard = Guard(f"{name}.size({d})", int(size), "torch.export specialised this dimension")
+            with graph.inserting_after(node):
+                size_node = graph.call_function(_aten.sym_size.int, (node, d))
+            size_node.meta["val"] = int(size)
+            with graph.inserting_after(size_node):
+                check = graph.call_function(check_equal, (size_node, guard.expected, guard.expr, guard.where))
+            check.meta["val"] = None
+            guards.append(guard)
+    return guards
+
+
+def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
+    """Capture ``model`` with non-strict ``torch.export`` on ``example_inputs`` and return it in the traced form.
+
+    Graph nodes carry their module path (``nn_module_stack``) and example value (``val``, symbolic in the
+    batch dimension); ``get_attr`` nodes name the source's own parameters and buffers, so in-place buffer
+    updates (BatchNorm statistics) land in the source's buffers.
+    """
+    name = type(model).__name__
+    hooked = [h for h in HOOK_DICTS if getattr(model, h, None)]
+    if hooked:
+        raise HookError(f"{name} itself has hooks ({', '.join(hooked)}); remove them before converting")
+    params, kwargs, dynamic = _bind(model, example_inputs)
+    _refuse_cache(model, kwargs)
+    ep = _export(model, kwargs, dynamic)
+    try:
+        gm = ep.module()
+    except Exception as e:
+        raise ExportError(f"torch.export captured {name} but could not unlift it: {_first_line(e)}") from e
+    graph = gm.graph
+    constants, inputs = _clean(gm, model, kwargs)
+    _module_calls(graph, model)
+    example = next((t for t in pytree.tree_leaves(kwargs) if isinstance(t, torch.Tensor)), None)
+    if example is not None:
+        _devices(graph, example.device)
+    input_names = [k for k, v in kwargs.items() for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]
+    guards = _shape_guards(graph, inputs, input_names)
+    out = next(n for n in graph.nodes if n.op == "output")
+    spec = ep.module_call_graph[0].signature.out_spec if ep.module_call_graph[0].signature else None
+    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    structure = pytree.tree_unflatten(flat, spec) if spec is not None else out.args[0]
+    _refuse_cache_output(model, structure, spec)
+    graph._codegen = fx.graph.CodeGen()
+    out.args = (structure,)
+    called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
+    return Traced(
+        model=model,
+        graph=graph,
+        constants=constants,
+        opaque=[],
+        inputs=InputSpec(name, params),
+        training=model.training,
+        has_values=True,
+        guards=guards,
+        output=structure,
+        flattened=[(p, m) for p, m in model.named_modules() if p not in called],
+    )

@@ -1,0 +1,137 @@
+"""Verify: does a converted model compute what its source computes (bit-equal outputs, first differing layer)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .errors import VerifyError
+
+__all__ = ["bit_equal", "split_inputs", "first_difference", "check"]
+
+
+def bit_equal(a: Any, b: Any) -> bool:
+    """Same structure, same types, and tensors equal bit for bit (dtype, shape, values; NaNs in the same places)."""
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    if sa != sb or len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
+                return False
+            if not torch.equal(x, y) and not torch.equal(torch.nan_to_num(x.detach(), 1.0), torch.nan_to_num(y.detach(), 1.0)):
+                return False
+        elif type(x) is not type(y) or (x != y and x == x):
+            return False
+    return True
+
+
+def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` for a call from example inputs given as a tensor, a tuple or a dict of keywords."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _fresh(x: Any) -> Any:
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
+
+
+@contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Buffers (BatchNorm statistics) and attributes restored on exit: a check leaves the model as it found it."""
+    from .trace import preserved  # Python attributes too (a step counter the forward bumps)
+
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with preserved(model):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> Any:
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        return fn(*_fresh(args), **_fresh(kwargs))
+
+
+def _leaf_outputs(model: nn.Module, modules: dict[int, str], call: Callable[[], Any]) -> tuple[Any, dict[str, list[Any]]]:
+    """Run ``call`` recording the outputs of the given modules (by path, in call order)."""
+    seen: dict[str, list[Any]] = defaultdict(list)
+    handles = []
+    for m in model.modules():
+        if id(m) in modules:
+            path = modules[id(m)]
+            handles.append(m.register_forward_hook(lambda _m, _i, out, path=path: seen[path].append(_fresh(out))))
+    try:
+        out = call()
+    finally:
+        for h in handles:
+            h.remove()
+    return out, seen
+
+
+def first_difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: int = 0) -> str | None:
+    """None when ``seq`` computes bit-equal outputs to ``source`` on the example; else a sentence naming the
+    first source module (and the layer holding it) whose output differs, or the output itself."""
+    args, kwargs = split_inputs(example_inputs)
+    layers = dict(seq.named_children())
+    by_name = {p.replace(".", "_"): p for p, _ in source.named_modules() if p}
+    # Source modules a layer is named after (the layer is that module, or stands in for it).
+    paths = {id(m): p for p, m in source.named_modules() if p and not any(True for _ in m.children())}
+    watched = {id(layer): name for name, layer in layers.items() if name in by_name}
+    with _state_kept(source):
+        expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
+    with _state_kept(source):
+        got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed))
+    if bit_equal(expected, got):
+        return None
+    for name in layers:
+        path = by_name.get(name)
+        if name in have and path in want and not bit_equal(want[path], have[name]):
+            return f"layer {name!r} (source module {path!r}) computes a different value"
+    last = next(reversed(layers)) if layers else "?"
+    return f"the output differs (no layer named after a source module differs before it; last layer {last!r})"
+
+
+def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: str = "", seed: int = 0) -> None:
+    """Raise :class:`VerifyError` unless ``seq`` matches ``source`` bit for bit on ``example_inputs``
+    (a model or inputs on the meta device hold no values: nothing to check)."""
+    tensors = list(source.parameters()) + list(source.buffers()) + [
+        t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)
+    ]
+    if any(t.is_meta for t in tensors):
+        return
+    try:
+        difference = first_difference(source, seq, example_inputs, seed)
+    except VerifyError:
+        raise
+    except Exception as e:
+        note = f" (from the {frontend} frontend)" if frontend else ""
+        raise VerifyError(
+            f"the converted {type(source).__name__}{note} crashes on the example inputs where the source runs: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Report this as a seqify bug; "
+            "meanwhile try the other frontend (frontend='fx' or 'export') or keep the failing submodule whole "
+            "(leaf_paths=[...])"
+        ) from e
+    if difference is not None:
+        note = f" made by the {frontend} frontend" if frontend else ""
+        raise VerifyError(
+            f"the converted {type(source).__name__}{note} does not compute what the source computes on the example "
+            f"inputs: {difference}. Try the other frontend (frontend='fx' or 'export'), keep that module whole "
+            "(leaf_paths=[...]), or pass verify=False to accept it"
+        )

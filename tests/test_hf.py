@@ -1,0 +1,304 @@
+"""The torch.export frontend on Hugging Face transformers and diffusers families (tiny configs, no network)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import seqify
+from exactness import assert_exact, assert_unchanged, snapshot
+from seqify.verify import bit_equal, first_difference
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(300)
+
+B, T = 2, 8
+
+
+def ids(vocab: int = 64, batch: int = B) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, T), generator=torch.Generator().manual_seed(batch))
+
+
+def bert() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, max_position_embeddings=32)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 6:] = 0
+    return transformers.BertModel(cfg), {"input_ids": ids(), "attention_mask": mask}
+
+
+def gpt2(tied: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied)
+    return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids(), "use_cache": False}
+
+
+def llama() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                   use_cache=False)
+    return transformers.LlamaForCausalLM(cfg), {"input_ids": ids()}
+
+
+def qwen2() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                   use_cache=False)
+    return transformers.Qwen2ForCausalLM(cfg), {"input_ids": ids()}
+
+
+def t5() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                decoder_start_token_id=0, use_cache=False,
+                                tie_word_embeddings=False)
+    return transformers.T5ForConditionalGeneration(cfg), {"input_ids": ids(), "decoder_input_ids": ids(batch=B + 1)[:B]}
+
+
+def vit() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=2, num_labels=3)
+    return transformers.ViTForImageClassification(cfg), {"pixel_values": torch.randn(B, 3, 16, 16)}
+
+
+def clip_vision() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2, projection_dim=8)
+    return transformers.CLIPVisionModel(cfg), {"pixel_values": torch.randn(B, 3, 16, 16)}
+
+
+def unet2d() -> tuple[nn.Module, dict[str, Any]]:
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet2DModel(sample_size=8, in_channels=2, out_channels=2, layers_per_block=1,
+                                  block_out_channels=(8, 16), norm_num_groups=4,
+                                  down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                                  up_block_types=("AttnUpBlock2D", "UpBlock2D"), attention_head_dim=4)
+    return model, {"sample": torch.randn(B, 2, 8, 8), "timestep": torch.tensor([3, 7])}
+
+
+def unet2d_condition() -> tuple[nn.Module, dict[str, Any]]:
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=2, out_channels=2, layers_per_block=1, block_out_channels=(8, 16),
+        norm_num_groups=4, cross_attention_dim=8, attention_head_dim=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    )
+    return model, {"sample": torch.randn(B, 2, 8, 8), "timestep": torch.tensor([3, 7]),
+                   "encoder_hidden_states": torch.randn(B, 4, 8)}
+
+
+def autoencoder_kl() -> tuple[nn.Module, dict[str, Any]]:
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.AutoencoderKL(in_channels=2, out_channels=2, latent_channels=2, block_out_channels=(8, 8),
+                                    down_block_types=("DownEncoderBlock2D",) * 2,
+                                    up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4,
+                                    layers_per_block=1, sample_size=8)
+    return model, {"sample": torch.randn(B, 2, 8, 8)}
+
+
+FAMILIES: dict[str, Callable[[], tuple[nn.Module, dict[str, Any]]]] = {
+    "bert": bert, "gpt2": gpt2, "llama": llama, "qwen2": qwen2, "t5": t5, "vit": vit, "clip_vision": clip_vision,
+    "unet2d": unet2d, "unet2d_condition": unet2d_condition, "autoencoder_kl": autoencoder_kl,
+}
+
+
+def _bigger(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The same inputs with a batch of 3 (not the example's 2): the batch dimension must be dynamic."""
+    return {k: torch.cat([v, v[:1]]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in kwargs.items()}
+
+
+def two_stages(seq: seqify.Sequential) -> list[int]:
+    """A 2-stage balance nearest the middle that no shared parameter crosses (T5 shares its embedding
+    between encoder and decoder)."""
+    layers = list(seq._modules.values())  # one module may be several layers (a shared activation)
+    owned = [{id(p) for p in layer.parameters()} for layer in layers]
+    cuts = [k for k in range(1, len(layers))
+            if not set().union(*owned[:k]) & set().union(*owned[k:])]
+    k = min(cuts, key=lambda c: abs(c - len(layers) // 2))
+    return [k, len(layers) - k]
+
+
+def by_micro_batch(model: nn.Module, kwargs: dict[str, Any], chunks: int) -> Any:
+    """The source run on each micro-batch, outputs joined along the batch: what a pipeline computes (a
+    batch of 1 may take other kernels than a batch of 2, so whole-batch bits can differ in the last place)."""
+    outs = [model(**{k: v.chunk(chunks)[i] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                     for k, v in kwargs.items()}) for i in range(chunks)]
+    leaves = [pytree.tree_flatten(o) for o in outs]
+    joined = [torch.cat(xs) if isinstance(xs[0], torch.Tensor) else xs[0] for xs in zip(*(lv for lv, _ in leaves))]
+    return pytree.tree_unflatten(joined, leaves[0][1])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_is_exact_and_pipelines(family: str) -> None:
+    torch.manual_seed(0)
+    model, kwargs = FAMILIES[family]()
+    for m in model.modules():  # dropout draws must match the source's order
+        if isinstance(m, nn.Dropout):
+            m.p = 0.25
+
+    seq = assert_exact(model, (), kwargs=kwargs, train=False,
+                       convert=lambda m: seqify.convert(m, example_inputs=kwargs, frontend="export"))
+    assert seq.frontend == "export" and "export frontend" in seq.summary()
+    assert list(seq.original_state_dict()) == list(model.state_dict())
+    held = {id(p) for p in seq.parameters()}
+    assert all(id(p) in held for p in model.parameters()), "the converted model must hold the source's own parameters"
+    with torch.no_grad():
+        bigger = _bigger(kwargs)
+        assert bit_equal(seq(**bigger), model(**bigger))
+        pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=two_stages(seq), chunks=2)
+        assert bit_equal(pipe(**kwargs), by_micro_batch(model, kwargs, 2))
+    # Train mode: the same conversion where the graph does not depend on the mode (dropout modules are the
+    # source's own and follow train()), else a conversion in train mode.
+    again = seq.train() if not seq.mode_dependent else None
+    assert_exact(model, (), kwargs=kwargs, train=True, convert=lambda m: again or seqify.convert(
+        m, example_inputs=kwargs, frontend="export", check_modes=False))
+
+
+def test_train_pipeline_gradients_match_source() -> None:
+    torch.manual_seed(0)
+    model, kwargs = llama()
+    reference = copy.deepcopy(model)
+    seq = seqify.convert(model, example_inputs=kwargs, frontend="export")
+    plan = seqify.balance(seq, 2, kwargs, by="flops", progress=False)
+    for by in ("params", "time"):
+        assert sum(seqify.balance(seq, 2, kwargs, by=by, progress=False).balance) == len(seq)
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=plan.balance, chunks=2)
+    pipe(**kwargs).logits.pow(2).mean().backward()
+    reference(**kwargs).logits.pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_auto_falls_back_to_export_where_fx_cannot_trace() -> None:
+    model, kwargs = llama()
+    with pytest.raises(seqify.UntraceableError):
+        seqify.convert(model, example_inputs=kwargs, frontend="fx")
+    seq = seqify.convert(model, example_inputs=kwargs)
+    assert seq.frontend == "export"
+    assert "model_layers_0_self_attn_q_proj" in dict(seq.named_children())
+    q_proj = model.model.layers[0].self_attn.q_proj
+    layer = dict(seq.named_children())["model_layers_0_self_attn_q_proj"]
+    assert layer is q_proj or any(m is q_proj for m in layer.modules())  # the module, or a layer calling it
+    assert seq.lm_head is model.lm_head  # one call of a leaf module on the carried tensor: the module itself
+    with torch.no_grad():
+        assert bit_equal(seq(**kwargs), model(**kwargs))
+
+
+def test_tied_weights_stay_tied_and_state_dict_round_trips() -> None:
+    model, kwargs = gpt2(tied=True)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    seq = seqify.convert(model, example_inputs=kwargs, frontend="export", check_modes=False)
+    state = {k: v.detach().clone() + 1 for k, v in model.state_dict().items()}
+    seq.load_original_state_dict(state)
+    assert torch.equal(model.transformer.wte.weight, state["transformer.wte.weight"])
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_use_cache_is_refused_with_the_fix() -> None:
+    model, kwargs = llama()
+    model.config.use_cache = True
+    with pytest.raises(seqify.ExampleInputError, match="use_cache=False"):
+        seqify.convert(model, example_inputs=kwargs, frontend="export")
+    with pytest.raises(seqify.ExampleInputError, match="use_cache=False"):
+        seqify.convert(model, example_inputs={**kwargs, "use_cache": True}, frontend="export")
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.f(x) * self.calls
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.relu(self.bn(self.conv(x)))) * x.shape[0]
+
+
+def test_export_needs_example_inputs_and_refuses_attribute_writes() -> None:
+    with pytest.raises(seqify.OptionError, match="example_inputs"):
+        seqify.convert(ConvBN(), frontend="export")
+    model = Counter()
+    before = snapshot(model)
+    with pytest.raises(seqify.ConversionError, match="calls"):
+        seqify.convert(model, example_inputs=torch.randn(2, 4), frontend="export")
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_batchnorm_statistics_land_in_the_source(train: bool) -> None:
+    x = torch.randn(4, 3, 6, 6)
+    seq = assert_exact(ConvBN(), (x,), train=train,
+                       convert=lambda m: seqify.convert(m, example_inputs=(x[:2],), frontend="export"))
+    assert isinstance(seq.bn, nn.BatchNorm2d) and isinstance(seq.drop, nn.Dropout)
+
+
+def test_verify_names_the_first_layer_that_differs() -> None:
+    x = torch.randn(2, 3, 6, 6)
+    model = ConvBN().eval()
+    seq = seqify.convert(model, example_inputs=(x,), frontend="export")
+    assert first_difference(model, seq, (x,)) is None
+    wrong = copy.deepcopy(model.bn)
+    with torch.no_grad():
+        wrong.bias += 1
+    assert seq.bn is model.bn
+    seq._modules["bn"] = wrong
+    text = first_difference(model, seq, (x,))
+    assert text is not None and "'bn'" in text
+
+
+def test_llama_benchmark_runs_tiny_on_cpu(tmp_path: Any) -> None:
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "llama_bench.py"
+    spec = importlib.util.spec_from_file_location("llama_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "llama.json"
+    rows = bench.main(["--tiny", "--device", "cpu", "--out", str(out)])
+    names = [r["name"] for r in rows]
+    assert names[0].startswith("source") and any("converted" in n for n in names) and any("pipeline" in n for n in names)
+    assert all(r.get("loss_finite") for r in rows), rows
+    assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_cli_converts_a_transformers_spec(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from seqify.cli import main
+
+    out = tmp_path / "llama.pt"
+    code = main(["convert", "transformers:LlamaForCausalLM", "--example", "--arg", "hidden_size=16",
+                 "--arg", "intermediate_size=32", "--arg", "num_hidden_layers=1", "--arg", "num_attention_heads=2",
+                 "--arg", "num_key_value_heads=1", "--arg", "vocab_size=64", "--size", "8", "--batch", "2",
+                 "-o", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "export frontend" in text and "bit-equal to the source: True" in text
+    seq = torch.load(out, weights_only=False)
+    assert seq.frontend == "export"
+
+
+def test_self_check_leaves_the_source_alone() -> None:
+    x = torch.randn(4, 3, 6, 6)
+    model = ConvBN().train()
+    before = snapshot(model)
+    seqify.convert(model, example_inputs=(x,), frontend="export")
+    assert_unchanged(model, before)  # BatchNorm statistics and attributes as they were

@@ -206,6 +206,8 @@ def test_scheduled_step_on_two_gpus_matches_eager_gpipe(schedule: str, loops: in
     expected = torch.nn.functional.cross_entropy(reference(x), y.to(reference.devices[-1]))
     expected.backward()
     got = pipe.step(x, y, torch.nn.functional.cross_entropy)
+    predicted = pipe.plan_memory(x).per_device  # measures one micro-batch through partitions on both GPUs
+    assert len(predicted) == 2 and all(b > 0 for b in predicted)
     close = relative(1e-4)
     close(got, expected.detach(), "loss")
     for (name, p), q in zip(source.named_parameters(), twin.parameters()):

@@ -79,6 +79,15 @@ def _key(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
 
 
+def _to(value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor or a tuple of them) on ``device``, as the partition running there receives it."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value
+
+
 def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
     """Run one micro-batch ``x`` through the partitions once, counting the bytes autograd saves in each
     (each view once; parameters are not activations). Buffers (running statistics) are restored."""
@@ -100,7 +109,8 @@ def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
                     kept += _bytes(t)
                 return t
 
-            skips = {key: pending.pop(key) for key in stage.pops}
+            skips = {key: _to(pending.pop(key), stage.device) for key in stage.pops}
+            x = _to(x, stage.device)
             inputs = [t for t in ((x,) if isinstance(x, torch.Tensor) else tuple(x)) if isinstance(t, torch.Tensor)]
             inputs += [v for v in skips.values() if isinstance(v, torch.Tensor)]
             received = sum(_bytes(t) for t in {_key(t): t for t in inputs}.values())

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device-tool call on nvidia-h200-x2: install seqify without dependencies (the image has torch,
+# torchvision, transformers, networkx), then run the step named by $1. Output goes to $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+OUT=${OUT:-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
+case "${1:-tests}" in
+  tests)
+    timeout 300 python3 -m pytest -q -p no:xdist -m gpu tests/test_gpu.py tests/test_tied.py -x --timeout 240 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+    ;;
+  resnet)
+    timeout 540 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 8 --loops 1 2 \
+      --schedule gpipe 1f1b interleaved zb-h1 --skip-seqify --steps 4 --warm 2 --out "$OUT" 2>&1 | tee "$OUT/resnet.log" | tail -60
+    ;;
+  llama)
+    timeout 560 python3 benchmarks/llama_bench.py --precision fp32 --steps 3 --warmup 1 --out "$OUT/llama.json" 2>&1 | tee "$OUT/llama.log" | tail -40
+    ;;
+  dist)
+    timeout 560 torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 \
+      --schedules gpipe 1f1b --graphs both --out "$OUT" 2>&1 | tee "$OUT/dist.log" | tail -40
+    ;;
+esac

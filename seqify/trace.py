@@ -91,6 +91,17 @@ class Traced:
         return obj
 
 
+def attribute(root: nn.Module, target: str) -> Any:
+    """The object at dotted ``target`` under ``root``, read from the module tables directly (never through
+    ``nn.Module.__getattr__``, which fx patches during tracing to make a proxy of every parameter read)."""
+    obj: Any = root
+    for atom in target.split("."):
+        tables = [obj.__dict__.get(t) for t in ("_parameters", "_buffers", "_modules")] if isinstance(obj, nn.Module) else []
+        table = next((t for t in tables if t is not None and atom in t), None)
+        obj = table[atom] if table is not None else getattr(obj, atom)
+    return obj
+
+
 def value_of(node: fx.Node) -> Any:
     """The example value of ``node``, or :data:`UNKNOWN`."""
     return node.meta.get("val", UNKNOWN)
@@ -352,10 +363,7 @@ class _Tracer(fx.Tracer):
             node.meta["val_error"] = _first_line(e)
 
     def _attr(self, target: str) -> Any:
-        obj: Any = self.root
-        for atom in target.split("."):
-            obj = getattr(obj, atom)
-        return obj
+        return attribute(self.root, target)
 
     # -- concrete values where Python needs them ---------------------------------------------------
 

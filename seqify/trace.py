@@ -25,6 +25,8 @@ from torch.fx.proxy import Scope, ScopeContextManager
 from .errors import ExampleInputError, HookError, SeqifyError, UntraceableError
 from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param
+from .trace_factories import recording_shape_ops
+from .trace_real import RealRun, unpatched
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved"]
 
@@ -233,6 +235,7 @@ class _Tracer(fx.Tracer):
         depth: int | None,
         fake_mode: Any,
         placeholders: list[Any],
+        real: RealRun | None = None,
     ) -> None:
         super().__init__(autowrap_modules=(math,), param_shapes_constant=True)
         self.leaf_types = leaf_types
@@ -250,6 +253,8 @@ class _Tracer(fx.Tracer):
         self._raw: Any = None
         self.raw_output: Any = None
         self.flattened: dict[str, nn.Module] = {}
+        self.real = real
+        self._calling: tuple[str, int] = ("", 0)  # the leaf module call being recorded, and its index
 
     # -- proxies ---------------------------------------------------------------------------------
 
@@ -347,20 +352,41 @@ class _Tracer(fx.Tracer):
                 return
             args = fx.node.map_arg(node.args, val)
             kwargs = fx.node.map_arg(node.kwargs, val)
-            if unknown:
+            if node.op == "call_module":
+                value = self._module_value(node, None if unknown else (args, kwargs))
+                if value is not UNKNOWN:
+                    node.meta["val"] = value
+                return
+            if unknown or node.op not in ("call_function", "call_method"):
                 return
             with self.fake_mode:
                 if node.op == "call_function":
                     result = node.target(*args, **kwargs)
-                elif node.op == "call_method":
-                    result = getattr(args[0], node.target)(*args[1:], **kwargs)
-                elif node.op == "call_module":
-                    result = self._fake_module(self.root.get_submodule(node.target)).forward(*args, **kwargs)
                 else:
-                    return
+                    result = getattr(args[0], node.target)(*args[1:], **kwargs)
             node.meta["val"] = result
         except Exception as e:  # unknown value: later steps fall back to rules
             node.meta["val_error"] = _first_line(e)
+
+    def _module_value(self, node: fx.Node, inputs: tuple[Any, dict[str, Any]] | None) -> Any:
+        """A leaf's example value: its forward on fake tensors (fx's patches undone, so its children run as
+        plain modules); failing that (it branches on tensor values, or its inputs have no example value),
+        its output when the source runs on the real example."""
+        error: Exception | None = None
+        if inputs is not None:
+            try:
+                with unpatched(), self.fake_mode:
+                    return self._fake_module(attribute(self.root, str(node.target))).forward(*inputs[0], **inputs[1])
+            except Exception as e:
+                error = e
+        path, index = self._calling
+        if self.real is None or path != node.target:
+            if error is not None:
+                raise error
+            return UNKNOWN
+        real = self.real.output(path, index)
+        node.meta["seqify_real"] = True
+        return pytree.tree_map_only(torch.Tensor, self._fake, real)
 
     def _attr(self, target: str) -> Any:
         return attribute(self.root, target)
@@ -439,6 +465,7 @@ class _Tracer(fx.Tracer):
             self.num_calls[path] = calls + 1
             try:
                 if self.is_leaf_module(m, path):
+                    self._calling = (path, calls)
                     return self.create_proxy("call_module", path, args, kwargs)
                 mark = next(iter(reversed(self.graph.nodes)), None)
                 self.flattened[path] = m
@@ -453,6 +480,7 @@ class _Tracer(fx.Tracer):
                     site = _error_site(e)
                     reason = f"{_first_line(e)} at {site}" if site else _first_line(e)
                     self.opaque[path] = Opaque(path, type(m).__name__, reason)
+                    self._calling = (path, calls)
                     return self.create_proxy("call_module", path, args, kwargs)
             finally:
                 self.module_stack.pop(key, None)
@@ -566,6 +594,15 @@ def _bind_examples(
     return params, concrete, plan
 
 
+def _caller(model: nn.Module, example_inputs: Any) -> Any:
+    """A function that calls ``model`` on the (real) example inputs."""
+    if isinstance(example_inputs, dict):
+        return lambda: model(**example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return lambda: model(example_inputs)
+    return lambda: model(*example_inputs)
+
+
 def _strip_baked(graph: fx.Graph) -> None:
     """Remove the placeholders fx makes for baked arguments, and the checks on them (the binder checks)."""
     for ph in [n for n in graph.nodes if n.op == "placeholder" and n.meta.get("seqify_baked")]:
@@ -622,20 +659,22 @@ def trace(
             "submodules are fine: those submodules are kept whole so their hooks still run)."
         )
     params, concrete, plan = _bind_examples(model, example_inputs)
-    fake_mode = None
+    fake_mode = real = None
     if example_inputs is not None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         plan = [(kind, fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for kind, v in plan]
+        real = RealRun(model, _caller(model, example_inputs))
     tracer = _Tracer(
         leaf_types=tuple(leaf_types),
         leaf_paths=frozenset(leaf_paths),
         depth=depth,
         fake_mode=fake_mode,
         placeholders=plan,
+        real=real,
     )
-    with preserved(model), torch.random.fork_rng(devices=[]):
+    with preserved(model), torch.random.fork_rng(devices=[]), recording_shape_ops():
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
         except SeqifyError:

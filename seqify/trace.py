@@ -165,6 +165,24 @@ def _expr(a: Any, depth: int = 0) -> str:
     return a.name
 
 
+def _fake_limit(error: BaseException) -> bool:
+    """Whether ``error`` is a limit of fake tensors (no data: data-dependent shapes, ``.item()``), not a
+    failure the real op would have too."""
+    from torch._subclasses import fake_tensor as ft
+
+    limits = (
+        ft.DynamicOutputShapeException, ft.DataDependentOutputException, ft.UnsupportedOperatorException,
+        ft.UnsupportedFakeTensorException, NotImplementedError,
+    )
+    return isinstance(error, limits) or "FakeTensor" in str(error) or "data pointer" in str(error)
+
+
+def _call_text(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
+    args = ", ".join([*(_expr(a) for a in node.args), *(f"{k}={_expr(v)}" for k, v in node.kwargs.items())])
+    return f"{target}({args})" if node.op == "call_function" else f"{_expr(node.args[0])}.{target}({args.split(', ', 1)[1] if ', ' in args else ''})"
+
+
 class _Proxy(fx.Proxy):
     """A proxy that asks the tracer for concrete values where Python needs them."""
 
@@ -367,6 +385,13 @@ class _Tracer(fx.Tracer):
             node.meta["val"] = result
         except Exception as e:  # unknown value: later steps fall back to rules
             node.meta["val_error"] = _first_line(e)
+            if not unknown and node.op in ("call_function", "call_method") and not _fake_limit(e):
+                # The source would fail here too: tracing took a path the source does not take on this
+                # example (e.g. `torch.is_tensor(x)` is False for fx's stand-in). Never bake it into a layer.
+                raise fx.proxy.TraceError(
+                    f"`{_expr(node)}` = {_call_text(node)} fails on the example values ({_first_line(e)}), so "
+                    f"the traced code is not what the source runs; at {self._where()}"
+                ) from e
 
     def _module_value(self, node: fx.Node, inputs: tuple[Any, dict[str, Any]] | None) -> Any:
         """A leaf's example value: its forward on fake tensors (fx's patches undone, so its children run as

@@ -1,4 +1,4 @@
-"""Shape arithmetic fx cannot record: torch factories and methods of real tensors called with proxy sizes."""
+"""torch calls fx cannot record: factories and methods of real tensors called with proxy sizes, torch.is_tensor."""
 
 from __future__ import annotations
 
@@ -63,12 +63,31 @@ def _recording_method(name: str, original: Any) -> Any:
     return wrapper
 
 
+def _is_tensor(original: Any) -> Any:
+    @functools.wraps(original)
+    def is_tensor(obj: Any) -> bool:
+        if not isinstance(obj, fx.Proxy):
+            return bool(original(obj))
+        node = obj.node
+        if "val" in node.meta:
+            return isinstance(node.meta["val"], torch.Tensor)
+        if node.op == "placeholder":  # an input without an example value is declared a tensor
+            return True
+        raise fx.proxy.TraceError(
+            f"torch.is_tensor(`{node.name}`) needs the traced value's example value (code that branches on "
+            "whether a value is a tensor); pass example_inputs to seqify.convert"
+        )
+
+    return is_tensor
+
+
 @contextmanager
 def recording_shape_ops() -> Iterator[None]:
     """While tracing, record size-taking torch calls whose sizes are proxies as graph nodes (so they
     stay dynamic: ``torch.ones(x.shape[1], x.shape[1])`` follows the input's shape at run time)."""
-    saved: list[tuple[Any, str, Any]] = []
+    saved: list[tuple[Any, str, Any]] = [(torch, "is_tensor", torch.is_tensor)]
     try:
+        torch.is_tensor = _is_tensor(torch.is_tensor)
         for name in FACTORIES:
             original = getattr(torch, name)
             saved.append((torch, name, original))

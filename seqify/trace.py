@@ -28,7 +28,7 @@ from .signature import EMPTY, InputSpec, Param
 from .trace_factories import recording_shape_ops
 from .trace_real import RealRun, unpatched
 
-__all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved"]
+__all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved", "attribute", "is_cache"]
 
 
 class _Unknown:
@@ -102,6 +102,11 @@ def attribute(root: nn.Module, target: str) -> Any:
         table = next((t for t in tables if t is not None and atom in t), None)
         obj = table[atom] if table is not None else getattr(obj, atom)
     return obj
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a key/value cache object (transformers' ``DynamicCache`` and kin)."""
+    return any(c.__name__.endswith("Cache") and c.__module__.split(".")[0] != "builtins" for c in type(value).__mro__)
 
 
 def value_of(node: fx.Node) -> Any:
@@ -296,14 +301,17 @@ class _Tracer(fx.Tracer):
             node.meta["seqify_baked"] = planned[0] == "baked"
             if planned[0] == "value" and planned[1] is not UNKNOWN:
                 node.meta["val"] = planned[1]
-        elif kind != "output" and self.fake_mode is not None:
+        elif kind not in ("output", "get_attr") and self.fake_mode is not None:
             self._infer(node)
         return proxy
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None, type_expr: Any = None) -> fx.Node:
         if kind == "output":
             self.raw_output = self._raw
-        return super().create_node(kind, target, args, kwargs, name, type_expr)
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind == "get_attr" and self.fake_mode is not None:  # tensors fx reads as attributes: no proxy made
+            self._infer(node)
+        return node
 
     def create_arg(self, a: Any) -> Any:
         if self._depth == 0:
@@ -315,6 +323,14 @@ class _Tracer(fx.Tracer):
             self._depth -= 1
 
     def _create_arg(self, a: Any) -> Any:
+        if is_cache(a):
+            raise UntraceableError(
+                f"{self._where() if self.module_stack else type(self.root).__name__ + '.forward'}: the traced "
+                f"forward passes on a {type(a).__name__} (a key/value cache, as "
+                "transformers models make with use_cache=True); converted models take and return tensors. "
+                "What to do: pass use_cache=False (in the call inside forward, or set model.config.use_cache = "
+                "False before converting)."
+            )
         if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
             if self._known_tensors is None:
                 self._known_tensors = {id(t) for t in self.root.buffers()} | {id(t) for t in self.tensor_attrs}

@@ -25,6 +25,8 @@ __all__ = [
     "ZooError",
     "PlotError",
     "SpecError",
+    "DecoratedForwardError",
+    "StatefulForwardError",
 ]
 
 
@@ -119,3 +121,13 @@ class PlotError(SeqifyError):
 
 class SpecError(SeqifyError):
     """A SPEC (``torchvision:NAME``, ``zoo:NAME``, ``FILE.py:FACTORY``) that names no model, or a builder that fails."""
+
+
+class DecoratedForwardError(UntraceableError):
+    """The model's forward is wrapped by a decorator taking ``(self, *args, **kwargs)`` (transformers 5's
+    ``can_return_tuple``, ``check_model_inputs``): torch.fx cannot see the parameters it binds."""
+
+
+class StatefulForwardError(UntraceableError):
+    """The model's own forward changes a Python attribute (``self.calls += 1``): a converted model would
+    bake the first value in."""

@@ -22,7 +22,7 @@ from torch import nn
 from torch.fx._symbolic_trace import PH
 from torch.fx.proxy import Scope, ScopeContextManager
 
-from .errors import ExampleInputError, HookError, SeqifyError, UntraceableError
+from .errors import DecoratedForwardError, ExampleInputError, HookError, SeqifyError, StatefulForwardError, UntraceableError
 from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param
 from .trace_factories import recording_shape_ops
@@ -699,37 +699,16 @@ def trace(
             "model cannot run hooks of the module it flattens. Remove them before converting (hooks on "
             "submodules are fine: those submodules are kept whole so their hooks still run)."
         )
+    _check_decorated(model)
     params, concrete, plan = _bind_examples(model, example_inputs)
-    fake_mode = real = None
-    if example_inputs is not None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        plan = [(kind, fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for kind, v in plan]
-        real = RealRun(model, _caller(model, example_inputs))
-    tracer = _Tracer(
-        leaf_types=tuple(leaf_types),
-        leaf_paths=frozenset(leaf_paths),
-        depth=depth,
-        fake_mode=fake_mode,
-        placeholders=plan,
-        real=real,
-    )
-    with preserved(model), torch.random.fork_rng(devices=[]), recording_shape_ops():
-        try:
-            graph = tracer.trace(model, concrete_args=concrete or None)
-        except SeqifyError:
-            raise
-        except Exception as e:
-            site = _error_site(e)
-            raise UntraceableError(
-                f"{name}.forward cannot be traced: {_first_line(e)}\n"
-                + (f"  at {site}\n" if site else "")
-                + "What to do: pass example_inputs=... to seqify.convert so shape-dependent branches are "
-                "resolved from example shapes; move data-dependent code (branches on tensor values, "
-                "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
-                "or list that submodule in leaf_paths=[...]."
-            ) from e
+    kept: dict[str, Opaque] = {}  # submodules kept whole because their forward writes attributes
+    for _ in range(64):
+        tracer, graph, writes = _trace_once(model, example_inputs, concrete, plan, kept, leaf_types, leaf_paths, depth)
+        if not writes:
+            break
+        _keep_writers(model, writes, kept, tracer)
+    else:  # pragma: no cover - every round keeps a module whole or raises at the root
+        raise StatefulForwardError(f"{name}: attribute writes could not be isolated; convert with depth=1")
     for ph in graph.nodes:
         if ph.op == "placeholder" and str(ph.target).startswith("*") and ph.users:
             raise UntraceableError(
@@ -755,8 +734,123 @@ def trace(
         opaque=opaque,
         inputs=InputSpec(name, params),
         training=model.training,
-        has_values=fake_mode is not None,
+        has_values=example_inputs is not None,
         guards=guards,
         output=output,
         flattened=[("", model), *((p, m) for p, m in tracer.flattened.items() if p)],
+    )
+
+
+def _trace_once(
+    model: nn.Module,
+    example_inputs: Any,
+    concrete: dict[str, Any],
+    plan: list[tuple[str, Any]],
+    kept: dict[str, Opaque],
+    leaf_types: Sequence[type],
+    leaf_paths: Sequence[str],
+    depth: int | None,
+) -> tuple[_Tracer, fx.Graph, dict[str, list[str]]]:
+    """One fx trace; returns the tracer, the graph and the attributes each module's traced forward wrote."""
+    name = type(model).__name__
+    fake_mode = real = None
+    if example_inputs is not None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        plan = [(kind, fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for kind, v in plan]
+        real = RealRun(model, _caller(model, example_inputs), lambda: preserved(model))
+    tracer = _Tracer(
+        leaf_types=tuple(leaf_types),
+        leaf_paths=frozenset(leaf_paths),
+        depth=depth,
+        fake_mode=fake_mode,
+        placeholders=plan,
+        real=real,
+    )
+    tracer.opaque.update(kept)
+    with preserved(model), torch.random.fork_rng(devices=[]), recording_shape_ops():
+        before = _attributes(model)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        except SeqifyError:
+            raise
+        except Exception as e:
+            site = _error_site(e)
+            raise UntraceableError(
+                f"{name}.forward cannot be traced: {_first_line(e)}\n"
+                + (f"  at {site}\n" if site else "")
+                + "What to do: pass example_inputs=... to seqify.convert so shape-dependent branches are "
+                "resolved from example shapes; move data-dependent code (branches on tensor values, "
+                "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
+                "or list that submodule in leaf_paths=[...]."
+            ) from e
+        writes = _writes(model, before)
+    return tracer, graph, writes
+
+
+_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+def _attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Each module's plain Python attributes (not its parameters, buffers or children), by path."""
+    return {path: {k: v for k, v in m.__dict__.items() if k not in _TABLES} for path, m in model.named_modules()}
+
+
+def _writes(model: nn.Module, before: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """The attributes, by module path, that differ from ``before`` (set, replaced or deleted)."""
+    after = _attributes(model)
+    changed: dict[str, list[str]] = {}
+    for path, attrs in before.items():
+        now = after.get(path, {})
+        names = [k for k in attrs.keys() | now.keys() if k not in attrs or k not in now or attrs[k] is not now[k]]
+        if names:
+            changed[path] = sorted(names)
+    return changed
+
+
+def _keep_writers(model: nn.Module, writes: dict[str, list[str]], kept: dict[str, Opaque], tracer: _Tracer) -> None:
+    """Keep whole each module whose attributes a traced forward wrote (its own forward, or failing that
+    its parent's), so the source's module changes on every call; refuse when that is the model itself."""
+    for path, names in writes.items():
+        owner = path
+        while owner and owner not in tracer.flattened:
+            owner = owner.rpartition(".")[0]  # not traced through: the write comes from an enclosing forward
+        attrs = ", ".join(f"{path}.{n}" if path else f"self.{n}" for n in names)
+        if not owner:
+            name = type(model).__name__
+            raise StatefulForwardError(
+                f"{name}.forward changes the Python attribute(s) {attrs} while it runs (e.g. a step counter, "
+                "`self.calls += 1`); a converted model would bake the first value in and be wrong from the "
+                "second call on. What to do: move that state change into a submodule (seqify keeps a "
+                "submodule that writes its attributes whole, so the change happens on every call), or keep "
+                "the state in a buffer updated in place (self.calls.add_(1))."
+            )
+        module = model.get_submodule(owner)
+        kept[owner] = Opaque(owner, type(module).__name__, f"its forward changes the attribute(s) {attrs}; kept whole so the source module changes on every call")
+
+
+def _check_decorated(model: nn.Module) -> None:
+    """Refuse a forward wrapped by a ``(self, *args, **kwargs)`` decorator: fx reads the parameter names
+    of the wrapped function but calls the wrapper, so the inputs land in the wrong place."""
+    forward = type(model).forward
+    inner = inspect.unwrap(forward)
+    if inner is forward:
+        return
+    spec = inspect.getfullargspec(forward)
+    if not (spec.varargs or spec.varkw) or spec == inspect.getfullargspec(inner):
+        return
+    name = type(model).__name__
+    chain, f = [], forward
+    while f is not inner:
+        code = getattr(f, "__code__", None)  # functools.wraps copies the wrapped names: the code has its own
+        chain.append(f"{getattr(code, 'co_qualname', getattr(f, '__qualname__', repr(f)))} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code else repr(f))
+        f = f.__wrapped__  # type: ignore[attr-defined]
+    raise DecoratedForwardError(
+        f"{name}.forward is wrapped by a decorator ({' -> '.join(chain)}) that takes (self, *args, **kwargs) "
+        f"around {getattr(inner, '__qualname__', 'forward')}{inspect.signature(inner)}; torch.fx cannot trace "
+        "through it (transformers 5 wraps its forwards this way). What to do: use the torch.export frontend "
+        "(seqify.convert(model, example_inputs, frontend='export'), or frontend='auto'), or convert a "
+        "module whose forward calls this model with named arguments (def forward(self, input_ids): return "
+        "model(input_ids=input_ids, use_cache=False).logits)."
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -33,13 +33,16 @@ class RealRun:
 
     Computed at most once, lazily: only a submodule whose example value cannot be computed on fake tensors
     (it branches on tensor values, or calls non-torch code) needs it. The run changes nothing: attributes are
-    restored by the caller's ``preserved``, buffers (BatchNorm statistics) are copied back here, and random
+    restored by ``preserve()``, buffers (BatchNorm statistics) are copied back here, and random
     draws happen inside the caller's ``fork_rng``.
     """
 
-    def __init__(self, model: nn.Module, call: Callable[[], Any]) -> None:
+    def __init__(
+        self, model: nn.Module, call: Callable[[], Any], preserve: Callable[[], AbstractContextManager[None]]
+    ) -> None:
         self.model = model
         self.call = call
+        self.preserve = preserve
         self.outputs: dict[str, list[Any]] | None = None
         self.error: str | None = None
 
@@ -65,7 +68,7 @@ class RealRun:
         saved = [(b, b.detach().clone()) for b in self.model.buffers()]
         handle = register_module_forward_hook(hook)
         try:
-            with unpatched(), torch.no_grad():
+            with unpatched(), torch.no_grad(), self.preserve():
                 self.call()
         except Exception as e:  # the values gathered so far are still right
             self.error = f"{type(e).__name__}: {e}".splitlines()[0]

@@ -26,7 +26,7 @@ from .errors import DecoratedForwardError, ExampleInputError, HookError, SeqifyE
 from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param
 from .trace_factories import recording_shape_ops
-from .trace_real import RealRun, unpatched
+from .trace_real import RealRun, buffers_kept, unpatched
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved", "attribute", "is_cache"]
 
@@ -769,7 +769,7 @@ def _trace_once(
         real=real,
     )
     tracer.opaque.update(kept)
-    with preserved(model), torch.random.fork_rng(devices=[]), recording_shape_ops():
+    with preserved(model), buffers_kept(model), torch.random.fork_rng(devices=[]), recording_shape_ops():
         before = _attributes(model)
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.nn.modules.module import register_module_forward_hook
 
-__all__ = ["RealRun", "unpatched"]
+__all__ = ["RealRun", "unpatched", "buffers_kept"]
 
 
 @contextmanager
@@ -21,6 +21,20 @@ def unpatched() -> Iterator[None]:
     so code run inside sees plain modules and tensors."""
     with _maybe_revert_all_patches():
         yield
+
+
+@contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Put every buffer's values back on exit (code run eagerly while tracing, or a real run, may update
+    BatchNorm statistics in place)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, copy in saved:
+                if not torch.equal(b, copy):
+                    b.copy_(copy)
 
 
 def _kept(m: nn.Module) -> bool:
@@ -33,7 +47,7 @@ class RealRun:
 
     Computed at most once, lazily: only a submodule whose example value cannot be computed on fake tensors
     (it branches on tensor values, or calls non-torch code) needs it. The run changes nothing: attributes are
-    restored by ``preserve()``, buffers (BatchNorm statistics) are copied back here, and random
+    restored by ``preserve()``, buffers (BatchNorm statistics) are copied back, and random
     draws happen inside the caller's ``fork_rng``.
     """
 
@@ -65,16 +79,12 @@ class RealRun:
             if path is not None and _kept(m):
                 outputs[path].append(out)
 
-        saved = [(b, b.detach().clone()) for b in self.model.buffers()]
         handle = register_module_forward_hook(hook)
         try:
-            with unpatched(), torch.no_grad(), self.preserve():
+            with unpatched(), torch.no_grad(), self.preserve(), buffers_kept(self.model):
                 self.call()
         except Exception as e:  # the values gathered so far are still right
             self.error = f"{type(e).__name__}: {e}".splitlines()[0]
         finally:
             handle.remove()
-            with torch.no_grad():
-                for b, copy in saved:
-                    b.copy_(copy)
         return dict(outputs)

@@ -793,8 +793,11 @@ _TABLES = ("_parameters", "_buffers", "_modules")
 
 
 def _attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Each module's plain Python attributes (not its parameters, buffers or children), by path."""
-    return {path: {k: v for k, v in m.__dict__.items() if k not in _TABLES} for path, m in model.named_modules()}
+    """Each module's plain Python attributes, parameters and buffers (not its children), by path."""
+    return {
+        path: {**{k: v for k, v in m.__dict__.items() if k not in _TABLES}, **m._parameters, **m._buffers}
+        for path, m in model.named_modules()
+    }
 
 
 def _writes(model: nn.Module, before: dict[str, dict[str, Any]]) -> dict[str, list[str]]:

@@ -22,10 +22,11 @@ from torch import nn
 from torch.fx._symbolic_trace import PH
 from torch.fx.proxy import Scope, ScopeContextManager
 
-from .errors import DecoratedForwardError, ExampleInputError, HookError, SeqifyError, StatefulForwardError, UntraceableError
+from .errors import ExampleInputError, HookError, SeqifyError, StatefulForwardError, UntraceableError
 from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param
 from .trace_factories import recording_shape_ops
+from .trace_checks import attributes, check_decorated, writes_since
 from .trace_real import RealRun, buffers_kept, unpatched
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved", "attribute", "is_cache"]
@@ -106,7 +107,9 @@ def attribute(root: nn.Module, target: str) -> Any:
 
 def is_cache(value: Any) -> bool:
     """Whether ``value`` is a key/value cache object (transformers' ``DynamicCache`` and kin)."""
-    return any(c.__name__.endswith("Cache") and c.__module__.split(".")[0] != "builtins" for c in type(value).__mro__)
+    if isinstance(value, (nn.Module, torch.Tensor)):
+        return False
+    return any(c.__name__.endswith("Cache") and c.__module__ != "builtins" for c in type(value).__mro__)
 
 
 def value_of(node: fx.Node) -> Any:
@@ -699,7 +702,7 @@ def trace(
             "model cannot run hooks of the module it flattens. Remove them before converting (hooks on "
             "submodules are fine: those submodules are kept whole so their hooks still run)."
         )
-    _check_decorated(model)
+    check_decorated(model)
     params, concrete, plan = _bind_examples(model, example_inputs)
     kept: dict[str, Opaque] = {}  # submodules kept whole because their forward writes attributes
     for _ in range(64):
@@ -770,7 +773,7 @@ def _trace_once(
     )
     tracer.opaque.update(kept)
     with preserved(model), buffers_kept(model), torch.random.fork_rng(devices=[]), recording_shape_ops():
-        before = _attributes(model)
+        before = attributes(model)
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
         except SeqifyError:
@@ -785,31 +788,8 @@ def _trace_once(
                 "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
                 "or list that submodule in leaf_paths=[...]."
             ) from e
-        writes = _writes(model, before)
+        writes = writes_since(model, before)
     return tracer, graph, writes
-
-
-_TABLES = ("_parameters", "_buffers", "_modules")
-
-
-def _attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Each module's plain Python attributes, parameters and buffers (not its children), by path."""
-    return {
-        path: {**{k: v for k, v in m.__dict__.items() if k not in _TABLES}, **m._parameters, **m._buffers}
-        for path, m in model.named_modules()
-    }
-
-
-def _writes(model: nn.Module, before: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
-    """The attributes, by module path, that differ from ``before`` (set, replaced or deleted)."""
-    after = _attributes(model)
-    changed: dict[str, list[str]] = {}
-    for path, attrs in before.items():
-        now = after.get(path, {})
-        names = [k for k in attrs.keys() | now.keys() if k not in attrs or k not in now or attrs[k] is not now[k]]
-        if names:
-            changed[path] = sorted(names)
-    return changed
 
 
 def _keep_writers(model: nn.Module, writes: dict[str, list[str]], kept: dict[str, Opaque], tracer: _Tracer) -> None:
@@ -831,29 +811,3 @@ def _keep_writers(model: nn.Module, writes: dict[str, list[str]], kept: dict[str
             )
         module = model.get_submodule(owner)
         kept[owner] = Opaque(owner, type(module).__name__, f"its forward changes the attribute(s) {attrs}; kept whole so the source module changes on every call")
-
-
-def _check_decorated(model: nn.Module) -> None:
-    """Refuse a forward wrapped by a ``(self, *args, **kwargs)`` decorator: fx reads the parameter names
-    of the wrapped function but calls the wrapper, so the inputs land in the wrong place."""
-    forward = type(model).forward
-    inner = inspect.unwrap(forward)
-    if inner is forward:
-        return
-    spec = inspect.getfullargspec(forward)
-    if not (spec.varargs or spec.varkw) or spec == inspect.getfullargspec(inner):
-        return
-    name = type(model).__name__
-    chain, f = [], forward
-    while f is not inner:
-        code = getattr(f, "__code__", None)  # functools.wraps copies the wrapped names: the code has its own
-        chain.append(f"{getattr(code, 'co_qualname', getattr(f, '__qualname__', repr(f)))} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code else repr(f))
-        f = f.__wrapped__  # type: ignore[attr-defined]
-    raise DecoratedForwardError(
-        f"{name}.forward is wrapped by a decorator ({' -> '.join(chain)}) that takes (self, *args, **kwargs) "
-        f"around {getattr(inner, '__qualname__', 'forward')}{inspect.signature(inner)}; torch.fx cannot trace "
-        "through it (transformers 5 wraps its forwards this way). What to do: use the torch.export frontend "
-        "(seqify.convert(model, example_inputs, frontend='export'), or frontend='auto'), or convert a "
-        "module whose forward calls this model with named arguments (def forward(self, input_ids): return "
-        "model(input_ids=input_ids, use_cache=False).logits)."
-    )

@@ -702,11 +702,14 @@ def trace(
             "model cannot run hooks of the module it flattens. Remove them before converting (hooks on "
             "submodules are fine: those submodules are kept whole so their hooks still run)."
         )
-    check_decorated(model)
     params, concrete, plan = _bind_examples(model, example_inputs)
     kept: dict[str, Opaque] = {}  # submodules kept whole because their forward writes attributes
     for _ in range(64):
-        tracer, graph, writes = _trace_once(model, example_inputs, concrete, plan, kept, leaf_types, leaf_paths, depth)
+        try:
+            tracer, graph, writes = _trace_once(model, example_inputs, concrete, plan, kept, leaf_types, leaf_paths, depth)
+        except UntraceableError as e:
+            check_decorated(model, e)  # a (self, *args, **kwargs) decorator is the cause: say so
+            raise
         if not writes:
             break
         _keep_writers(model, writes, kept, tracer)

@@ -35,9 +35,10 @@ def writes_since(model: nn.Module, before: dict[str, dict[str, Any]]) -> dict[st
     return changed
 
 
-def check_decorated(model: nn.Module) -> None:
-    """Refuse a forward wrapped by a ``(self, *args, **kwargs)`` decorator: fx reads the parameter names
-    of the wrapped function but calls the wrapper, so the inputs land in the wrong place."""
+def check_decorated(model: nn.Module, cause: BaseException) -> None:
+    """Raise DecoratedForwardError (from ``cause``, the failed trace) if the forward is wrapped by a
+    ``(self, *args, **kwargs)`` decorator: fx reads the parameter names of the wrapped function but calls
+    the wrapper, so the inputs land in the wrong place."""
     forward = type(model).forward
     inner = inspect.unwrap(forward)
     if inner is forward:
@@ -58,4 +59,4 @@ def check_decorated(model: nn.Module) -> None:
         "(seqify.convert(model, example_inputs, frontend='export'), or frontend='auto'), or convert a "
         "module whose forward calls this model with named arguments (def forward(self, input_ids): return "
         "model(input_ids=input_ids, use_cache=False).logits)."
-    )
+    ) from cause

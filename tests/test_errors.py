@@ -680,6 +680,7 @@ def _star_decorator(fn):  # type: ignore[no-untyped-def]
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        kwargs.setdefault("scale", 2.0)  # as transformers' decorators fill in config defaults
         return fn(self, *args, **kwargs)
 
     return wrapper
@@ -687,8 +688,8 @@ def _star_decorator(fn):  # type: ignore[no-untyped-def]
 
 class StarDecorated(Lin):
     @_star_decorator
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x) * scale
 
 
 def test_decorated_forward() -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._symbolic_trace import PH
 from torch.fx.proxy import Scope, ScopeContextManager
 
@@ -326,6 +327,11 @@ class _Tracer(fx.Tracer):
             self._depth -= 1
 
     def _create_arg(self, a: Any) -> Any:
+        if isinstance(a, FakeTensor):  # an example value leaked into traced code: never bake it into a layer
+            raise fx.proxy.TraceError(
+                f"{self._where()}: an example value (a fake tensor without data) reached the traced code as "
+                "a constant; please report this with the model"
+            )
         if is_cache(a):
             raise UntraceableError(
                 f"{self._where() if self.module_stack else type(self.root).__name__ + '.forward'}: the traced "

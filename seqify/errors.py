@@ -38,6 +38,8 @@ __all__ = [
     "CompatSkipError",
     "ExportError",
     "VerifyError",
+    "DecoratedForwardError",
+    "StatefulForwardError",
 ]
 
 
@@ -191,3 +193,13 @@ class ExportError(UntraceableError):
 class VerifyError(ConversionError):
     """The converted model does not compute what its source computes on the example inputs (convert's
     self-check); the message names the first layer whose value differs."""
+
+
+class DecoratedForwardError(UntraceableError):
+    """The model's forward is wrapped by a decorator taking ``(self, *args, **kwargs)`` (transformers 5's
+    ``can_return_tuple``, ``check_model_inputs``): torch.fx cannot see the parameters it binds."""
+
+
+class StatefulForwardError(UntraceableError):
+    """The model's own forward changes a Python attribute (``self.calls += 1``): a converted model would
+    bake the first value in."""

@@ -19,14 +19,18 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._symbolic_trace import PH
 from torch.fx.proxy import Scope, ScopeContextManager
 
-from .errors import ExampleInputError, HookError, SeqifyError, UntraceableError
+from .errors import ExampleInputError, HookError, SeqifyError, StatefulForwardError, UntraceableError
 from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param
+from .trace_factories import recording_shape_ops
+from .trace_checks import attributes, check_decorated, writes_since
+from .trace_real import RealRun, buffers_kept, unpatched
 
-__all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved"]
+__all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved", "attribute", "is_cache"]
 
 
 class _Unknown:
@@ -91,6 +95,24 @@ class Traced:
         return obj
 
 
+def attribute(root: nn.Module, target: str) -> Any:
+    """The object at dotted ``target`` under ``root``, read from the module tables directly (never through
+    ``nn.Module.__getattr__``, which fx patches during tracing to make a proxy of every parameter read)."""
+    obj: Any = root
+    for atom in target.split("."):
+        tables = [obj.__dict__.get(t) for t in ("_parameters", "_buffers", "_modules")] if isinstance(obj, nn.Module) else []
+        table = next((t for t in tables if t is not None and atom in t), None)
+        obj = table[atom] if table is not None else getattr(obj, atom)
+    return obj
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a key/value cache object (transformers' ``DynamicCache`` and kin)."""
+    if isinstance(value, (nn.Module, torch.Tensor)):
+        return False
+    return any(c.__name__.endswith("Cache") and c.__module__ != "builtins" for c in type(value).__mro__)
+
+
 def value_of(node: fx.Node) -> Any:
     """The example value of ``node``, or :data:`UNKNOWN`."""
     return node.meta.get("val", UNKNOWN)
@@ -150,6 +172,24 @@ def _expr(a: Any, depth: int = 0) -> str:
         rest = ", ".join(_expr(x, depth + 1) for x in a.args[1:])
         return f"{_expr(a.args[0], depth + 1)}.{a.target}({rest})"
     return a.name
+
+
+def _fake_limit(error: BaseException) -> bool:
+    """Whether ``error`` is a limit of fake tensors (no data: data-dependent shapes, ``.item()``), not a
+    failure the real op would have too."""
+    from torch._subclasses import fake_tensor as ft
+
+    limits = (
+        ft.DynamicOutputShapeException, ft.DataDependentOutputException, ft.UnsupportedOperatorException,
+        ft.UnsupportedFakeTensorException, NotImplementedError,
+    )
+    return isinstance(error, limits) or "FakeTensor" in str(error) or "data pointer" in str(error)
+
+
+def _call_text(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
+    args = ", ".join([*(_expr(a) for a in node.args), *(f"{k}={_expr(v)}" for k, v in node.kwargs.items())])
+    return f"{target}({args})" if node.op == "call_function" else f"{_expr(node.args[0])}.{target}({args.split(', ', 1)[1] if ', ' in args else ''})"
 
 
 class _Proxy(fx.Proxy):
@@ -222,6 +262,7 @@ class _Tracer(fx.Tracer):
         depth: int | None,
         fake_mode: Any,
         placeholders: list[Any],
+        real: RealRun | None = None,
     ) -> None:
         super().__init__(autowrap_modules=(math,), param_shapes_constant=True)
         self.leaf_types = leaf_types
@@ -239,6 +280,8 @@ class _Tracer(fx.Tracer):
         self._raw: Any = None
         self.raw_output: Any = None
         self.flattened: dict[str, nn.Module] = {}
+        self.real = real
+        self._calling: tuple[str, int] = ("", 0)  # the leaf module call being recorded, and its index
 
     # -- proxies ---------------------------------------------------------------------------------
 
@@ -262,14 +305,17 @@ class _Tracer(fx.Tracer):
             node.meta["seqify_baked"] = planned[0] == "baked"
             if planned[0] == "value" and planned[1] is not UNKNOWN:
                 node.meta["val"] = planned[1]
-        elif kind != "output" and self.fake_mode is not None:
+        elif kind not in ("output", "get_attr") and self.fake_mode is not None:
             self._infer(node)
         return proxy
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None, type_expr: Any = None) -> fx.Node:
         if kind == "output":
             self.raw_output = self._raw
-        return super().create_node(kind, target, args, kwargs, name, type_expr)
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind == "get_attr" and self.fake_mode is not None:  # tensors fx reads as attributes: no proxy made
+            self._infer(node)
+        return node
 
     def create_arg(self, a: Any) -> Any:
         if self._depth == 0:
@@ -281,6 +327,19 @@ class _Tracer(fx.Tracer):
             self._depth -= 1
 
     def _create_arg(self, a: Any) -> Any:
+        if isinstance(a, FakeTensor):  # an example value leaked into traced code: never bake it into a layer
+            raise fx.proxy.TraceError(
+                f"{self._where()}: an example value (a fake tensor without data) reached the traced code as "
+                "a constant; please report this with the model"
+            )
+        if is_cache(a):
+            raise UntraceableError(
+                f"{self._where() if self.module_stack else type(self.root).__name__ + '.forward'}: the traced "
+                f"forward passes on a {type(a).__name__} (a key/value cache, as "
+                "transformers models make with use_cache=True); converted models take and return tensors. "
+                "What to do: pass use_cache=False (in the call inside forward, or set model.config.use_cache = "
+                "False before converting)."
+            )
         if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
             if self._known_tensors is None:
                 self._known_tensors = {id(t) for t in self.root.buffers()} | {id(t) for t in self.tensor_attrs}
@@ -336,26 +395,51 @@ class _Tracer(fx.Tracer):
                 return
             args = fx.node.map_arg(node.args, val)
             kwargs = fx.node.map_arg(node.kwargs, val)
-            if unknown:
+            if node.op == "call_module":
+                value = self._module_value(node, None if unknown else (args, kwargs))
+                if value is not UNKNOWN:
+                    node.meta["val"] = value
+                return
+            if unknown or node.op not in ("call_function", "call_method"):
                 return
             with self.fake_mode:
                 if node.op == "call_function":
                     result = node.target(*args, **kwargs)
-                elif node.op == "call_method":
-                    result = getattr(args[0], node.target)(*args[1:], **kwargs)
-                elif node.op == "call_module":
-                    result = self._fake_module(self.root.get_submodule(node.target)).forward(*args, **kwargs)
                 else:
-                    return
+                    result = getattr(args[0], node.target)(*args[1:], **kwargs)
             node.meta["val"] = result
         except Exception as e:  # unknown value: later steps fall back to rules
             node.meta["val_error"] = _first_line(e)
+            if not unknown and node.op in ("call_function", "call_method") and not _fake_limit(e):
+                # The source would fail here too: tracing took a path the source does not take on this
+                # example (e.g. `torch.is_tensor(x)` is False for fx's stand-in). Never bake it into a layer.
+                raise fx.proxy.TraceError(
+                    f"`{_expr(node)}` = {_call_text(node)} fails on the example values ({_first_line(e)}), so "
+                    f"the traced code is not what the source runs; at {self._where()}"
+                ) from e
+
+    def _module_value(self, node: fx.Node, inputs: tuple[Any, dict[str, Any]] | None) -> Any:
+        """A leaf's example value: its forward on fake tensors (fx's patches undone, so its children run as
+        plain modules); failing that (it branches on tensor values, or its inputs have no example value),
+        its output when the source runs on the real example."""
+        error: Exception | None = None
+        if inputs is not None:
+            try:
+                with unpatched(), self.fake_mode:
+                    return self._fake_module(attribute(self.root, str(node.target))).forward(*inputs[0], **inputs[1])
+            except Exception as e:
+                error = e
+        path, index = self._calling
+        if self.real is None or path != node.target:
+            if error is not None:
+                raise error
+            return UNKNOWN
+        real = self.real.output(path, index)
+        node.meta["seqify_real"] = True
+        return pytree.tree_map_only(torch.Tensor, self._fake, real)
 
     def _attr(self, target: str) -> Any:
-        obj: Any = self.root
-        for atom in target.split("."):
-            obj = getattr(obj, atom)
-        return obj
+        return attribute(self.root, target)
 
     # -- concrete values where Python needs them ---------------------------------------------------
 
@@ -431,6 +515,7 @@ class _Tracer(fx.Tracer):
             self.num_calls[path] = calls + 1
             try:
                 if self.is_leaf_module(m, path):
+                    self._calling = (path, calls)
                     return self.create_proxy("call_module", path, args, kwargs)
                 mark = next(iter(reversed(self.graph.nodes)), None)
                 self.flattened[path] = m
@@ -445,6 +530,7 @@ class _Tracer(fx.Tracer):
                     site = _error_site(e)
                     reason = f"{_first_line(e)} at {site}" if site else _first_line(e)
                     self.opaque[path] = Opaque(path, type(m).__name__, reason)
+                    self._calling = (path, calls)
                     return self.create_proxy("call_module", path, args, kwargs)
             finally:
                 self.module_stack.pop(key, None)
@@ -558,6 +644,15 @@ def _bind_examples(
     return params, concrete, plan
 
 
+def _caller(model: nn.Module, example_inputs: Any) -> Any:
+    """A function that calls ``model`` on the (real) example inputs."""
+    if isinstance(example_inputs, dict):
+        return lambda: model(**example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return lambda: model(example_inputs)
+    return lambda: model(*example_inputs)
+
+
 def _strip_baked(graph: fx.Graph) -> None:
     """Remove the placeholders fx makes for baked arguments, and the checks on them (the binder checks)."""
     for ph in [n for n in graph.nodes if n.op == "placeholder" and n.meta.get("seqify_baked")]:
@@ -614,34 +709,18 @@ def trace(
             "submodules are fine: those submodules are kept whole so their hooks still run)."
         )
     params, concrete, plan = _bind_examples(model, example_inputs)
-    fake_mode = None
-    if example_inputs is not None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        plan = [(kind, fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for kind, v in plan]
-    tracer = _Tracer(
-        leaf_types=tuple(leaf_types),
-        leaf_paths=frozenset(leaf_paths),
-        depth=depth,
-        fake_mode=fake_mode,
-        placeholders=plan,
-    )
-    with preserved(model), torch.random.fork_rng(devices=[]):
+    kept: dict[str, Opaque] = {}  # submodules kept whole because their forward writes attributes
+    for _ in range(64):
         try:
-            graph = tracer.trace(model, concrete_args=concrete or None)
-        except SeqifyError:
+            tracer, graph, writes = _trace_once(model, example_inputs, concrete, plan, kept, leaf_types, leaf_paths, depth)
+        except UntraceableError as e:
+            check_decorated(model, e)  # a (self, *args, **kwargs) decorator is the cause: say so
             raise
-        except Exception as e:
-            site = _error_site(e)
-            raise UntraceableError(
-                f"{name}.forward cannot be traced: {_first_line(e)}\n"
-                + (f"  at {site}\n" if site else "")
-                + "What to do: pass example_inputs=... to seqify.convert so shape-dependent branches are "
-                "resolved from example shapes; move data-dependent code (branches on tensor values, "
-                "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
-                "or list that submodule in leaf_paths=[...]."
-            ) from e
+        if not writes:
+            break
+        _keep_writers(model, writes, kept, tracer)
+    else:  # pragma: no cover - every round keeps a module whole or raises at the root
+        raise StatefulForwardError(f"{name}: attribute writes could not be isolated; convert with depth=1")
     for ph in graph.nodes:
         if ph.op == "placeholder" and str(ph.target).startswith("*") and ph.users:
             raise UntraceableError(
@@ -667,8 +746,77 @@ def trace(
         opaque=opaque,
         inputs=InputSpec(name, params),
         training=model.training,
-        has_values=fake_mode is not None,
+        has_values=example_inputs is not None,
         guards=guards,
         output=output,
         flattened=[("", model), *((p, m) for p, m in tracer.flattened.items() if p)],
     )
+
+
+def _trace_once(
+    model: nn.Module,
+    example_inputs: Any,
+    concrete: dict[str, Any],
+    plan: list[tuple[str, Any]],
+    kept: dict[str, Opaque],
+    leaf_types: Sequence[type],
+    leaf_paths: Sequence[str],
+    depth: int | None,
+) -> tuple[_Tracer, fx.Graph, dict[str, list[str]]]:
+    """One fx trace; returns the tracer, the graph and the attributes each module's traced forward wrote."""
+    name = type(model).__name__
+    fake_mode = real = None
+    if example_inputs is not None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        plan = [(kind, fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for kind, v in plan]
+        real = RealRun(model, _caller(model, example_inputs), lambda: preserved(model))
+    tracer = _Tracer(
+        leaf_types=tuple(leaf_types),
+        leaf_paths=frozenset(leaf_paths),
+        depth=depth,
+        fake_mode=fake_mode,
+        placeholders=plan,
+        real=real,
+    )
+    tracer.opaque.update(kept)
+    with preserved(model), buffers_kept(model), torch.random.fork_rng(devices=[]), recording_shape_ops():
+        before = attributes(model)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        except SeqifyError:
+            raise
+        except Exception as e:
+            site = _error_site(e)
+            raise UntraceableError(
+                f"{name}.forward cannot be traced: {_first_line(e)}\n"
+                + (f"  at {site}\n" if site else "")
+                + "What to do: pass example_inputs=... to seqify.convert so shape-dependent branches are "
+                "resolved from example shapes; move data-dependent code (branches on tensor values, "
+                "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
+                "or list that submodule in leaf_paths=[...]."
+            ) from e
+        writes = writes_since(model, before)
+    return tracer, graph, writes
+
+
+def _keep_writers(model: nn.Module, writes: dict[str, list[str]], kept: dict[str, Opaque], tracer: _Tracer) -> None:
+    """Keep whole each module whose attributes a traced forward wrote (its own forward, or failing that
+    its parent's), so the source's module changes on every call; refuse when that is the model itself."""
+    for path, names in writes.items():
+        owner = path
+        while owner and owner not in tracer.flattened:
+            owner = owner.rpartition(".")[0]  # not traced through: the write comes from an enclosing forward
+        attrs = ", ".join(f"{path}.{n}" if path else f"self.{n}" for n in names)
+        if not owner:
+            name = type(model).__name__
+            raise StatefulForwardError(
+                f"{name}.forward changes the Python attribute(s) {attrs} while it runs (e.g. a step counter, "
+                "`self.calls += 1`); a converted model would bake the first value in and be wrong from the "
+                "second call on. What to do: move that state change into a submodule (seqify keeps a "
+                "submodule that writes its attributes whole, so the change happens on every call), or keep "
+                "the state in a buffer updated in place (self.calls.add_(1))."
+            )
+        module = model.get_submodule(owner)
+        kept[owner] = Opaque(owner, type(module).__name__, f"its forward changes the attribute(s) {attrs}; kept whole so the source module changes on every call")

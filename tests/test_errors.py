@@ -773,3 +773,72 @@ def test_verify_error_names_the_layer() -> None:
     seq._modules["g"] = wrong
     with raises(seqify.VerifyError, "layer 'g'", "verify=False"):
         check(model, seq, x)
+
+# -- convert: fx-path rows of issue 12 ----------------------------------------------------------------
+
+
+def _star_decorator(fn):  # type: ignore[no-untyped-def]
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        kwargs.setdefault("scale", 2.0)  # as transformers' decorators fill in config defaults
+        return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+class StarDecorated(Lin):
+    @_star_decorator
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x) * scale
+
+
+def test_decorated_forward() -> None:
+    with raises(seqify.DecoratedForwardError, "StarDecorated.forward", "_star_decorator.<locals>.wrapper",
+                "(self, *args, **kwargs)", "What to do", "frontend="):
+        seqify.convert(StarDecorated(), torch.randn(2, 4))
+
+
+class StepCounter(Lin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        return super().forward(x) * self.step
+
+
+def test_forward_that_writes_an_attribute() -> None:
+    with raises(seqify.StatefulForwardError, "StepCounter.forward", "self.step", "What to do", "submodule"):
+        seqify.convert(StepCounter(), torch.randn(2, 4))
+
+
+class KVCache:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class ReturnsKVCache(Lin):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, KVCache]:  # type: ignore[override]
+        y = super().forward(x)
+        return y, KVCache(y)
+
+
+def test_key_value_cache() -> None:
+    with raises(seqify.UntraceableError, "KVCache", "use_cache=False", "What to do"):
+        seqify.convert(ReturnsKVCache(), torch.randn(2, 4))
+
+
+class NotATensorPath(Lin):
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not isinstance(t, torch.Tensor):
+            t = torch.tensor([t], device=x.device)
+        return super().forward(x) * t
+
+
+def test_op_failing_on_example_values() -> None:
+    with raises(seqify.UntraceableError, "NotATensorPath.forward", "device=x.device", "fails on the example values",
+                "test_errors.py", "What to do"):
+        seqify.convert(NotATensorPath(), (torch.randn(2, 4), torch.tensor([2.0])))

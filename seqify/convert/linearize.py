@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..errors import ConversionError, EmptyModelError
-from ..trace import UNKNOWN, Traced, value_of
+from ..trace import UNKNOWN, Traced, is_cache, value_of
 from .kinds import AUX, CONST, CONTAINER, TENSOR, classify, is_projection
 
 __all__ = ["Step", "Plan", "linearize"]
@@ -265,6 +265,12 @@ def linearize(
         if kinds.get(x) == AUX:
             if value_of(x) is None:
                 return None
+            if is_cache(value_of(x)):
+                raise ConversionError(
+                    f"the model returns {x.name!r}, a {type(value_of(x)).__name__} (a key/value cache, as "
+                    "transformers models return with use_cache=True); converted models return tensors: pass "
+                    "use_cache=False (or set model.config.use_cache = False before converting)"
+                )
             raise ConversionError(
                 f"the model returns {x.name!r}, a Python value computed at run time "
                 f"({value_of(x)!r} in the example); converted models return tensors: return it as a tensor "

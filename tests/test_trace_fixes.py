@@ -1,0 +1,355 @@
+"""fx-path fixes (issue 12): parameters read in forward, opaque values, shape factories, decorators, state."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import VisionTransformer
+
+import seqify
+from exactness import assert_exact
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# -- 1. parameters read directly in forward, with example inputs -------------------------------------
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.cls = nn.Parameter(torch.randn(1, 1, 4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin(x * self.w)
+        cls = self.cls.expand(x.shape[0], -1, -1)
+        return torch.cat([cls, x], dim=1)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_parameter_read_in_forward_with_example_inputs(train: bool) -> None:
+    model = Scale()
+    x = torch.randn(2, 3, 4)
+    seq = assert_exact(model, (x,), train=train, convert=lambda m: seqify.convert(m, x))
+    for name, layer in seq.named_children():  # no fake tensor or proxy is kept in a layer
+        for t in [*layer.parameters(), *layer.buffers()]:
+            assert type(t) in (torch.Tensor, nn.Parameter), f"{name} holds a {type(t).__name__}"
+    assert {id(p) for p in seq.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_vision_transformer_with_example_inputs() -> None:
+    torch.manual_seed(0)
+    model = VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2, hidden_dim=8, mlp_dim=16,
+                              num_classes=3)
+    x = torch.randn(2, 3, 16, 16)
+    start = time.perf_counter()
+    assert_exact(model, (x,), train=False, convert=lambda m: seqify.convert(m, x))
+    assert time.perf_counter() - start < 60
+    seq = seqify.convert(model, x)
+    assert not seq.opaque
+
+
+# -- 2. opaque submodules get real example values --------------------------------------------------
+
+
+class ValueGate(nn.Module):
+    """Kept whole (branches on tensor values); has children; its output's shape is used afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if x.sum() > 0 else self.b(x)
+
+
+class AfterGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = ValueGate()
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gate(x)
+        if y.shape[-1] == 6:  # shape-dependent code after an opaque submodule
+            y = y * 2
+        return self.out(y.reshape(y.shape[0], -1))
+
+
+def test_opaque_submodule_value_from_the_real_example() -> None:
+    x = torch.randn(3, 4).abs()
+    seq = assert_exact(AfterGate(), (x,), train=True, convert=lambda m: seqify.convert(m, x))
+    assert [o.path for o in seq.opaque] == ["gate"]
+    assert seq.guards  # the branch on y.shape was resolved from the example and is checked at run time
+    model = AfterGate()
+    assert torch.equal(seqify.convert(model, x)(-x), model(-x))  # the other branch inside the opaque part
+
+
+class Norm(nn.Module):
+    """Traced through elsewhere but called here on a value fx cannot evaluate: children run unpatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 100:  # on values: kept whole
+            x = x / 100
+        return self.lin(self.bn(x))
+
+
+class UsesNormShape(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = Norm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        if y.shape[1] == 4:  # needs the opaque part's example value
+            y = torch.cat([y, y], 1)
+        return y
+
+
+def test_opaque_submodule_with_children_in_train_mode_leaves_batchnorm_alone() -> None:
+    x = torch.randn(5, 4)
+    assert_exact(UsesNormShape(), (x,), train=True, convert=lambda m: seqify.convert(m, x))
+
+
+# -- 3. shape arithmetic fx cannot record ----------------------------------------------------------
+
+
+class Factories(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("positions", torch.arange(16).unsqueeze(0))
+        self.table = nn.Embedding(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n = x.shape[0], x.shape[1]
+        mask = torch.ones(n, n).tril()
+        pos = self.positions[:, :n].expand(b, n)
+        return mask @ x + self.table(pos)
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_factories_and_buffer_methods_with_traced_sizes(example: bool) -> None:
+    x = torch.randn(2, 5, 4)
+    model = Factories()
+    seq = assert_exact(model, (x,), train=False, convert=lambda m: seqify.convert(m, x if example else None))
+    y = torch.randn(3, 7, 4)  # sizes are recorded, not baked: another shape works without guards failing
+    assert torch.equal(seq(y), model(y))
+
+
+# -- 4. decorated forwards (transformers 5) --------------------------------------------------------
+
+
+def returns_tuple(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("scale", 2.0)
+        return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+class Decorated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @returns_tuple
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.lin(x) * scale
+
+
+class CallsDecorated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Decorated()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_decorated_forward_is_refused_naming_the_decorator() -> None:
+    with pytest.raises(seqify.DecoratedForwardError) as info:
+        seqify.convert(Decorated(), torch.randn(2, 4))
+    assert isinstance(info.value, seqify.UntraceableError)
+    text = str(info.value)
+    for phrase in ("Decorated.forward", "returns_tuple.<locals>.wrapper", "(self, *args, **kwargs)", "frontend="):
+        assert phrase in text, text
+    x = torch.randn(2, 4)  # what the message suggests: a module calling it converts
+    assert_exact(CallsDecorated(), (x,), train=False, convert=lambda m: seqify.convert(m, x))
+
+
+# -- 5. failures of the fake evaluation are not swallowed -------------------------------------------
+
+
+class TimestepLike(nn.Module):
+    """As diffusers' UNet: a non-tensor timestep is wrapped with torch.tensor([t])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1, 4)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if not torch.is_tensor(t):
+            t = torch.tensor([t], dtype=torch.long)
+        elif len(t.shape) == 0:
+            t = t[None]
+        t = t * torch.ones(x.shape[0], dtype=t.dtype)
+        return x + self.lin(t.float()[:, None])
+
+
+@pytest.mark.parametrize("t", [torch.tensor([3]), torch.tensor(3)])
+def test_is_tensor_on_a_traced_tensor(t: torch.Tensor) -> None:
+    x = torch.randn(2, 4)
+    model = TimestepLike()
+    seq = assert_exact(model, (x, t), train=False, convert=lambda m: seqify.convert(m, (x, t)))
+    assert torch.equal(seq(x, t + 4), model(x, t + 4))
+
+
+class BadBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):  # fx's stand-in is no Tensor: this path is not the source's
+            t = torch.tensor([t], device=x.device)  # as diffusers UNet2DModel does
+        return self.lin(x) * t
+
+
+def test_op_failing_on_example_values_is_refused_at_convert_time() -> None:
+    x, t = torch.randn(2, 4), torch.tensor([3.0])
+    with pytest.raises(seqify.UntraceableError) as info:
+        seqify.convert(BadBranch(), (x, t))
+    text = str(info.value)
+    assert "BadBranch.forward" in text and "tensor([t], device=x.device)" in text and "fails on the example values" in text
+
+
+class HoldsBadBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = BadBranch()
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, t) * 2
+
+
+def test_op_failing_on_example_values_in_a_submodule_keeps_it_whole() -> None:
+    x, t = torch.randn(2, 4), torch.tensor([3.0])
+    seq = assert_exact(HoldsBadBranch(), (x, t), train=False, convert=lambda m: seqify.convert(m, (x, t)))
+    assert [o.path for o in seq.opaque] == ["inner"]
+    assert "fails on the example values" in seq.opaque[0].reason
+
+
+# -- 6. key/value caches ---------------------------------------------------------------------------
+
+
+class DynamicCache:
+    """Stands for transformers' cache object (a Python object built inside forward)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class ReturnsCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_cache: bool = True) -> Any:
+        y = self.lin(x)
+        if use_cache:
+            cache = DynamicCache()
+            cache.keys.append(y)
+            return y, cache
+        return y
+
+
+def test_cache_is_refused_naming_it_and_use_cache_false() -> None:
+    x = torch.randn(2, 4)
+    with pytest.raises(seqify.SeqifyError) as info:
+        seqify.convert(ReturnsCache(), x)
+    assert "DynamicCache" in str(info.value) and "use_cache=False" in str(info.value)
+    model = ReturnsCache()
+    seq = seqify.convert(model, {"x": x, "use_cache": False})  # the fix the message gives
+    assert torch.equal(seq(x, use_cache=False), model(x, use_cache=False))
+
+
+# -- 7. forwards that change Python attributes ---------------------------------------------------
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+
+class HasCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = Counter()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.count(x)))
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_submodule_writing_an_attribute_is_kept_whole(example: bool) -> None:
+    x = torch.randn(2, 4)
+    source = HasCounter()
+    reference = HasCounter()
+    reference.load_state_dict(source.state_dict())
+    seq = seqify.convert(source, x if example else None)
+    assert source.count.calls == 0  # converting changed nothing
+    assert [o.path for o in seq.opaque] == ["count"] and "calls" in seq.opaque[0].reason
+    for call in (1, 2, 3):
+        assert torch.equal(seq(x), reference(x)), f"call {call}"
+    assert source.count.calls == 3
+
+
+class CountsItself(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        return self.lin(x) + self.steps
+
+
+class WritesChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Scale()
+        self.child.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.child.seen += 1  # a write into a child from the parent's forward
+        return self.child(x) + self.child.seen
+
+
+def test_root_writing_an_attribute_is_refused() -> None:
+    for model in (CountsItself(), WritesChild()):
+        with pytest.raises(seqify.StatefulForwardError) as info:
+            seqify.convert(model, torch.randn(2, 3, 4))
+        assert "self.steps" in str(info.value) or "child.seen" in str(info.value)
+        assert "What to do" in str(info.value)

@@ -9,7 +9,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..errors import ConversionError, OptionError, SeqifyError, UntraceableError, VerifyError
+from ..errors import ConversionError, DecoratedForwardError, OptionError, SeqifyError, UntraceableError, VerifyError
 from ..sequential import Sequential
 from ..trace import Opaque, Traced, preserved, trace
 from .build import RESERVED, build
@@ -142,6 +142,11 @@ def convert(
     try:
         return _via_export(model, example_inputs, check_modes=check_modes, verify=verify)
     except SeqifyError as e:
+        if isinstance(fx_error, SeqifyError) and not isinstance(fx_error, DecoratedForwardError):
+            # Both failed: fx's error names the line and the fix (a branch on values, say); export adds a note.
+            fx_error.args = (f"{fx_error.args[0] if fx_error.args else fx_error}\n(the export frontend failed "
+                             f"too: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",)
+            raise fx_error from e
         e.args = (f"{e.args[0] if e.args else e}\n(the fx frontend failed first: {type(fx_error).__name__}: "
                   f"{str(fx_error).splitlines()[0] if str(fx_error) else ''})",)
         raise

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copyreg
 import inspect
+import io
+import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from typing import Any
 
 import torch
@@ -173,13 +175,30 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export logs each failed guard with the graph so far; seqify's own error says what matters."""
+    names = [n for n in logging.root.manager.loggerDict if n == "torch" or n.startswith("torch.")]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with redirect_stderr(io.StringIO()):  # a failed export also prints its partial graph to stderr
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -> torch.export.ExportedProgram:
     name = type(model).__name__
     last: Exception | None = None
     for shapes in (dynamic, None):  # a batch dimension the model fixes falls back to static shapes (guarded)
         with preserved(model), torch.random.fork_rng(devices=[]), _writes(model) as seen:
             try:
-                ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
+                with _quiet():
+                    ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
             except SeqifyError:
                 raise
             except Exception as e:

@@ -171,3 +171,13 @@ def test_the_strategies_reach_every_feature() -> None:
     assert wanted - seen["convert"] == set()
     assert wanted - {"dropout"} - seen["pipeline"] == set()
     assert "dropout" not in seen["pipeline"]
+
+
+def test_an_in_place_change_reaches_a_later_reader_under_checkpointing() -> None:
+    """Found by the pipeline fuzz: partition 1 changes in place (``y += ...``) a value that partition 2 reads
+    through another skip. Checkpointing runs a partition on copies of what it changes, which would hide
+    the change from that later reader; such a step now runs uncheckpointed instead."""
+    program = Program(inputs=(1,), ops=(("conv", 0, 1, 1), ("conv", 0, 1, 1), ("mutate", 1), ("conv", 2, 1, 1),
+                                        ("alias_iadd", 3, 3), ("conv", 4, 1, 1)),
+                      outputs=(1, 6), as_dict=False, channels=(1,) * 7)
+    check_pipeline(PipeCase(program, (2, 5), 1, "always"), replay=False)

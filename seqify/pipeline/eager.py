@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import BoundaryError
@@ -84,6 +85,8 @@ class Eager:
             skips[key] = transfer(value, stage.device, when, memo)
             if observe is not None:
                 observe("skip", key[1], self.skip_partitions[key][0], j, i)
+        if checkpoint and _changes_held_value(stage, x, skips, pending):
+            checkpoint = False  # exactness over memory: recomputing would need a copy the later reader misses
         if checkpoint:
             y, out = checkpointed(stage.fresh, x, skips, norms=self.norms[j])
         else:
@@ -92,6 +95,21 @@ class Eager:
         for key, value in out.items():
             pending[key] = (value, done)
         return y, done
+
+
+def _storages(values: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)}
+
+
+def _changes_held_value(stage: Stage, x: Any, skips: dict[SkipKey, Any], pending: dict[SkipKey, tuple[Any, Any]]) -> bool:
+    """Whether ``stage`` changes in place an input that a skip still waiting for a later partition holds
+    too. A checkpointed stage runs on copies of the inputs it changes (recomputation needs the originals),
+    so that later reader would not see the change the source makes: such a step runs uncheckpointed."""
+    if not (stage.mutates_input or stage.mutated_skips) or not pending:
+        return False
+    changed = _storages(x) if stage.mutates_input else set()
+    changed |= _storages([skips[k] for k in stage.mutated_skips if k in skips])
+    return bool(changed & _storages([value for value, _ in pending.values()]))
 
 
 def checkpoint_stop(checkpoint: str, micro_batches: int) -> int:

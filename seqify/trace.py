@@ -549,14 +549,23 @@ class _Tracer(fx.Tracer):
 
 @contextmanager
 def preserved(model: nn.Module) -> Iterator[None]:
-    """Restore every module's attributes, parameters, buffers, children and flags on exit."""
+    """Restore every module's attributes, parameters, buffers, children and flags on exit, and the contents
+    of plain dict and list attributes (a cache a forward fills, such as timm's attention-bias cache, must
+    not keep the fake tensors a trace put there)."""
     saved = [
         (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
         for m in model.modules()
     ]
+    contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values() if type(v) in (dict, list)]
     try:
         yield
     finally:
+        for container, before in contents:
+            if isinstance(container, dict):
+                container.clear()
+                container.update(before)
+            else:
+                container[:] = before
         for m, attrs, params, buffers, children in saved:
             m.__dict__.clear()
             m.__dict__.update(attrs)

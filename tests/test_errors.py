@@ -797,7 +797,7 @@ class StarDecorated(Lin):
 def test_decorated_forward() -> None:
     with raises(seqify.DecoratedForwardError, "StarDecorated.forward", "_star_decorator.<locals>.wrapper",
                 "(self, *args, **kwargs)", "What to do", "frontend="):
-        seqify.convert(StarDecorated(), torch.randn(2, 4))
+        seqify.convert(StarDecorated(), torch.randn(2, 4), frontend="fx")
 
 
 class StepCounter(Lin):
@@ -841,4 +841,4 @@ class NotATensorPath(Lin):
 def test_op_failing_on_example_values() -> None:
     with raises(seqify.UntraceableError, "NotATensorPath.forward", "device=x.device", "fails on the example values",
                 "test_errors.py", "What to do"):
-        seqify.convert(NotATensorPath(), (torch.randn(2, 4), torch.tensor([2.0])))
+        seqify.convert(NotATensorPath(), (torch.randn(2, 4), torch.tensor([2.0])), frontend="fx")

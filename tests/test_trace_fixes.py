@@ -182,13 +182,15 @@ class CallsDecorated(nn.Module):
 
 def test_decorated_forward_is_refused_naming_the_decorator() -> None:
     with pytest.raises(seqify.DecoratedForwardError) as info:
-        seqify.convert(Decorated(), torch.randn(2, 4))
+        seqify.convert(Decorated(), torch.randn(2, 4), frontend="fx")
     assert isinstance(info.value, seqify.UntraceableError)
     text = str(info.value)
     for phrase in ("Decorated.forward", "returns_tuple.<locals>.wrapper", "(self, *args, **kwargs)", "frontend="):
         assert phrase in text, text
     x = torch.randn(2, 4)  # what the message suggests: a module calling it converts
     assert_exact(CallsDecorated(), (x,), train=False, convert=lambda m: seqify.convert(m, x))
+    # and frontend="auto" (the default) takes the decorated model itself to the export frontend
+    assert_exact(Decorated(), (x,), train=False, convert=lambda m: seqify.convert(m, x))
 
 
 # -- 5. failures of the fake evaluation are not swallowed -------------------------------------------
@@ -232,7 +234,7 @@ class BadBranch(nn.Module):
 def test_op_failing_on_example_values_is_refused_at_convert_time() -> None:
     x, t = torch.randn(2, 4), torch.tensor([3.0])
     with pytest.raises(seqify.UntraceableError) as info:
-        seqify.convert(BadBranch(), (x, t))
+        seqify.convert(BadBranch(), (x, t), frontend="fx")
     text = str(info.value)
     assert "BadBranch.forward" in text and "tensor([t], device=x.device)" in text and "fails on the example values" in text
 
@@ -353,3 +355,29 @@ def test_root_writing_an_attribute_is_refused() -> None:
             seqify.convert(model, torch.randn(2, 3, 4))
         assert "self.steps" in str(info.value) or "child.seen" in str(info.value)
         assert "What to do" in str(info.value)
+
+
+class FillsCache(nn.Module):
+    """Like timm's attention-bias cache: forward fills a dict attribute in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bias = nn.Parameter(torch.randn(4))
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            if "b" not in self.cache:
+                self.cache["b"] = self.bias * 2
+            return self.lin(x) + self.cache["b"]
+        return self.lin(x) + self.bias * 2
+
+
+def test_a_cache_the_forward_fills_keeps_no_trace_values() -> None:
+    model = FillsCache().eval()
+    x = torch.randn(2, 4)
+    seqify.convert(model, x, frontend="fx", verify=False)
+    assert model.cache == {}  # the trace's fake or proxy values did not stay in the source's dict
+    with torch.no_grad():
+        assert torch.equal(model(x), model.lin(x) + model.bias * 2)

@@ -470,7 +470,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-size", type=POSITIVE, help="training image side (default: 224 on GPUs, 64 on CPU)")
     p.add_argument("--chunks", type=POSITIVE, help="micro-batches of the timeline (default: 8 on GPUs, 4 on CPU)")
     p.add_argument("--sweep", type=POSITIVE, nargs="+", metavar="CHUNKS",
-                   help="micro-batch counts to measure (default: 2 4 8 16 on GPUs, 1 2 4 8 on CPU)")
+                   help="micro-batch counts to measure (default: 2 4 8 16 on GPUs, 1 2 4 on CPU)")
     p.add_argument("--steps", type=POSITIVE, default=1, help="timed training steps per configuration")
     p.add_argument("--plots", default="seqify-demo-plots", metavar="DIR", help="where to write the plots")
     p.add_argument("--no-plots", action="store_true", help="write no plots")

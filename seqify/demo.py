@@ -144,7 +144,7 @@ def demo(args: argparse.Namespace) -> int:
     where = ", ".join(str(d) for d in devices)
     train_batch = args.train_batch or (64 if on_gpu else 8)
     chunks = args.chunks or (8 if on_gpu else 4)
-    sweep_chunks = args.sweep or ([2, 4, 8, 16] if on_gpu else [1, 2, 4, 8])
+    sweep_chunks = args.sweep or ([2, 4, 8, 16] if on_gpu else [1, 2, 4])
     by = args.by or ("time" if on_gpu else "flops")
     global _STARTED
     began = _STARTED = time.perf_counter()

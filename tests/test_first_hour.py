@@ -161,6 +161,14 @@ def test_demo_refuses_micro_batches_of_one_sample(capsys: pytest.CaptureFixture[
     assert_user_error(code, err, "1 sample", "at most 2")
 
 
+def test_demo_defaults_pass_the_demos_own_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    """README command 1 is `seqify demo` with no options: its default sweep and batch must fit together
+    (a default sweep of 8 micro-batches on the CPU's batch of 8 once made it exit 2)."""
+    code, out, err = run(capsys, "demo", "--model", "resnet18", "--size", "32", "--train-size", "32", "--no-plots")
+    assert code == 0, err
+    assert "exact: yes" in out
+
+
 def test_a_bug_exits_3_with_its_traceback(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     def bug(args: object) -> int:
         raise KeyError("internal")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 import linecache
 import math
 import operator
@@ -410,6 +411,13 @@ class _Tracer(fx.Tracer):
             node.meta["val"] = result
         except Exception as e:  # unknown value: later steps fall back to rules
             node.meta["val_error"] = _first_line(e)
+            if not unknown and node.target is torch._assert:
+                # The model checks its input (ViT's image size, say) and the example fails that check.
+                raise ExampleInputError(
+                    f"{type(self.root).__name__}'s own check fails on example_inputs: "
+                    f"{_readable(_first_line(e), node.graph)} (at {self._where()}). Pass example inputs the "
+                    "model accepts (the shape its check asks for)"
+                ) from e
             if not unknown and node.op in ("call_function", "call_method") and not _fake_limit(e):
                 # The source would fail here too: tracing took a path the source does not take on this
                 # example (e.g. `torch.is_tensor(x)` is False for fx's stand-in). Never bake it into a layer.
@@ -545,6 +553,17 @@ class _Tracer(fx.Tracer):
         if self._param_cache:
             for name in [n for n, p in self._param_cache.items() if p.node in gone]:
                 del self._param_cache[name]
+
+
+def _readable(text: str, graph: fx.Graph) -> str:
+    """``text`` with fx's ``Proxy(name)`` stand-ins replaced by the example value of that node."""
+    values = {n.name: n.meta.get("val") for n in graph.nodes}
+
+    def value(m: re.Match[str]) -> str:
+        v = values.get(m.group(1))
+        return str(v) if isinstance(v, (int, float, bool, torch.SymInt)) else "a traced value"
+
+    return re.sub(r"Proxy\((\w+)\)", value, text)
 
 
 @contextmanager

@@ -381,3 +381,14 @@ def test_a_cache_the_forward_fills_keeps_no_trace_values() -> None:
     assert model.cache == {}  # the trace's fake or proxy values did not stay in the source's dict
     with torch.no_grad():
         assert torch.equal(model(x), model.lin(x) + model.bias * 2)
+
+
+def test_a_models_own_check_failing_on_the_example_names_the_values_not_tracer_internals() -> None:
+    import torchvision
+
+    vit = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2,
+                                               hidden_dim=8, mlp_dim=8)
+    with pytest.raises(seqify.ExampleInputError) as info:
+        seqify.convert(vit, torch.randn(1, 3, 16, 16))
+    text = str(info.value)
+    assert "Expected 32 but got 16" in text and "Proxy" not in text and "accepts" in text, text

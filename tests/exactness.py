@@ -40,16 +40,20 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
 
 
 def assert_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
-    after = snapshot(model)
-    assert after["modules"] == before["modules"], "module tree changed"
-    assert after["dicts"] == before["dicts"], "module attributes changed"
-    assert after["training"] == before["training"], "training flags changed"
-    assert after["hooks"] == before["hooks"], "hooks changed"
-    assert after["forward"] == before["forward"], "forward changed"
-    assert before["state"].keys() == after["state"].keys()
+    """Compare ``model`` now with ``snapshot(model)`` taken before, reading state values in place (no
+    second copy of the weights: the largest torchvision models hold 2.6 GB of them)."""
+    assert [(n, id(m), type(m)) for n, m in model.named_modules()] == before["modules"], "module tree changed"
+    dicts = {n: {k: id(v) for k, v in m.__dict__.items()} for n, m in model.named_modules()}
+    assert dicts == before["dicts"], "module attributes changed"
+    assert [m.training for m in model.modules()] == before["training"], "training flags changed"
+    hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]
+    assert hooks == before["hooks"], "hooks changed"
+    assert [type(m).forward for m in model.modules()] == before["forward"], "forward changed"
+    state = model.state_dict(keep_vars=True)
+    assert before["state"].keys() == state.keys()
     for k, (ident, value) in before["state"].items():
-        assert after["state"][k][0] == ident, f"{k} was replaced"
-        assert torch.equal(after["state"][k][1], value), f"{k} changed value"
+        assert id(state[k]) == ident, f"{k} was replaced"
+        assert torch.equal(state[k].detach(), value), f"{k} changed value"
 
 
 def assert_exact(
@@ -69,11 +73,13 @@ def assert_exact(
     """
     kwargs = kwargs or {}
     model.train(train)
-    reference = copy.deepcopy(model)
+    # Memory: at most the source, one copy (snapshot or reference) and the gradients are alive at once.
     before = snapshot(model)
     seq = (convert or seqify.convert)(model)
     assert_unchanged(model, before)
+    del before
     assert isinstance(seq, seqify.Sequential)
+    reference = copy.deepcopy(model)
 
     def run(fn: Callable[..., Any]) -> Any:
         # Fresh copies of the inputs: a model may modify its inputs in place.
@@ -82,11 +88,16 @@ def assert_exact(
         if backward:
             out = fn(*a, **k)
             loss_of(out).backward()
-            return out
+            # Detached: the output's graph keeps every parameter it accumulated into alive.
+            return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
         with torch.no_grad():
             return fn(*a, **k)
 
     expected = run(reference)
+    # Keep only what is compared (gradients, buffers); the reference's weights go before seq runs.
+    ref_grads = {name: q.grad for name, q in reference.named_parameters()}
+    ref_buffers = dict(reference.named_buffers())
+    del reference
     got = run(seq)
     assert pytree.tree_structure(expected) == pytree.tree_structure(got), "output structure differs"
     for a, b in zip(pytree.tree_leaves(expected), pytree.tree_leaves(got)):
@@ -95,15 +106,14 @@ def assert_exact(
             assert torch.equal(a, b), "outputs are not bit-equal"
         else:
             assert a == b
-    ref_params = dict(reference.named_parameters())
+    del expected, got
     for name, p in model.named_parameters():
-        q = ref_params[name]
-        if q.grad is None:
+        q_grad = ref_grads[name]
+        if q_grad is None:
             assert p.grad is None, f"{name} got a gradient the source does not give"
         else:
             assert p.grad is not None, f"{name} has no gradient"
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=f"gradient of {name}")
-    ref_buffers = dict(reference.named_buffers())
+            torch.testing.assert_close(p.grad, q_grad, rtol=1e-5, atol=1e-5, msg=f"gradient of {name}")
     for name, b in model.named_buffers():
         assert torch.equal(b, ref_buffers[name]), f"buffer {name} differs (BatchNorm statistics?)"
     model.zero_grad(set_to_none=True)

@@ -9,9 +9,10 @@ with CUDA graphs) for each chunk count, looped placements (``--loops 2``: four p
 cuda:0, cuda:1, cuda:0, cuda:1, CUDA-graphed, run breadth-first), torchgpipe 0.0.7 over a hand-flattened Sequential when it is
 installed, and torch.distributed.pipelining with hand-cut stages (through torchrun, --anchors).
 ``--schedule`` adds, per chunk count, one row per schedule side by side, trained with
-``pipe.step(x, y, loss_fn)``: gpipe with CUDA graphs (looped with ``--loops 2``), 1f1b, interleaved
-(two partitions per GPU) and zb-h1 (also in a V over two partitions per GPU with ``--loops 2``)
-eagerly, each with the memory the schedule's plan predicts per GPU.
+``pipe.step(x, y, loss_fn)``: gpipe (looped with ``--loops 2``), 1f1b, interleaved (two partitions per
+GPU) and zb-h1 (also in a V over two partitions per GPU with ``--loops 2``), with CUDA graphs and
+eagerly (``--schedule-graphs``), each with the memory the schedule's plan predicts per GPU. The
+schedule rows run on every visible GPU (one GPU: partitions share it, which shows memory, not speed).
 Prints a table of samples/s, the ratio to the one-GPU baseline of the same precision, and the peak
 allocated and reserved memory per GPU on every row; writes the rows as JSON to DIR/pipeline_bench_PRECISION.json. seqify.distributed
 (distributed_bench.py) runs with --anchors in fp32 only.
@@ -114,23 +115,24 @@ def schedule_rows(args: argparse.Namespace, x: torch.Tensor, y1: torch.Tensor, b
                   plans: dict[tuple[int, int], list[int]]) -> None:
     """One row per (chunks, schedule): the same model, batch and balance strategy, side by side."""
     B = x.size(0)
+    n_gpus = len(gpus())
+    modes = {"eager": [False], "graphs": [True], "both": [False, True]}[args.schedule_graphs]
     for chunks in args.chunks:
         for schedule in args.schedule:
             layouts = [2] if schedule == "interleaved" else ([1, 2] if 2 in args.loops and schedule != "1f1b" else [1])
-            for loops in layouts:
-                graphs = schedule == "gpipe"
+            for loops, graphs in [(lo, g) for lo in layouts for g in modes]:
                 shape = ("-v" if schedule == "zb-h1" else f"-loop{loops}") if loops > 1 else ""
                 name = f"sched-{schedule}{shape}-{'graphs' if graphs else 'eager'}-c{chunks}{tag}"
                 try:
                     seq = seqify.convert(fresh())
-                    parts = 2 * loops
+                    parts = n_gpus * loops
                     if (chunks, parts) not in plans:
                         plans[(chunks, parts)] = seqify.balance(seq, parts, sample=x[: B // chunks].cpu(), by=args.balance,
                                                                 device=x.device, progress=False).balance
                         cleanup()
                     balance = plans[(chunks, parts)]
-                    pipe = seqify.pipeline(seq, gpus=2, loops=loops, balance=balance, chunks=chunks, checkpoint="never",
-                                           graphs=graphs, schedule=schedule)
+                    pipe = seqify.pipeline(seq, gpus=n_gpus, loops=loops, balance=balance, chunks=chunks,
+                                           checkpoint="never", graphs=graphs, schedule=schedule)
                     predicted = [round(b / 2**30, 2) for b in pipe.plan_memory(x).per_device]
                     cleanup()
                     opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
@@ -193,6 +195,8 @@ def main() -> None:
                    help="partitions per GPU to try (1: one partition per GPU; 2: cuda:0, cuda:1, cuda:0, cuda:1)")
     p.add_argument("--schedule", nargs="+", default=[], choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
                    help="also train with pipe.step under these schedules, one row each per chunk count")
+    p.add_argument("--schedule-graphs", choices=["eager", "graphs", "both"], default="both",
+                   help="--schedule rows with CUDA graphs, eagerly, or both (default)")
     p.add_argument("--skip-seqify", action="store_true", help="skip the seqify rows without --schedule")
     p.add_argument("--out", default=".")
     args = p.parse_args()
@@ -200,7 +204,7 @@ def main() -> None:
     d0 = torch.device("cuda:0")
     x = torch.randn(B, 3, args.res, args.res, device=d0)
     y0 = torch.randint(0, 1000, (B,), device=d0)
-    y1 = y0.to("cuda:1")
+    y1 = y0.to(f"cuda:{torch.cuda.device_count() - 1}")
     print(f"# {datetime.date.today()} {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}")
     print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}", flush=True)
     precisions = {"fp32": [False], "bf16": [True], "both": [False, True]}[args.precision]

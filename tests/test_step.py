@@ -147,3 +147,22 @@ def test_replay_issues_programs_in_the_gpipe_schedule_order_and_step_trains_thro
     assert replay.backward_order == schedule.backwards()
     on_zero = [ij for ij in replay.forward_order if ij[1] in (0, 2)]
     assert on_zero == [(i, 0) for i in range(4)] + [(i, 2) for i in range(4)]  # looped: breadth-first
+
+
+@pytest.mark.parametrize("schedule,parts,loops", [c for c in CASES if c[0] != "gpipe"])
+def test_replayed_step_runs_every_schedule_in_its_own_order(schedule: str, parts: int, loops: int) -> None:
+    """pipe.step through Replay (the CUDA-graph driver, here with eager programs on the CPU) issues the
+    schedule's own actions: 1F1B, interleaved and zero-bubble train like one device, and pipe(x)
+    afterwards gets fill-drain programs of its own (programs captured for one order never run in another)."""
+    source, pipe = setup(schedule, parts, loops)
+    pipe._replay_eager = True
+    compare(source, pipe, nn.CrossEntropyLoss())
+    key, replay = pipe._graphed
+    assert replay.schedule.name == schedule and not replay.drains, pipe.graph_error
+    last = [a.kind == "B" for a in replay.schedule.actions if a.partition == parts - 1 and a.kind != "W"]
+    assert last != sorted(last)  # forwards and backwards interleave: the programs ran in that order
+    x, y = data()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), torch.cat([source(c) for c in x.tensor_split(pipe.chunks)]))
+    pipe(x).sum().backward()
+    assert pipe._graphed[1].drains and pipe._graphed[1] is not replay

@@ -90,7 +90,8 @@ def _to(value: Any, device: torch.device) -> Any:
 
 def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
     """Run one micro-batch ``x`` through the partitions once, counting the bytes autograd saves in each
-    (each view once; parameters are not activations). Buffers (running statistics) are restored."""
+    (each view once; parameters are not activations; on a GPU, the bytes the forward leaves allocated).
+    Buffers (running statistics) are restored."""
     saved = [(b, b.clone()) for s in stages for b in s.layers.buffers()]
     out: list[PartitionMemory] = []
     pending: dict[SkipKey, Any] = {}
@@ -115,8 +116,19 @@ def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
             inputs += [v for v in skips.values() if isinstance(v, torch.Tensor)]
             received = sum(_bytes(t) for t in {_key(t): t for t in inputs}.values())
             x = x.detach() if isinstance(x, torch.Tensor) else x
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                x, made = stage.fresh(x, skips)
+            if stage.device.type == "cuda":
+                # On a GPU, what the forward leaves allocated (activations autograd keeps, and the outputs).
+                # Saved-tensor hooks are not used there: after a forward under them, capturing that
+                # partition's backward as a CUDA graph fails (seen with torch 2.11 on H200).
+                torch.cuda.synchronize(stage.device)
+                start = torch.cuda.memory_allocated(stage.device)
+                with torch.enable_grad():
+                    x, made = stage.fresh(x, skips)
+                torch.cuda.synchronize(stage.device)
+                kept = max(0, torch.cuda.memory_allocated(stage.device) - start)
+            else:
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    x, made = stage.fresh(x, skips)
             pending.update(made)
             buffers = sum(b.numel() * b.element_size() for b in stage.layers.buffers())
             weights = sum(p.numel() * p.element_size() for p in params)

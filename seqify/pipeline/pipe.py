@@ -33,7 +33,7 @@ from .placement import (  # noqa: F401  (names other modules import from here)
 from .replay import Replay, run
 from .replayed import GraphWarning, Replayer
 from .schedule import SCHEDULES, Schedule, make, round_robin, v_shape
-from .scheduled import ScheduledStep, loss_weights
+from .scheduled import ScheduledStep, loss_weights, scalar
 from .transfer import Transfer
 
 __all__ = ["Pipeline", "pipeline", "resolve_devices", "GraphWarning"]
@@ -236,10 +236,19 @@ class Pipeline(nn.Module):
         sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
         targets = _split_like(self._transfer(target, self.devices[-1]), sizes)
         unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
+        weights = loss_weights(sizes, reduction)
+        schedule = self.schedule_for(len(batches))
         saved = self._save_statistics() if self._statistics else None
         try:
-            return self._stepper(self.schedule_for(len(batches)), batches, targets, loss_fn,
-                                 loss_weights(sizes, reduction), self._checkpoint_stop(len(batches)), unflatten)
+            replay = self._replayer.programs(batches, self.training, schedule)
+            if replay is not None:
+                def loss(out: Any, i: int) -> torch.Tensor:
+                    return scalar(loss_fn(unflatten(out), targets[i]) * weights[i])
+
+                flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
+                return replay.train(flat, targets, loss)
+            return self._stepper(schedule, batches, targets, loss_fn, weights, self._checkpoint_stop(len(batches)),
+                                 unflatten)
         except BaseException:
             if saved:
                 self._restore_statistics(saved)

@@ -111,9 +111,13 @@ def _buffers(modules: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Ten
     return [(b, b.clone()) for part in modules for b in part.buffers()]
 
 
-def _capture(programs: list[Program], device: torch.device, warmup: int, stream: torch.cuda.Stream) -> None:
+def _capture(programs: list[Program], device: torch.device, warmup: int, stream: torch.cuda.Stream,
+             order: Sequence[tuple[str, int]]) -> None:
     """Turn one partition's programs into CUDA graphs sharing one memory pool, captured in the order
-    they run (forwards 0..m-1, then backwards m-1..0) so memory is reused as eager execution would."""
+    they will run (``order``: ("F" | "B", micro-batch) as the schedule issues them on this partition), so
+    memory is reused as eager execution would reuse it: a backward frees what its forward kept, and a
+    forward captured after it takes that memory again. Replaying in any other order would overwrite
+    activations still needed, so a step must issue this partition's programs in exactly this order."""
     pool = torch.cuda.graph_pool_handle()
     with torch.cuda.device(device), torch.cuda.stream(stream):
         for p in programs:  # warm-up: cuDNN/cuBLAS choose kernels and workspaces outside capture
@@ -123,19 +127,32 @@ def _capture(programs: list[Program], device: torch.device, warmup: int, stream:
             p.outputs, p.in_grads = (), [None] * len(p.inputs)
         if programs[0].acc:
             torch._foreach_zero_(programs[0].acc)
-        forwards = []
-        for p in programs:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                p._outputs()
-            forwards.append(graph)
-        for p, graph in reversed(list(zip(programs, forwards))):
+        forwards: dict[int, torch.cuda.CUDAGraph] = {}
+        for kind, i in order:
+            p = programs[i]
+            if kind == "F":
+                graph = forwards[i] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    p._outputs()
+                continue
             backward = None
             if any(g is not None for g in p.out_grads):
                 backward = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(backward, pool=pool, stream=stream):
                     p._grads()
-            p.graphs = (graph, backward)
+            p.graphs = (forwards[i], backward)
+
+
+def _drains(order: Sequence[tuple[str, int]]) -> bool:
+    """Whether every forward in ``order`` comes before every backward."""
+    backward = [k == "B" for k, _ in order]
+    return backward == sorted(backward)
+
+
+def _partition_order(schedule: Schedule, j: int) -> list[tuple[str, int]]:
+    """Partition ``j``'s forwards and backwards in the order ``schedule`` issues them (W steps are part
+    of a replayed backward)."""
+    return [(a.kind, a.microbatch) for a in schedule.actions if a.partition == j and a.kind != "W"]
 
 
 # Where a partition's input slot is filled from: (partition, output slot) of the same micro-batch.
@@ -189,9 +206,9 @@ class Replay:
                 self.consumers[a][o].append((j, s))
         sources = [sorted({a for a, _ in slots}) for slots in routes]
         users = [sorted({b for outs in self.consumers[j] for b, _ in outs}) for j in range(len(stages))]
-        if schedule is not None and (schedule.split or schedule.partitions != len(stages) or schedule.microbatches != m):
-            raise GraphError(f"replay runs every forward, then every backward: schedule {schedule.name!r} does not "
-                             f"fit (split backward, or not {len(stages)} partitions and {m} micro-batches)")
+        if schedule is not None and (schedule.partitions != len(stages) or schedule.microbatches != m):
+            raise GraphError(f"schedule {schedule.name!r} is for {schedule.partitions} partitions and "
+                             f"{schedule.microbatches} micro-batches, not {len(stages)} and {m}")
         self.schedule = schedule or gpipe(slots(self.devices), m)
         self.forward_order = order(self.devices, m, lambda i, j: [(i, a) for a in sources[j]], False, self.schedule)
         self.backward_order = order(self.devices, m, lambda i, j: [(i, b) for b in users[j]], True, self.schedule)
@@ -199,6 +216,9 @@ class Replay:
         self.transfer = transfer  # its copy streams, one per device
         self._events: dict[tuple[int, int, bool], torch.cuda.Event] = {}
         self.step = 0
+        # pipe(x) + loss.backward() replays every forward before any backward: only programs captured in
+        # such an order (fill-drain per partition) may run that way (see _capture).
+        self.drains = all(_drains(_partition_order(self.schedule, j)) for j in range(len(stages)))
         self.acc: list[list[torch.Tensor]] = [programs[j][0].acc for j in range(len(stages))]
         # Per partition, the parameters some backward reaches and their sums (set once the first
         # backward has run: the others keep .grad as autograd would leave it).
@@ -254,35 +274,63 @@ class Replay:
         else:
             program.backward() if backward else program.forward()
 
+    def _feed(self, i: int, j: int, batch: tuple[torch.Tensor, ...]) -> None:
+        """Fill program (i, j)'s input buffers: the micro-batch itself, or what earlier partitions made."""
+        program = self.programs[j][i]
+        if j == 0:
+            for dst, src in zip(program.inputs, batch):
+                dst.copy_(src)
+        else:
+            pairs = [(dst, self.programs[a][i].outputs[o], (i, a)) for dst, (a, o) in zip(program.inputs, self.routes[j])]
+            self._pull(pairs, self.devices[j], backward=False)
+
+    def _feed_grads(self, i: int, j: int) -> None:
+        """Fill program (i, j)'s output-gradient buffers from its consumers' input gradients."""
+        program = self.programs[j][i]
+        pairs = []
+        for o, buf in enumerate(program.out_grads):
+            if buf is None:
+                continue
+            (b, s), = self.consumers[j][o]
+            pairs.append((buf, self.programs[b][i].in_grads[s], (i, b)))
+        self._pull(pairs, self.devices[j], backward=True)
+
+    def _zero(self) -> None:
+        for j, acc in enumerate(self.acc):
+            if acc:
+                with _on(self.devices[j]):
+                    torch._foreach_zero_(acc)
+
+    def _hand(self) -> None:
+        for j, (params, acc) in enumerate(self.handoff):
+            with _on(self.devices[j]):
+                _hand_over(params, acc)
+
+    def _outputs_of(self, i: int) -> tuple[torch.Tensor, ...]:
+        program = self.programs[-1][i]
+        return program.outputs[:1 if self.returns is None else self.returns]
+
     # -- a step -----------------------------------------------------------------------------------
     def forward(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         """Run every forward program; return the last partition's carried outputs, concatenated."""
+        if not self.drains:
+            raise GraphError(f"these programs were captured for schedule {self.schedule.name!r}, which interleaves "
+                             "forwards and backwards; pipe(x) replays fill-drain programs only")
         self.step += 1
         self._fence()
         with torch.no_grad():
             for i, j in self.forward_order:
-                program = self.programs[j][i]
-                if j == 0:
-                    for dst, src in zip(program.inputs, batches[i]):
-                        dst.copy_(src)
-                else:
-                    pairs = [(dst, self.programs[a][i].outputs[o], (i, a))
-                             for dst, (a, o) in zip(program.inputs, self.routes[j])]
-                    self._pull(pairs, self.devices[j], backward=False)
+                self._feed(i, j, batches[i])
                 self._run(i, j, backward=False)
-            last = self.programs[-1]
             k = 1 if self.returns is None else self.returns
-            return tuple(torch.cat([p.outputs[s] for p in last]) for s in range(k))
+            return tuple(torch.cat([self._outputs_of(i)[s] for i in range(len(batches))]) for s in range(k))
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> list[tuple[torch.Tensor | None, ...]]:
         """Run every backward program from the gradients of the concatenated outputs; set ``.grad``;
         return the gradients of each micro-batch's inputs."""
         self._fence()
         with torch.no_grad():
-            for j, acc in enumerate(self.acc):
-                if acc:
-                    with _on(self.devices[j]):
-                        torch._foreach_zero_(acc)
+            self._zero()
             last = self.programs[-1]
             sizes = [p.outputs[0].size(0) for p in last]
             split = [g.split(sizes) if g is not None else None for g in grads]
@@ -295,18 +343,52 @@ class Replay:
                         if buf is not None:
                             buf.copy_(parts[i]) if parts is not None else buf.zero_()
                 else:
-                    pairs = []
-                    for o, buf in enumerate(program.out_grads):
-                        if buf is None:
-                            continue
-                        (b, s), = self.consumers[j][o]
-                        pairs.append((buf, self.programs[b][i].in_grads[s], (i, b)))
-                    self._pull(pairs, self.devices[j], backward=True)
+                    self._feed_grads(i, j)
                 self._run(i, j, backward=True)
-            for j, (params, acc) in enumerate(self.handoff):
-                with _on(self.devices[j]):
-                    _hand_over(params, acc)
+            self._hand()
             return [tuple(g.clone() if g is not None else None for g in p.in_grads) for p in self.programs[0]]
+
+    def train(self, batches: list[tuple[torch.Tensor, ...]], targets: list[Any],
+              loss: Callable[[Any, int], torch.Tensor]) -> torch.Tensor:
+        """One training step in the schedule's own order (1F1B, interleaved, zero-bubble): each forward,
+        the micro-batch's loss as soon as the last partition has made its output (``loss(output, i)``, a
+        scalar already weighed, computed eagerly), each backward; ``.grad`` is set at the end. W steps are
+        part of the replayed backward (a captured backward computes input and weight gradients at once).
+        Returns the summed loss, detached."""
+        self.step += 1
+        self._fence()
+        n, total = len(self.stages), None
+        with torch.no_grad():
+            self._zero()
+            for a in self.schedule.actions:
+                i, j = a.microbatch, a.partition
+                if a.kind == "F":
+                    self._feed(i, j, batches[i])
+                    self._run(i, j, backward=False)
+                    if j == n - 1:
+                        value = self._seed_loss(i, loss)
+                        total = value if total is None else total + value
+                elif a.kind == "B":
+                    if j < n - 1:
+                        self._feed_grads(i, j)
+                    self._run(i, j, backward=True)
+            self._hand()
+        assert total is not None
+        return total
+
+    def _seed_loss(self, i: int, loss: Callable[[Any, int], torch.Tensor]) -> torch.Tensor:
+        """Micro-batch ``i``'s loss from the last partition's outputs, and its gradient into that
+        program's output-gradient buffers (where the backward program reads them)."""
+        program = self.programs[-1][i]
+        outs = self._outputs_of(i)
+        with torch.enable_grad():
+            leaves = [o.detach().requires_grad_(o.requires_grad) for o in outs]
+            value = loss(leaves[0] if self.returns is None else tuple(leaves), i)
+            wanted = [(s, t) for s, t in enumerate(leaves) if t.requires_grad and program.out_grads[s] is not None]
+            got = torch.autograd.grad(value, [t for _, t in wanted], allow_unused=True) if wanted else ()
+        for (s, _), g in zip(wanted, got):
+            program.out_grads[s].copy_(g) if g is not None else program.out_grads[s].zero_()  # type: ignore[union-attr]
+        return value.detach()
 
 
 def _on(device: torch.device) -> Any:
@@ -377,7 +459,7 @@ def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None
                 p.outputs = tuple(o.detach() for o in p.outputs)  # the build pass's graph is done with
         else:
             device = replay.devices[j]
-            _capture(row, device, warmup, streams[device])
+            _capture(row, device, warmup, streams[device], _partition_order(replay.schedule, j))
     for acc in replay.acc:
         if acc:
             torch._foreach_zero_(acc)
@@ -466,6 +548,10 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                 row.append(Program(flat, inputs, params, acc))
             for p in row:
                 p._outputs()  # real values for the next partition (and the output structure)
+                if streams is not None:
+                    # Capturing runs every program again: keep only the values, so building holds one
+                    # micro-batch's activations at a time, not every micro-batch's.
+                    p.outputs = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs)
             returns = row[0].flat.returns
             k = 1 if returns is None else returns
             for s, key in enumerate(stage.stashes):

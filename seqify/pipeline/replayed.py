@@ -13,7 +13,7 @@ import torch
 from ..errors import SeqifyError
 from . import tied
 from .replay import Replay, Unreplayable, build, slots
-from .schedule import gpipe
+from .schedule import Schedule, gpipe
 from .stage import Stage
 from .transfer import Transfer
 
@@ -59,14 +59,16 @@ class Replayer:
             tuple(tuple(map(id, v)).index(id(t)) for v in batches if not isinstance(v, torch.Tensor) for t in v),
         )
 
-    def programs(self, batches: list[Any], training: bool) -> Replay | None:
+    def programs(self, batches: list[Any], training: bool, schedule: Schedule | None = None) -> Replay | None:
         """The step's programs for these micro-batches (built, and captured as CUDA graphs, on first
-        use), or None when this forward runs eagerly."""
+        use), or None when this forward runs eagerly. ``schedule`` (default fill-drain) is the order the
+        step will issue them in: graphs are captured in that order, so programs are kept per schedule."""
         if not self.wanted(training):
             return None
         autocast = torch.is_autocast_enabled("cuda")
         dtype = torch.get_autocast_dtype("cuda") if autocast else None
-        key = self._key(batches, autocast, dtype)
+        schedule = schedule or gpipe(self.placement, len(batches))
+        key = (self._key(batches, autocast, dtype), schedule.name, schedule.placement, schedule.microbatches)
         if self.built is None or self.built[0] != key:
             self.built = None  # let the old graphs' memory go first
             carried = None if isinstance(batches[0], torch.Tensor) else len(batches[0])
@@ -75,7 +77,6 @@ class Replayer:
                 if tied.in_use(self.stages):
                     raise Unreplayable("weights tied across partitions are copied per call; the step runs eagerly")
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
-                    schedule = gpipe(self.placement, len(flat))  # the order the programs are issued in
                     replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule)
             except SeqifyError:
                 raise
@@ -84,6 +85,8 @@ class Replayer:
                     raise
                 self.fall_back(e)
                 return None
+            if self.graphs:  # what building held eagerly (every micro-batch's activations) goes back
+                torch.cuda.empty_cache()
             self.built = (key, replay)
         return self.built[1]
 

@@ -32,7 +32,7 @@ from .schedule import Schedule
 from .stage import Stage
 from .transfer import Transfer
 
-__all__ = ["ScheduledStep", "loss_weights"]
+__all__ = ["ScheduledStep", "loss_weights", "scalar"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -47,6 +47,14 @@ def loss_weights(sizes: Sequence[int], reduction: str) -> list[float]:
         return [1.0] * len(sizes)
     raise ScheduleError(f"reduction={reduction!r}: pipe.step weighs micro-batch losses for 'mean' or 'sum'; pass "
                         "reduction='mean' or 'sum' matching what loss_fn returns")
+
+
+def scalar(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a scalar tensor, else a :class:`ScheduleError` saying what pipe.step needs."""
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ScheduleError(f"loss_fn returned {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}; "
+                            "pipe.step needs a scalar loss per micro-batch (a 'mean' or 'sum' reduction)")
+    return loss
 
 
 @dataclass
@@ -94,11 +102,7 @@ class ScheduledStep:
                     carried[i] = self._forward(j, i, carried[i], pending[i], work, i < stop)
                     if j == n - 1:
                         w = work[j][i]
-                        w.loss = loss_fn(unflatten(carried[i]), targets[i]) * weights[i]
-                        if not (isinstance(w.loss, torch.Tensor) and w.loss.dim() == 0):
-                            raise ScheduleError(f"loss_fn returned {type(w.loss).__name__} of shape "
-                                                f"{tuple(getattr(w.loss, 'shape', ()))}; pipe.step needs a scalar "
-                                                "loss per micro-batch (a 'mean' or 'sum' reduction)")
+                        w.loss = scalar(loss_fn(unflatten(carried[i]), targets[i]) * weights[i])
                         w.outputs = [w.loss]
                         loss = w.loss.detach()
                         total = loss if total is None else total + loss.to(total.device)

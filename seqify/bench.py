@@ -66,7 +66,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     """Time ``model`` (a Sequential) on ``devices[0]`` alone, tune it for ``devices``, then time every
     alternative the tuner reports but did not time (up to ``alternatives`` of them), so each row shows
     the tuner's prediction next to a measurement. The model is left where it was."""
-    from .tune import _kept, step_seconds, tune
+    from .tuning import _kept, step_seconds, tune
 
     placed = [torch.device(d) for d in devices]
     base: float | None = None
@@ -100,7 +100,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
 
 
 def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
-    from .tune import _options as options
+    from .tuning import _options as options
 
     return options(t, devices)
 

@@ -214,7 +214,7 @@ def _devices_of(args: argparse.Namespace) -> list[str]:
 
 
 def _tune_for(seq: Any, x: torch.Tensor, args: argparse.Namespace) -> Any:
-    from .tune import tune
+    from .tuning import tune
 
     return tune(seq, x, devices=_devices_of(args), top=args.top, cache=not args.no_cache)
 

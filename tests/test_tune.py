@@ -4,7 +4,6 @@ and the step-time model's bubble. No timing is asserted: only that predictions a
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 
 import pytest
@@ -16,7 +15,7 @@ from seqify.predict import Calibration, Candidate, LayerModel, predict
 
 from exactness import assert_unchanged, loss_of, snapshot
 
-tuning = importlib.import_module("seqify.tune")  # the module (seqify.tune is the function)
+from seqify import tuning  # the module; seqify.tune is its function
 CPU2 = ["cpu", "cpu"]
 
 
@@ -276,3 +275,14 @@ def test_tune_on_two_gpus_is_exact_and_reports_predictions() -> None:
     want = torch.cat([source(part) for part in x.to("cuda:0").tensor_split(cfg.chunks)])
     got = pipe(x)
     torch.testing.assert_close(got.to("cuda:0"), want)
+
+
+def test_the_tuner_module_is_importable_under_its_own_name() -> None:
+    """``seqify.tune`` is the function; the module is ``seqify.tuning``, so ``import seqify.tuning as m`` and
+    ``mock.patch('seqify.tuning.step_seconds')`` reach the module, not the function."""
+    import types
+
+    import seqify.tuning as module
+
+    assert isinstance(module, types.ModuleType) and seqify.tune is module.tune
+    assert callable(module.step_seconds)

@@ -442,7 +442,7 @@ def pipeline(
         auto = (gpus is not None or devices is not None) and balance is None and probe is not None
         chunks = "auto" if auto else 1
     if chunks == "auto":
-        from ..tune import tune  # the tuner builds on pipelines: imported on use
+        from ..tuning import tune  # the tuner builds on pipelines: imported on use
 
         cfg = tune(model, probe, gpus=gpus, devices=devices, balance=balance,
                    checkpoint=None if checkpoint == "except_last" else checkpoint, graphs=True if graphs else None,

@@ -1,4 +1,4 @@
-"""tune: pick a pipeline's chunks, loops, balance, checkpointing, graphs and schedule from measured costs.
+"""tuning: pick a pipeline's chunks, loops, balance, checkpointing, graphs and schedule from measured costs (seqify.tune).
 
 ::
 

@@ -32,14 +32,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .errors import MemoryCapError, SeqifyError, TuneError
+from .errors import MemoryCapError, ScheduleError, SeqifyError, TuneError
 from .partition.balancer import split
 from .partition.cost import LayerCosts, default_transfer_cost, flop_costs, param_costs, time_costs
 from .partition.graph import dataflow, live_bytes
 from .partition.walk import layers as walk_layers
 from .pipeline.config import PipeConfig, Trial
 from .pipeline.pipe import CHECKPOINT, Pipeline, pipeline, resolve_devices
-from .predict import Calibration, Candidate, LayerModel, predict
+from .pipeline.schedule import SCHEDULES, round_robin, v_shape
+from .predict import Calibration, Candidate, LayerModel, Prediction, predict
 from .progress import progress
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds"]
@@ -138,14 +139,23 @@ def _sync(devices: Sequence[torch.device]) -> None:
             torch.cuda.synchronize(d)
 
 
+def _scored(out: Any, _target: Any) -> torch.Tensor:
+    return _loss(out)
+
+
 def step_seconds(model: nn.Module, sample: Any, devices: Sequence[torch.device], *, steps: int = 2, warm: int = 1) -> float:
     """Median seconds of ``steps`` training steps (forward, a loss over every output, backward) after
-    ``warm`` untimed ones; ``.grad`` is cleared after each."""
+    ``warm`` untimed ones; ``.grad`` is cleared after each. A :class:`Pipeline` whose schedule is not
+    GPipe runs its steps as ``pipe.step`` (the only path that follows its schedule)."""
+    scheduled = isinstance(model, Pipeline) and model.schedule != "gpipe"
     times = []
     for k in range(warm + steps):
         _sync(devices)
         start = time.perf_counter()
-        _loss(_call(model, sample)).backward()
+        if scheduled:
+            model.step(sample, None, _scored, reduction="mean")
+        else:
+            _loss(_call(model, sample)).backward()
         _sync(devices)
         if k >= warm:
             times.append(time.perf_counter() - start)
@@ -248,11 +258,24 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
 # -- candidates --------------------------------------------------------------------------------------------
 
 
-def _schedules() -> tuple[str, ...]:
-    """The schedules the tuner compares. Only fill-drain for now: ``pipe(x)`` with ``loss.backward()``
-    always runs GPipe's order (the other schedules act in ``pipe.step``, which the timed steps do not
-    use yet); :func:`seqify.predict.tasks_order` already simulates '1f1b' for when they do."""
-    return ("gpipe",)
+def _schedules(loops: int, sample: Any) -> tuple[str, ...]:
+    """The schedules that apply with ``loops`` partitions per device: GPipe always; 1F1B with one
+    partition per device; interleaved 1F1B with several; ZB-H1 with one, or two in a V. Only GPipe for a
+    sample of keyword arguments (``pipe.step``, which runs the others, takes positional inputs)."""
+    if isinstance(sample, dict):
+        return ("gpipe",)
+    if loops == 1:
+        return ("gpipe", "1f1b", "zb-h1")
+    return ("gpipe", "interleaved", "zb-h1") if loops == 2 else ("gpipe", "interleaved")
+
+
+def _layout(schedule: str, devices: Sequence[torch.device], loops: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Each partition's device and pipeline device number, as :func:`seqify.pipeline` places them: ZB-H1
+    with two partitions per device in a V, everything else round-robin."""
+    names = [str(d) for d in devices]
+    if schedule == "zb-h1" and loops == 2:
+        return tuple(names + names[::-1]), v_shape(len(names))
+    return tuple(names * loops), round_robin(len(names), loops)
 
 
 def _plans(model: nn.Module, sample: Any, hi: LayerCosts, parts: int, by: Sequence[str],
@@ -291,7 +314,6 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
     loop_set = [fixed["loops"]] if fixed.get("loops") else [v for v in LOOPS if v == 1 or len(devices) > 1]
     ckpt_set = [fixed["checkpoint"]] if fixed.get("checkpoint") else list(CHECKPOINT)
     graph_set = [fixed["graphs"]] if fixed.get("graphs") is not None else ([False, True] if cuda else [False])
-    sched_set = [fixed["schedule"]] if fixed.get("schedule") else list(_schedules())
     balance = fixed.get("balance")
     out: list[tuple[Candidate, str, int]] = []
     for loops in loop_set:
@@ -307,14 +329,18 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
         seen: dict[tuple[int, ...], str] = {}
         for strategy, bal in plans.items():
             seen.setdefault(bal, strategy)  # two strategies that agree are one candidate
-        placed = tuple(str(d) for d in devices) * loops
+        valid = _schedules(loops, sample)
+        sched_set = ([fixed["schedule"]] if fixed["schedule"] in valid else []) if fixed.get("schedule") else list(valid)
         for bal, strategy in seen.items():
             for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graph_set, sched_set):
                 if graphs and (ckpt != "never" or sched != "gpipe"):
-                    continue
+                    continue  # captured graphs: fill-drain without checkpointing only
                 if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
                     continue  # one micro-batch, the last: the same run as checkpoint='never'
-                out.append((Candidate(bal, placed, m, ckpt, graphs, sched), strategy, loops))
+                if m == 1 and sched != "gpipe" and not fixed.get("schedule"):
+                    continue  # one micro-batch has no bubble to fill: every schedule is GPipe's order
+                names, slots = _layout(sched, devices, loops)
+                out.append((Candidate(bal, names, m, ckpt, graphs, sched, slots), strategy, loops))
     return out
 
 
@@ -351,9 +377,11 @@ def tune(
         gpus / devices: as for :func:`seqify.pipeline`: ``gpus=N`` or one device per pipeline stage
             (``devices=['cpu', 'cpu']`` pipelines on the CPU).
         memory_cap: bytes a device may hold (parameters, gradients and the activations the schedule
-            keeps, predicted); :class:`TuneError` when no candidate fits.
+            keeps in flight, predicted; optimizer state not counted): candidates predicted over it are
+            rejected, and :class:`MemoryCapError` names the smallest cap that works when none fits.
         chunks, loops, balance, checkpoint, graphs, schedule: fix that choice (``balance``: a strategy
-            or a list of layer counts); ``None`` searches it.
+            or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1');
+            ``None`` searches it. Schedules other than GPipe are timed, and later run, by ``pipe.step``.
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
             prediction); ``steps`` timed steps each after ``warm`` untimed ones.
         cache: read and write the on-disk cache (:func:`cache_path`).
@@ -371,6 +399,8 @@ def tune(
 
         model = convert(model, example_inputs, **convert_options)
     placed = resolve_devices(gpus, devices, None if gpus is not None or devices is not None else 1)
+    if schedule is not None and schedule not in SCHEDULES:
+        raise TuneError(f"schedule={schedule!r}: choose one of {SCHEDULES}, or None to let the tuner choose")
     if checkpoint is not None and checkpoint not in CHECKPOINT:
         raise TuneError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}, or None to let the tuner choose")
     if memory_cap is not None and not memory_cap > 0:
@@ -397,20 +427,29 @@ def tune(
         if not found:
             raise TuneError(f"no candidate configuration: {len(model)} layers cannot make {len(placed)} partitions "
                             f"with the fixed options {({k: v for k, v in fixed.items() if v is not None})}")
-        trials = [_trial(c, s, v, predict(c, layers, cal, batch)) for c, s, v in found]
+        trials = []
+        for c, s, v in found:
+            try:
+                trials.append(_trial(c, s, v, predict(c, layers, cal, batch)))
+            except ScheduleError:
+                continue  # a schedule that does not apply to this layout
+        if not trials:
+            raise TuneError(f"no schedule applies with the fixed options "
+                            f"{({k: v for k, v in fixed.items() if v is not None})}; let the tuner choose schedule "
+                            "or loops (schedule=None, loops=None)")
         fits = [t for t in trials if memory_cap is None or t.memory_bytes <= memory_cap]
         if not fits:
-            least = min(trials, key=lambda t: t.memory_bytes)
+            least = min(trials, key=lambda t: (t.memory_bytes, t.predicted_s))
             raise MemoryCapError(
-                f"no configuration fits memory_cap={memory_cap / 2**20:.1f} MB per device: the least memory "
-                f"predicted is {least.memory_bytes / 2**20:.1f} MB ({least.label()}); raise memory_cap, use more "
-                "devices, or a smaller mini-batch"
+                f"no configuration fits memory_cap={memory_cap:.0f} bytes ({memory_cap / 2**20:.2f} MiB) per device: "
+                f"the smallest cap that works is {least.memory_bytes} bytes ({least.memory_bytes / 2**20:.2f} MiB, "
+                f"{least.label()}); raise memory_cap to at least that, use more devices, or a smaller mini-batch"
             )
         fits.sort(key=lambda t: t.predicted_s)
         confirmed = []
         for t in progress(fits[:top], min(top, len(fits)), "seqify tune: timing the best candidates", show):
             try:
-                pipe = pipeline(model, **_options(t, placed))
+                pipe = pipeline(model, **_options(t, placed)).train()
                 seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
             except torch.OutOfMemoryError:  # predicted to fit but did not: the next candidate
                 pipe = None
@@ -428,21 +467,19 @@ def tune(
     cfg = PipeConfig(chunks=best.chunks, loops=best.loops, balance=best.balance, by=best.by,
                      checkpoint=best.checkpoint, graphs=best.graphs, devices=tuple(str(d) for d in placed),
                      batch=batch, predicted_s=best.predicted_s, measured_s=best.measured_s,
-                     schedule=best.schedule, trials=tuple(shown), key=key)
+                     schedule=best.schedule, memory_per_device=best.memory_per_device, trials=tuple(shown), key=key)
     if cache:
         _write_cache(key, cfg)
     return cfg
 
 
-def _trial(c: Candidate, by: str, loops: int, p: Any) -> Trial:
+def _trial(c: Candidate, by: str, loops: int, p: Prediction) -> Trial:
     return Trial(chunks=c.chunks, loops=loops, by=by, checkpoint=c.checkpoint, graphs=c.graphs,
-                 schedule=None if c.schedule == "gpipe" and _schedules() == ("gpipe",) else c.schedule,
-                 balance=c.balance, predicted_s=p.seconds, memory_bytes=p.memory_bytes)
+                 schedule=c.schedule, balance=c.balance, predicted_s=p.seconds, memory_bytes=p.memory_bytes,
+                 memory_per_device=p.per_device)
 
 
 def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
-    out: dict[str, Any] = dict(devices=list(devices), loops=t.loops, balance=list(t.balance), chunks=t.chunks,
-                               checkpoint=t.checkpoint, graphs=t.graphs)
-    if t.schedule is not None:
-        out["schedule"] = t.schedule
-    return out
+    """Keyword arguments of :func:`seqify.pipeline` that build trial ``t`` on ``devices``."""
+    return dict(devices=list(devices), loops=t.loops, balance=list(t.balance), chunks=t.chunks,
+                checkpoint=t.checkpoint, graphs=t.graphs, schedule=t.schedule or "gpipe")

@@ -11,8 +11,10 @@ The model, per candidate (partitions on devices, ``m`` micro-batches of ``b`` sa
   from one thread, so step time is at least their sum);
 * a value crossing a cut between two devices costs ``copy_latency_s + bytes / copy_bytes_per_s`` each way;
 * a split backward (zero-bubble schedules) is B, the input gradients, ``1 - weight_share`` of it, and W,
-  the weight gradients, ``weight_share`` of it (the first partition has no input gradient to send: its B
-  is empty and its W the whole backward), W a task of its own;
+  the weight gradients, ``weight_share`` of it, plus what splitting costs the executor beyond one
+  backward (``split_backward - 1`` of it, measured: autograd's W walks the graph from the outputs again),
+  W a task of its own; the first partition has no input gradient to send: its B is empty and its W the
+  whole backward;
 * the actions of the candidate's :class:`~seqify.pipeline.schedule.Schedule` (GPipe, 1F1B, interleaved,
   ZB-H1) run on their device in the schedule's order as soon as what they need is done: the fill-drain
   bubble, ``(m + p - 1) / m`` for GPipe, and the smaller ones of the looped, 1F1B and zero-bubble
@@ -85,13 +87,16 @@ class LayerModel:
 @dataclass(frozen=True)
 class Calibration:
     """Measured overheads of the executor and the devices: see the module docstring. ``host_serial``:
-    every partition runs on the host (CPU devices), so no two tasks overlap."""
+    every partition runs on the host (CPU devices), so no two tasks overlap. ``split_backward``: the
+    seconds of a backward split into input and weight gradients over those of one whole backward
+    (1.0: splitting is free)."""
 
     task_s: float
     launch_s: float
     copy_latency_s: float
     copy_bytes_per_s: float
     host_serial: bool
+    split_backward: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,7 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
             return combine(bwd[j] + recompute, host)
         if kind == "B":  # input gradients only; the first partition has none to send
             return 0.0 if j == 0 else combine(bwd[j] * (1 - weight_share) + recompute, host)
-        whole = bwd[j] if j == 0 else bwd[j] * weight_share
+        whole = bwd[j] if j == 0 else bwd[j] * (weight_share + max(cal.split_backward - 1.0, 0.0))
         return combine(whole, cal.task_s + (host if j == 0 else 0.0))
 
     orders = device_orders(c, m)

@@ -187,9 +187,10 @@ def _kept(model: nn.Module) -> Iterator[None]:
                 b.copy_(value)
 
 
-def calibrate(devices: Sequence[torch.device]) -> Calibration:
+def calibrate(devices: Sequence[torch.device], *, split: bool = True) -> Calibration:
     """Measure the executor's overhead per (micro-batch, partition) task, the host time to issue one
-    layer call on CUDA, and the copy latency and bandwidth between the first two distinct devices."""
+    layer call on CUDA, the copy latency and bandwidth between the first two distinct devices, and
+    (``split``) what a backward split for zero-bubble schedules costs over a whole one."""
     devices = list(devices)
     host_serial = all(d.type == "cpu" for d in devices)
     m = 8
@@ -212,7 +213,44 @@ def calibrate(devices: Sequence[torch.device]) -> Calibration:
         latency = _copy_seconds(small, pair)
         bandwidth = big.numel() * big.element_size() / max(_copy_seconds(big, pair) - latency, 1e-9)
     return Calibration(task_s=task, launch_s=launch, copy_latency_s=latency, copy_bytes_per_s=bandwidth,
-                       host_serial=host_serial)
+                       host_serial=host_serial, split_backward=split_backward(first) if split else 1.0)
+
+
+def split_backward(device: torch.device, *, width: int = 128, depth: int = 6, batch: int = 32) -> float:
+    """Seconds of a backward split as ``pipe.step`` splits it for zero-bubble schedules (input gradients
+    with ``torch.autograd.grad``, then weight gradients with ``backward(inputs=weights)``) over those of
+    one whole backward, on a chain of ``depth`` linear layers on ``device``."""
+    with torch.random.fork_rng(devices=[]):
+        chain = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]).to(device)
+        x = torch.randn(batch, width, device=device, requires_grad=True)
+    weights = list(chain.parameters())
+
+    def whole() -> None:
+        chain(x).sum().backward()
+
+    def split() -> None:
+        y = chain(x).sum()
+        torch.autograd.grad(y, [x], retain_graph=True)
+        torch.autograd.backward(y, inputs=weights)
+
+    def forward() -> None:
+        with torch.enable_grad():
+            chain(x).sum()
+
+    kinds = (("forward", forward), ("whole", whole), ("split", split))
+    for _, fn in kinds * 2:  # warm: allocations and kernels' first runs
+        fn()
+    times = {name: float("inf") for name, _ in kinds}
+    for _ in range(4):  # rounds of all three, the fastest of each: noise from a shared machine only adds
+        for name, fn in kinds:
+            _sync([device])
+            start = time.perf_counter()
+            fn()
+            _sync([device])
+            times[name] = min(times[name], time.perf_counter() - start)
+    back = times["whole"] - times["forward"]
+    # at least one backward's work, at most two (W walks the whole graph again): outside, it was noise
+    return min(max(1.0, (times["split"] - times["forward"]) / back), 2.0) if back > 0 else 1.0
 
 
 def _copy_seconds(t: torch.Tensor, pair: tuple[torch.device, torch.device]) -> float:
@@ -419,7 +457,7 @@ def tune(
                 pass  # an entry from another version: measure again
     batch = _batch(sample)
     with _kept(model):
-        cal = calibrate(placed)
+        cal = calibrate(placed, split=schedule in (None, "zb-h1") and not isinstance(sample, dict))
         lo = max(2 if batch >= 2 else 1, batch // max(c for c in CHUNKS if c <= batch))
         layers, hi = layer_model(model, sample, placed[0], lo=lo, show=show)
         layers = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)

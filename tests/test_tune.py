@@ -302,13 +302,13 @@ def layout(schedule: str, loops: int, devices: int = 2) -> tuple[tuple[str, ...]
 
 
 def balanced(schedule: str, loops: int, m: int, *, layers: int = 8, saved: float = 1e3, checkpoint: str = "never",
-             graphs: bool = False, weight_share: float = 0.5, batch: int | None = None):
+             graphs: bool = False, weight_share: float = 0.5, batch: int | None = None, cal: Calibration = IDEAL):
     """Equal partitions, no overheads: 1 ms of forward+backward per layer and sample."""
     names, slots = layout(schedule, loops)
     p = len(slots)
     model = LayerModel((0.0,) * layers, (1e-3,) * layers, (saved,) * layers, (0,) * layers, (saved / 2,) * layers)
     c = Candidate((layers // p,) * p, names, m, checkpoint, graphs, schedule, slots)
-    return predict(c, model, IDEAL, batch or m, weight_share=weight_share)
+    return predict(c, model, cal, batch or m, weight_share=weight_share)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -340,6 +340,22 @@ def test_zero_bubble_is_faster_than_1f1b_when_weight_gradients_are_a_large_share
     zb = balanced("zb-h1", 1, 8, weight_share=share).seconds
     assert zb < one
     assert balanced("interleaved", 2, 8).seconds < balanced("1f1b", 1, 8).seconds  # loops shrink the bubble
+
+
+def test_a_costly_split_backward_makes_zero_bubble_lose() -> None:
+    """pipe.step's W walks the graph again: when the calibration measures splitting at 1.5 backwards, the
+    bubble ZB-H1 fills is worth less than the work it adds, and the prediction says so."""
+    costly = replace_split(IDEAL, 1.5)
+    assert balanced("zb-h1", 1, 8, cal=costly).seconds > balanced("1f1b", 1, 8, cal=costly).seconds
+    assert balanced("1f1b", 1, 8, cal=costly).seconds == balanced("1f1b", 1, 8).seconds  # unsplit: unchanged
+    measured = tuning.split_backward(torch.device("cpu"), width=32, depth=2, batch=4)
+    assert 1.0 <= measured <= 2.0
+
+
+def replace_split(cal: Calibration, factor: float) -> Calibration:
+    from dataclasses import replace
+
+    return replace(cal, split_backward=factor)
 
 
 def tune_small(x: torch.Tensor, **options):

@@ -48,6 +48,8 @@ __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrat
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 LOOPS = (1, 2, 4)
 STRATEGIES = ("time", "flops", "memory")
+#: what the candidates range over, in the cache key: choices cached before schedules were weighed are not reused
+SPACE = "schedules+checkpoint+loops+balance+chunks"
 
 
 def cache_path() -> str:
@@ -79,7 +81,7 @@ def _key(model: nn.Module, sample: Any, devices: Sequence[torch.device], options
     from . import __version__
 
     text = json.dumps([fingerprint(model), _describe(sample), _device_names(devices), options, __version__,
-                       torch.__version__], sort_keys=True, default=str)
+                       torch.__version__, SPACE], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -463,8 +465,13 @@ def tune(
         layers = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
         found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s)
         if not found:
+            given = {k: v for k, v in fixed.items() if v is not None}
+            if schedule is not None and schedule != "gpipe":
+                raise TuneError(f"no candidate configuration with the fixed options {given}: schedule={schedule!r} "
+                                "applies to loops=1 ('1f1b'), loops > 1 ('interleaved') or loops 1 and 2 ('zb-h1'), "
+                                "with positional inputs; fix loops to match, or let the tuner choose (schedule=None)")
             raise TuneError(f"no candidate configuration: {len(model)} layers cannot make {len(placed)} partitions "
-                            f"with the fixed options {({k: v for k, v in fixed.items() if v is not None})}")
+                            f"with the fixed options {given}")
         trials = []
         for c, s, v in found:
             try:

@@ -451,3 +451,5 @@ def test_auto_tunes_the_schedule_unless_one_is_given() -> None:
     assert fixed.config is not None and fixed.config.schedule == "1f1b" and fixed.schedule == "1f1b"
     with pytest.raises(seqify.TuneError, match="schedule='fast'"):
         seqify.tune(seq, x, devices=CPU2, schedule="fast", show=False)
+    with pytest.raises(seqify.TuneError, match="schedule='1f1b' applies to loops=1"):
+        seqify.tune(seq, x, devices=CPU2, schedule="1f1b", loops=2, top=0, show=False)

@@ -137,7 +137,9 @@ class Pipeline(nn.Module):
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{b} on {d}" for b, d in zip(self.balance, self.devices))
-        text = f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r})"
+        schedule = self.schedule if isinstance(self.schedule, str) else self.schedule.name
+        more = "" if schedule == "gpipe" else f", schedule={schedule!r} (pipe.step)"
+        text = f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r}{more})"
         config = getattr(self, "config", None)
         return text if config is None else f"{text}\ntuned: {config}"
 

@@ -323,6 +323,16 @@ def test_predicted_time_simulates_the_schedule(schedule: str, loops: int, graphs
     assert got == pytest.approx(make(schedule, slots, m).ticks)
 
 
+@pytest.mark.parametrize("schedule, loops", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2)])
+def test_predicted_memory_is_what_the_schedule_keeps_in_flight(schedule: str, loops: int) -> None:
+    """No parameters, no checkpointing: each device's predicted peak is Schedule.peak_activations weighed by
+    one partition's activations for one micro-batch."""
+    names, slots = layout(schedule, loops)
+    per_partition = 1e3 * 8 // len(slots)  # saved bytes per layer and sample, layers per partition, batch 1
+    want = make(schedule, slots, 6).peak_activations([per_partition] * len(slots))
+    assert balanced(schedule, loops, 6).per_device == pytest.approx(tuple(want))
+
+
 def test_1f1b_and_zero_bubble_hold_less_than_gpipe_with_many_micro_batches() -> None:
     gpipe = balanced("gpipe", 1, 16).per_device
     for schedule in ("1f1b", "zb-h1"):

@@ -68,10 +68,12 @@ class Bench:
 
 
 def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spec: str = "", top: int = 3,
-          alternatives: int = 4, steps: int = 3, warm: int = 1, cache: bool = True, show: bool = True) -> Bench:
+          alternatives: int = 4, steps: int = 3, warm: int = 1, cache: bool = True, show: bool = True,
+          memory_cap: float | None = None, schedule: str | None = None) -> Bench:
     """Time ``model`` (a Sequential) on ``devices[0]`` alone, tune it for ``devices``, then time every
     alternative the tuner reports but did not time (up to ``alternatives`` of them), so each row shows
-    the tuner's prediction next to a measurement. The model is left where it was."""
+    the tuner's prediction next to a measurement (``memory_cap`` and ``schedule`` go to the tuner). The
+    model is left where it was."""
     from .tuning import _kept, step_seconds, tune
 
     placed = [torch.device(d) for d in devices]
@@ -82,7 +84,8 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
         except torch.OutOfMemoryError:  # what pipelines are for: the row says so
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    cfg = tune(model, sample, devices=placed, top=top, steps=steps, warm=warm, cache=cache, show=show)
+    cfg = tune(model, sample, devices=placed, top=top, steps=steps, warm=warm, cache=cache, show=show,
+               memory_cap=memory_cap, schedule=schedule)
     trials = list(cfg.trials)
     todo = [k for k, t in enumerate(trials) if t.measured_s is None][:alternatives]
     oom: set[int] = set()

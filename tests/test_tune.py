@@ -253,6 +253,12 @@ def test_inspect_tune_prints_the_choice(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert code == 0 and "PipeConfig: 2 devices (cpu, cpu)" in text and "predicted ms" in text
     assert "schedule" in text and "peak MiB per device" in text
+    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
+                 "--top", "1", "--no-layers", "--no-cache", "--schedule", "1f1b"])
+    assert code == 0 and "schedule '1f1b'" in capsys.readouterr().out
+    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
+                 "--top", "0", "--no-layers", "--no-cache", "--memory-cap", "16B"])
+    assert code == 2 and "smallest cap that works" in capsys.readouterr().err
 
 
 def test_fixed_balance_strategy_is_kept() -> None:

@@ -95,11 +95,17 @@ def _sync(devices: list[torch.device]) -> None:
 
 
 def timed(model: nn.Module, x: Any, devices: list[torch.device], steps: int, warm: int) -> float:
+    """Median seconds of a training step; a pipeline the tuner gave another schedule than GPipe steps with
+    ``pipe.step`` (``pipe(x)`` with ``backward()`` would run fill-drain, not what was tuned)."""
+    scheduled = isinstance(model, seqify.Pipeline) and model.schedule != "gpipe"
     times = []
     for k in range(warm + steps):
         _sync(devices)
         start = time.perf_counter()
-        _loss(model(x)).backward()
+        if scheduled:
+            model.step(x, None, lambda out, _: _loss(out), reduction="mean")
+        else:
+            _loss(model(x)).backward()
         _sync(devices)
         if k >= warm:
             times.append(time.perf_counter() - start)

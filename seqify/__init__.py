@@ -13,7 +13,7 @@ from .partition import NoPlanFitsError, PartitionPlan, balance
 from .pipeline import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomputing, pipeline
 from .sequential import OpaqueInfo, Sequential, SkipInfo
 from .pipeline.config import PipeConfig
-from .tune import tune
+from .tuning import tune
 
 __version__ = "0.1.0"
 

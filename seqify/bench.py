@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .pipeline.config import PipeConfig, Trial
+from .pipeline.config import PipeConfig, Trial, megabytes
 from .pipeline.pipe import pipeline
 from .progress import progress
 
@@ -20,13 +20,16 @@ __all__ = ["Row", "Bench", "bench", "plot_bench"]
 
 @dataclass(frozen=True)
 class Row:
-    """One measured configuration: ``name``, predicted and measured seconds per step (``predicted_s`` is
-    None for the one-device baseline, which the tuner does not model)."""
+    """One measured configuration: ``name``, its schedule, predicted and measured seconds per step and
+    predicted peak bytes per pipeline device (``predicted_s`` is None and ``memory_per_device`` empty for
+    the one-device baseline, which the tuner does not model)."""
 
     name: str
     predicted_s: float | None
     measured_s: float | None  # None: out of memory
     chosen: bool = False
+    schedule: str = "-"
+    memory_per_device: tuple[int, ...] = ()
 
 
 @dataclass
@@ -47,26 +50,31 @@ class Bench:
         base = self.baseline.measured_s  # None when the model does not fit one device
         lines = [f"seqify bench {self.spec}: batch {self.batch}, one device ({self.devices[0]}) against a pipeline "
                  f"over {', '.join(self.devices)}; the tuned configuration is marked *", "",
-                 "| | configuration | predicted ms | measured ms | error | samples/s | vs one device |",
-                 "|---|---|---:|---:|---:|---:|---:|"]
+                 "| | configuration | schedule | predicted ms | measured ms | error | predicted peak MiB per device "
+                 "| samples/s | vs one device |",
+                 "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows:
             predicted = f"{r.predicted_s * 1e3:.2f}" if r.predicted_s is not None else "-"
+            peak = megabytes(r.memory_per_device) if r.memory_per_device else "-"
+            head = f"| {'*' if r.chosen else ''} | {r.name} | {r.schedule} | {predicted}"
             if r.measured_s is None:
-                lines.append(f"| {'*' if r.chosen else ''} | {r.name} | {predicted} | out of memory | - | - | - |")
+                lines.append(f"{head} | out of memory | - | {peak} | - | - |")
                 continue
             error = f"{(r.predicted_s / r.measured_s - 1) * 100:+.0f}%" if r.predicted_s is not None else "-"
             ratio = f"{base / r.measured_s:.2f}x" if base else "-"
-            lines.append(f"| {'*' if r.chosen else ''} | {r.name} | {predicted} | {r.measured_s * 1e3:.2f} | {error} | "
-                         f"{self.batch / r.measured_s:.1f} | {ratio} |")
+            lines.append(f"{head} | {r.measured_s * 1e3:.2f} | {error} | {peak} | {self.batch / r.measured_s:.1f} | "
+                         f"{ratio} |")
         return "\n".join(lines)
 
 
 def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spec: str = "", top: int = 3,
-          alternatives: int = 4, steps: int = 3, warm: int = 1, cache: bool = True, show: bool = True) -> Bench:
+          alternatives: int = 4, steps: int = 3, warm: int = 1, cache: bool = True, show: bool = True,
+          memory_cap: float | None = None, schedule: str | None = None) -> Bench:
     """Time ``model`` (a Sequential) on ``devices[0]`` alone, tune it for ``devices``, then time every
     alternative the tuner reports but did not time (up to ``alternatives`` of them), so each row shows
-    the tuner's prediction next to a measurement. The model is left where it was."""
-    from .tune import _kept, step_seconds, tune
+    the tuner's prediction next to a measurement (``memory_cap`` and ``schedule`` go to the tuner). The
+    model is left where it was."""
+    from .tuning import _kept, step_seconds, tune
 
     placed = [torch.device(d) for d in devices]
     base: float | None = None
@@ -76,7 +84,8 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
         except torch.OutOfMemoryError:  # what pipelines are for: the row says so
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    cfg = tune(model, sample, devices=placed, top=top, steps=steps, warm=warm, cache=cache, show=show)
+    cfg = tune(model, sample, devices=placed, top=top, steps=steps, warm=warm, cache=cache, show=show,
+               memory_cap=memory_cap, schedule=schedule)
     trials = list(cfg.trials)
     todo = [k for k, t in enumerate(trials) if t.measured_s is None][:alternatives]
     oom: set[int] = set()
@@ -84,7 +93,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
         for k in progress(todo, len(todo), "seqify bench: timing the alternatives", show):
             t = trials[k]
             try:
-                pipe = pipeline(model, **_options(t, placed))
+                pipe = pipeline(model, **_options(t, placed)).train()
                 trials[k] = replace(t, measured_s=step_seconds(pipe, sample, placed, steps=steps,
                                                                warm=warm + (1 if t.graphs else 0)))
             except torch.OutOfMemoryError:
@@ -95,19 +104,21 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     chosen = [t for t in trials if _is(t, cfg)]
     others = [t for k, t in enumerate(trials) if not _is(t, cfg) and (t.measured_s is not None or k in oom)]
     for t in chosen + others:
-        result.rows.append(Row(t.label(), t.predicted_s, t.measured_s, chosen=_is(t, cfg)))
+        result.rows.append(Row(t.layout(), t.predicted_s, t.measured_s, chosen=_is(t, cfg), schedule=t.schedule or "gpipe",
+                               memory_per_device=t.memory_per_device or (t.memory_bytes,)))
     return result
 
 
 def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
-    from .tune import _options as options
+    from .tuning import _options as options
 
     return options(t, devices)
 
 
 def _is(t: Trial, cfg: PipeConfig) -> bool:
-    return (t.chunks, t.loops, t.by, t.checkpoint, t.graphs, t.schedule, tuple(t.balance)) == (
-        cfg.chunks, cfg.loops, cfg.by, cfg.checkpoint, cfg.graphs, cfg.schedule, tuple(cfg.balance))
+    from .pipeline.config import _same
+
+    return _same(t, cfg)
 
 
 def plot_bench(result: Bench, path: str | os.PathLike[str] | None = None) -> Any:
@@ -116,7 +127,7 @@ def plot_bench(result: Bench, path: str | os.PathLike[str] | None = None) -> Any
     from .plot import _finish, _plt
 
     plt = _plt()
-    names = [r.name for r in result.rows]
+    names = [r.name if r.schedule == "-" else f"{r.name}, {r.schedule}" for r in result.rows]
     y = range(len(names))
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
     ax.barh([i - 0.2 for i in y], [(r.measured_s or 0.0) * 1e3 for r in result.rows], height=0.4, label="measured")

@@ -214,9 +214,17 @@ def _devices_of(args: argparse.Namespace) -> list[str]:
 
 
 def _tune_for(seq: Any, x: torch.Tensor, args: argparse.Namespace) -> Any:
-    from .tune import tune
+    from .tuning import tune
 
-    return tune(seq, x, devices=_devices_of(args), top=args.top, cache=not args.no_cache)
+    return tune(seq, x, devices=_devices_of(args), top=args.top, cache=not args.no_cache, memory_cap=_cap(args),
+                schedule=args.schedule)
+
+
+def _cap(args: argparse.Namespace) -> float | None:
+    """--memory-cap as bytes (None when not given)."""
+    from .pipeline.memory import parse_bytes
+
+    return None if args.memory_cap is None else float(parse_bytes(args.memory_cap))
 
 
 def _bench_spec(args: argparse.Namespace) -> int:
@@ -227,7 +235,8 @@ def _bench_spec(args: argparse.Namespace) -> int:
     model, x = _load(args)
     seq = _convert(model.module, x, args.example)
     result = run_bench(seq, x, _devices_of(args), spec=args.spec, top=args.top, alternatives=args.alternatives,
-                       steps=args.steps, warm=args.warm, cache=not args.no_cache)
+                       steps=args.steps, warm=args.warm, cache=not args.no_cache, memory_cap=_cap(args),
+                       schedule=args.schedule)
     print(result)
     print(f"\nuse it: seqify.pipeline(seq, config=cfg) with cfg = {result.config.without_trials().to_dict()}")
     if args.plot:
@@ -425,6 +434,10 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
                        "(default: every GPU, else cpu,cpu)")
     p.add_argument("--top", type=int, default=3, help="tuning: best predicted candidates to confirm with timed steps")
     p.add_argument("--no-cache", action="store_true", help="tuning: measure again instead of reading the cache")
+    p.add_argument("--memory-cap", metavar="SIZE", help="tuning: bytes per device, e.g. 40GiB; candidates predicted "
+                   "over it are rejected")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+                   help="tuning: fix the schedule (default: the tuner weighs every one that applies)")
 
 
 class _Given(argparse.Action):

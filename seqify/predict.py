@@ -10,10 +10,20 @@ The model, per candidate (partitions on devices, ``m`` micro-batches of ``b`` sa
   graphs every layer call costs ``launch_s`` of host time to issue (the host issues all devices' forwards
   from one thread, so step time is at least their sum);
 * a value crossing a cut between two devices costs ``copy_latency_s + bytes / copy_bytes_per_s`` each way;
-* tasks run on their device in the schedule's order as soon as what they need is done: the simulation
-  gives the fill-drain bubble, ``(m + p - 1) / m`` for GPipe, and its looped and 1F1B variants, from the
-  schedule itself rather than a formula. Partitions on CPU devices share the host: nothing overlaps, so
-  their step is the sum of their work.
+* a split backward (zero-bubble schedules) is B, the input gradients, ``1 - weight_share`` of it, and W,
+  the weight gradients, ``weight_share`` of it, plus what splitting costs the executor beyond one
+  backward (``split_backward - 1`` of it, measured: autograd's W walks the graph from the outputs again),
+  W a task of its own; the first partition has no input gradient to send: its B is empty and its W the
+  whole backward;
+* the actions of the candidate's :class:`~seqify.pipeline.schedule.Schedule` (GPipe, 1F1B, interleaved,
+  ZB-H1) run on their device in the schedule's order as soon as what they need is done: the fill-drain
+  bubble, ``(m + p - 1) / m`` for GPipe, and the smaller ones of the looped, 1F1B and zero-bubble
+  schedules come from simulating the schedule with these costs, not from a formula (``pipe(x)`` with
+  ``loss.backward()`` runs GPipe in clock-cycle order without graphs, and its loss waits for every
+  micro-batch). Partitions on CPU devices share the host: nothing overlaps, so their step is the sum of
+  their work;
+* peak memory per pipeline device is :func:`seqify.pipeline.memory.predict` on the schedule: parameters
+  and gradients plus the most activations (or, checkpointed, stage inputs) the schedule keeps in flight.
 """
 
 from __future__ import annotations
@@ -21,10 +31,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from .partition.cost import TRAINING_FACTOR
+from .pipeline.memory import PartitionMemory
+from .pipeline.memory import predict as plan_memory
+from .pipeline.schedule import Action, Schedule, clock_cycles, make, needs
 
-__all__ = ["LayerModel", "Calibration", "Candidate", "Prediction", "predict", "tasks_order"]
+__all__ = ["LayerModel", "Calibration", "Candidate", "Prediction", "predict", "schedule_of", "device_orders",
+           "WEIGHT_SHARE"]
+
+#: the share of a backward that is weight gradients (W) when a zero-bubble schedule splits it: B and W
+#: about equal, as for a matmul, whose input and weight gradients are one matmul each
+WEIGHT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -68,19 +87,24 @@ class LayerModel:
 @dataclass(frozen=True)
 class Calibration:
     """Measured overheads of the executor and the devices: see the module docstring. ``host_serial``:
-    every partition runs on the host (CPU devices), so no two tasks overlap."""
+    every partition runs on the host (CPU devices), so no two tasks overlap. ``split_backward``: the
+    seconds of a backward split into input and weight gradients over those of one whole backward
+    (1.0: splitting is free)."""
 
     task_s: float
     launch_s: float
     copy_latency_s: float
     copy_bytes_per_s: float
     host_serial: bool
+    split_backward: float = 1.0
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One configuration: layers per partition, the device of each partition, micro-batches, checkpointing,
-    CUDA graphs and schedule (``'gpipe'`` for the fill-drain executor)."""
+    CUDA graphs, schedule (one of :data:`~seqify.pipeline.schedule.SCHEDULES`) and the schedule's
+    placement (each partition's pipeline device number; by default partitions whose device names are
+    equal share a number)."""
 
     balance: tuple[int, ...]
     devices: tuple[str, ...]
@@ -88,63 +112,59 @@ class Candidate:
     checkpoint: str
     graphs: bool = False
     schedule: str = "gpipe"
+    placement: tuple[int, ...] | None = None
+
+    def slots(self) -> tuple[int, ...]:
+        """Each partition's pipeline device number."""
+        if self.placement is not None:
+            return self.placement
+        first: dict[str, int] = {}
+        return tuple(first.setdefault(d, len(first)) for d in self.devices)
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted seconds per training step and peak bytes on the fullest device."""
+    """Predicted seconds per training step, peak bytes on the fullest device and on each pipeline device."""
 
     seconds: float
     memory_bytes: int
+    per_device: tuple[int, ...] = ()
 
 
-def tasks_order(schedule: str, devices: Sequence[str], m: int, graphs: bool) -> dict[str, list[tuple[str, int, int]]]:
-    """Per device, its tasks ``(F|B, micro-batch, partition)`` in the order it runs them.
-
-    ``gpipe`` without graphs: forwards in clock-cycle order (partition ``j`` takes micro-batch ``i`` at
-    cycle ``i + j``), then backwards in the reverse; with graphs (looped, breadth-first): every micro-batch
-    of a device's first partition, then of its next. ``1f1b`` (and the schedules derived from it): each
-    partition runs ``p - j - 1`` forwards ahead, then alternates one forward, one backward.
-    """
-    p = len(devices)
-    queues: dict[str, list[tuple[str, int, int]]] = {d: [] for d in devices}
-    if schedule == "gpipe":
-        if graphs:
-            forwards = [(i, j) for j in range(p) for i in range(m)]
-        else:
-            forwards = [(k - j, j) for k in range(m + p - 1) for j in range(max(0, k - m + 1), min(k + 1, p))]
-        for i, j in forwards:
-            queues[devices[j]].append(("F", i, j))
-        for i, j in reversed(forwards):
-            queues[devices[j]].append(("B", i, j))
-        return queues
-    per_partition: list[list[tuple[str, int, int]]] = []
-    for j in range(p):
-        ahead = min(p - j, m)
-        ops = [("F", i, j) for i in range(ahead)]
-        for i in range(m):
-            ops.append(("B", i, j))
-            if ahead + i < m:
-                ops.append(("F", ahead + i, j))
-        per_partition.append(ops)
-    for j, ops in enumerate(per_partition):  # partitions sharing a device take turns, task by task
-        queues[devices[j]].extend(ops)
-    for d in queues:
-        queues[d].sort(key=lambda op: _interleave_rank(op, per_partition))
-    return queues
+@lru_cache(maxsize=256)
+def schedule_of(name: str, placement: tuple[int, ...], m: int) -> Schedule:
+    """The schedule ``name`` for this placement and micro-batch count (built once; raises
+    :class:`~seqify.ScheduleError` where the schedule does not apply, e.g. 1F1B with loops)."""
+    return make(name, placement, m)
 
 
-def _interleave_rank(op: tuple[str, int, int], per_partition: list[list[tuple[str, int, int]]]) -> tuple[int, int]:
-    return per_partition[op[2]].index(op), op[2]
+def device_orders(c: Candidate, m: int) -> list[list[Action]]:
+    """Per pipeline device, the actions in the order the executor runs them: the schedule's, except
+    ``gpipe`` without graphs, which ``pipe(x)`` runs in clock cycles (partition ``j`` takes micro-batch
+    ``i`` at cycle ``i + j``) and autograd backward in the reverse order."""
+    placement = c.slots()
+    if c.schedule == "gpipe" and not c.graphs:
+        out: list[list[Action]] = [[] for _ in range(max(placement) + 1)]
+        forwards = [(i, j) for cycle in clock_cycles(m, len(placement)) for i, j in cycle]
+        for kind, order in (("F", forwards), ("B", forwards[::-1])):
+            for i, j in order:
+                out[placement[j]].append(Action(placement[j], j, i, kind))  # type: ignore[arg-type]
+        return out
+    return schedule_of(c.schedule, placement, m).per_device()
 
 
-def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int) -> Prediction:
-    """The step time and peak memory of candidate ``c`` for a mini-batch of ``batch`` samples."""
+def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
+            weight_share: float = WEIGHT_SHARE) -> Prediction:
+    """The step time and peak memory of candidate ``c`` for a mini-batch of ``batch`` samples
+    (``weight_share``: the share of a split backward that is weight gradients)."""
     m = max(1, min(c.chunks, batch))
     b = batch / m
     starts = [sum(c.balance[:j]) for j in range(len(c.balance))]
     stops = [s + n for s, n in zip(starts, c.balance)]
     p = len(c.balance)
+    placement = c.slots()
+    built = schedule_of(c.schedule, placement, m)
+    split = built.split
     stop_ckpt = {"always": m, "except_last": m - 1, "never": 0}[c.checkpoint]
     launch = 0.0 if c.graphs else cal.launch_s
     compute = [layers.seconds(a, z, b) for a, z in zip(starts, stops)]
@@ -157,78 +177,64 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int) -> P
         for j in range(1, p)
     ]
 
-    def duration(kind: str, i: int, j: int) -> float:
-        if kind == "F":
-            return max(fwd[j], issue[j] / TRAINING_FACTOR) if not cal.host_serial else fwd[j] + issue[j] / TRAINING_FACTOR
-        extra = fwd[j] if i < stop_ckpt else 0.0
-        own = bwd[j] + extra
-        host = issue[j] * (1 - 1 / TRAINING_FACTOR)
+    def combine(own: float, host: float) -> float:
         return own + host if cal.host_serial else max(own, host)
 
+    def duration(kind: str, i: int, j: int) -> float:
+        if kind == "F":
+            return combine(fwd[j], issue[j] / TRAINING_FACTOR)
+        host = issue[j] * (1 - 1 / TRAINING_FACTOR)
+        recompute = fwd[j] if i < stop_ckpt else 0.0
+        if not split:
+            return combine(bwd[j] + recompute, host)
+        if kind == "B":  # input gradients only; the first partition has none to send
+            return 0.0 if j == 0 else combine(bwd[j] * (1 - weight_share) + recompute, host)
+        whole = bwd[j] if j == 0 else bwd[j] * (weight_share + max(cal.split_backward - 1.0, 0.0))
+        return combine(whole, cal.task_s + (host if j == 0 else 0.0))
+
+    orders = device_orders(c, m)
     if cal.host_serial:
-        seconds = sum(duration(k, i, j) + 2 * copy[j] for k in "FB" for i in range(m) for j in range(p))
+        seconds = math.fsum(duration(a.kind, a.microbatch, a.partition) for q in orders for a in q)
+        seconds += math.fsum(2 * copy[j] * m for j in range(p))
     else:
-        seconds = _simulate(tasks_order(c.schedule, c.devices, m, c.graphs), duration, copy, p, m, c.schedule)
+        seconds = _simulate(orders, duration, copy, p, m, c.schedule == "gpipe")
         host = sum(issue[j] / TRAINING_FACTOR for j in range(p)) * m  # one thread issues every forward
         seconds = max(seconds, host)
-    return Prediction(seconds, _memory(c, layers, starts, stops, m, b, batch))
+    parts = [PartitionMemory(params=sum(layers.state_bytes[a:z]), grads=sum(layers.state_bytes[a:z]),
+                             activations=int(math.fsum(layers.saved_per_sample[a:z]) * b),
+                             inputs=int(layers.cut_per_sample[a] * b) if a > 0 else 0)
+             for a, z in zip(starts, stops)]
+    per_device = plan_memory(parts, built, c.checkpoint).per_device
+    return Prediction(seconds, max(per_device), per_device)
 
 
-def _simulate(queues: dict[str, list[tuple[str, int, int]]], run: Callable[[str, int, int], float], copy: list[float],
-              p: int, m: int, schedule: str) -> float:
-    """Run every device's queue in order, each task as soon as its device is free and its inputs are there."""
+def _simulate(orders: list[list[Action]], run: Callable[[str, int, int], float], copy: list[float], p: int,
+              m: int, whole_loss: bool) -> float:
+    """Run every device's actions in order, each as soon as its device is free and what it needs is done
+    (plus the copy across a cut between devices). ``whole_loss``: the last partition's backwards wait
+    for every micro-batch's forward (``pipe(x)`` then one loss over the mini-batch)."""
     end: dict[tuple[str, int, int], float] = {}
-    free = {d: 0.0 for d in queues}
-    heads = {d: 0 for d in queues}
-    total = sum(len(q) for q in queues.values())
+    free = [0.0] * len(orders)
+    heads = [0] * len(orders)
+    total = sum(len(q) for q in orders)
     while len(end) < total:
         progressed = False
-        for d, q in queues.items():
+        for d, q in enumerate(orders):
             while heads[d] < len(q):
-                kind, i, j = q[heads[d]]
-                needs = _needs(kind, i, j, p, m, schedule)
-                if not all(n in end for n in needs):
+                a = q[heads[d]]
+                kind, i, j = a.kind, a.microbatch, a.partition
+                waits = [(k, mb, part) for part, mb, k in needs(j, i, kind, p)]
+                if whole_loss and kind == "B" and j == p - 1:
+                    waits += [("F", k, j) for k in range(m)]
+                if not all(w in end for w in waits):
                     break
                 ready = 0.0
-                for n in needs:
-                    ready = max(ready, end[n] + (copy[max(n[2], j)] if n[2] != j else 0.0))
+                for w in waits:
+                    ready = max(ready, end[w] + (copy[max(w[2], j)] if w[2] != j else 0.0))
                 start = max(free[d], ready)
                 end[(kind, i, j)] = free[d] = start + run(kind, i, j)
                 heads[d] += 1
                 progressed = True
-        if not progressed:  # a queue order that deadlocks: cannot happen for the orders tasks_order makes
+        if not progressed:  # an order that deadlocks: schedules are checked, so this cannot happen
             raise RuntimeError("the simulated schedule deadlocks")
     return max(end.values()) if end else 0.0
-
-
-def _needs(kind: str, i: int, j: int, p: int, m: int, schedule: str) -> list[tuple[str, int, int]]:
-    if kind == "F":
-        return [("F", i, j - 1)] if j > 0 else []
-    if j < p - 1:
-        return [("B", i, j + 1), ("F", i, j)]
-    if schedule == "gpipe":  # the loss needs every micro-batch's output
-        return [("F", k, p - 1) for k in range(m)]
-    return [("F", i, j)]
-
-
-def _memory(c: Candidate, layers: LayerModel, starts: list[int], stops: list[int], m: int, b: float,
-            batch: int) -> int:
-    """Peak bytes on the fullest device: parameters and their gradients, plus the activations the
-    schedule keeps (every micro-batch's without checkpointing under GPipe; at most ``p - j`` under 1F1B;
-    with checkpointing, every micro-batch's stage input plus one micro-batch's activations, twice while
-    it is recomputed)."""
-    per_device: dict[str, float] = {}
-    p = len(c.balance)
-    for j, (a, z) in enumerate(zip(starts, stops)):
-        state = 2.0 * sum(layers.state_bytes[a:z])
-        saved = math.fsum(layers.saved_per_sample[a:z]) * b
-        held = m if c.schedule == "gpipe" else min(m, p - j)
-        stash = layers.cut_per_sample[a] * b if a > 0 else 0.0
-        if c.checkpoint == "never":
-            acts = saved * held
-        elif c.checkpoint == "except_last":
-            acts = stash * max(held - 1, 0) + 2 * saved
-        else:
-            acts = stash * held + saved
-        per_device[c.devices[j]] = per_device.get(c.devices[j], 0.0) + state + acts
-    return int(max(per_device.values()))

@@ -4,7 +4,6 @@ and the step-time model's bubble. No timing is asserted: only that predictions a
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 
 import pytest
@@ -16,7 +15,7 @@ from seqify.predict import Calibration, Candidate, LayerModel, predict
 
 from exactness import assert_unchanged, loss_of, snapshot
 
-tuning = importlib.import_module("seqify.tune")  # the module (seqify.tune is the function)
+from seqify import tuning  # the module; seqify.tune is its function
 CPU2 = ["cpu", "cpu"]
 
 
@@ -234,12 +233,14 @@ def test_bench_spec_on_cpu_shows_baseline_tuned_and_alternatives(tmp_path, capsy
     text = capsys.readouterr().out
     assert code == 0
     rows = [line for line in text.splitlines() if line.startswith("| ") and "ms" not in line and "---" not in line]
-    assert rows[0].startswith("|  | one device (cpu) | - |")  # measured, not predicted
+    assert rows[0].startswith("|  | one device (cpu) | - | - |")  # measured, not predicted
     assert sum(r.startswith("| * |") for r in rows) == 1  # the tuned one
     assert len(rows) == 4  # baseline, tuned, two timed alternatives
-    for r in rows[1:]:  # predicted and measured milliseconds side by side
-        predicted, measured = r.split("|")[3:5]
+    for r in rows[1:]:  # schedule, predicted and measured milliseconds side by side, peak MiB per device
+        schedule, predicted, measured, _, peak = (c.strip() for c in r.split("|")[3:8])
+        assert schedule in ("gpipe", "1f1b", "interleaved", "zb-h1")
         assert float(predicted) > 0 and float(measured) > 0
+        assert len(peak.split(" / ")) == 2 and all(float(v) >= 0 for v in peak.split(" / "))
     assert out.with_suffix(".png").is_file() == plot.available()
 
 
@@ -251,6 +252,13 @@ def test_inspect_tune_prints_the_choice(tmp_path, capsys) -> None:
                  "--top", "1", "--no-layers"])
     text = capsys.readouterr().out
     assert code == 0 and "PipeConfig: 2 devices (cpu, cpu)" in text and "predicted ms" in text
+    assert "schedule" in text and "peak MiB per device" in text
+    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
+                 "--top", "1", "--no-layers", "--no-cache", "--schedule", "1f1b"])
+    assert code == 0 and "schedule '1f1b'" in capsys.readouterr().out
+    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
+                 "--top", "0", "--no-layers", "--no-cache", "--memory-cap", "16B"])
+    assert code == 2 and "smallest cap that works" in capsys.readouterr().err
 
 
 def test_fixed_balance_strategy_is_kept() -> None:
@@ -276,3 +284,188 @@ def test_tune_on_two_gpus_is_exact_and_reports_predictions() -> None:
     want = torch.cat([source(part) for part in x.to("cuda:0").tensor_split(cfg.chunks)])
     got = pipe(x)
     torch.testing.assert_close(got.to("cuda:0"), want)
+
+
+def test_the_tuner_module_is_importable_under_its_own_name() -> None:
+    """``seqify.tune`` is the function; the module is ``seqify.tuning``, so ``import seqify.tuning as m`` and
+    ``mock.patch('seqify.tuning.step_seconds')`` reach the module, not the function."""
+    import types
+
+    import seqify.tuning as module
+
+    assert isinstance(module, types.ModuleType) and seqify.tune is module.tune
+    assert callable(module.step_seconds)
+
+
+# -- schedules among the candidates ----------------------------------------------------------------------
+
+from seqify.pipeline.schedule import make, round_robin, v_shape  # noqa: E402
+
+
+def layout(schedule: str, loops: int, devices: int = 2) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    slots = v_shape(devices) if schedule == "zb-h1" and loops == 2 else round_robin(devices, loops)
+    return tuple(f"cuda:{d}" for d in slots), slots
+
+
+def balanced(schedule: str, loops: int, m: int, *, layers: int = 8, saved: float = 1e3, checkpoint: str = "never",
+             graphs: bool = False, weight_share: float = 0.5, batch: int | None = None, cal: Calibration = IDEAL):
+    """Equal partitions, no overheads: 1 ms of forward+backward per layer and sample."""
+    names, slots = layout(schedule, loops)
+    p = len(slots)
+    model = LayerModel((0.0,) * layers, (1e-3,) * layers, (saved,) * layers, (0,) * layers, (saved / 2,) * layers)
+    c = Candidate((layers // p,) * p, names, m, checkpoint, graphs, schedule, slots)
+    return predict(c, model, cal, batch or m, weight_share=weight_share)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("schedule, loops, graphs", [("gpipe", 1, True), ("gpipe", 2, True), ("1f1b", 1, False),
+                                                     ("interleaved", 2, False), ("zb-h1", 1, False)])
+def test_predicted_time_simulates_the_schedule(schedule: str, loops: int, graphs: bool, m: int) -> None:
+    """With unit costs (F = 1, B = 2, or B = W = 1 split) the predicted step is the schedule's own length in
+    ticks: the prediction runs the schedule's actions, it is no fill-drain formula."""
+    names, slots = layout(schedule, loops)
+    forward = 8 // len(slots) * 1e-3 / 3  # one partition's forward on a micro-batch of one sample
+    got = balanced(schedule, loops, m, graphs=graphs).seconds / forward
+    assert got == pytest.approx(make(schedule, slots, m).ticks)
+
+
+@pytest.mark.parametrize("schedule, loops", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2)])
+def test_predicted_memory_is_what_the_schedule_keeps_in_flight(schedule: str, loops: int) -> None:
+    """No parameters, no checkpointing: each device's predicted peak is Schedule.peak_activations weighed by
+    one partition's activations for one micro-batch."""
+    names, slots = layout(schedule, loops)
+    per_partition = 1e3 * 8 // len(slots)  # saved bytes per layer and sample, layers per partition, batch 1
+    want = make(schedule, slots, 6).peak_activations([per_partition] * len(slots))
+    assert balanced(schedule, loops, 6).per_device == pytest.approx(tuple(want))
+
+
+def test_1f1b_and_zero_bubble_hold_less_than_gpipe_with_many_micro_batches() -> None:
+    gpipe = balanced("gpipe", 1, 16).per_device
+    for schedule in ("1f1b", "zb-h1"):
+        lean = balanced(schedule, 1, 16).per_device
+        assert len(lean) == len(gpipe) == 2
+        assert all(a <= b for a, b in zip(lean, gpipe)) and max(lean) < max(gpipe) / 4
+    assert max(balanced("interleaved", 2, 16).per_device) < max(balanced("gpipe", 2, 16).per_device)
+    # checkpointing keeps stage inputs instead of activations: less again
+    assert balanced("gpipe", 1, 16, checkpoint="always").memory_bytes < balanced("gpipe", 1, 16).memory_bytes
+
+
+@pytest.mark.parametrize("share", [0.5, 0.7])
+def test_zero_bubble_is_faster_than_1f1b_when_weight_gradients_are_a_large_share(share: float) -> None:
+    one = balanced("1f1b", 1, 8, weight_share=share).seconds
+    zb = balanced("zb-h1", 1, 8, weight_share=share).seconds
+    assert zb < one
+    assert balanced("interleaved", 2, 8).seconds < balanced("1f1b", 1, 8).seconds  # loops shrink the bubble
+
+
+def test_a_costly_split_backward_makes_zero_bubble_lose() -> None:
+    """pipe.step's W walks the graph again: when the calibration measures splitting at 1.5 backwards, the
+    bubble ZB-H1 fills is worth less than the work it adds, and the prediction says so."""
+    costly = replace_split(IDEAL, 1.5)
+    assert balanced("zb-h1", 1, 8, cal=costly).seconds > balanced("1f1b", 1, 8, cal=costly).seconds
+    assert balanced("1f1b", 1, 8, cal=costly).seconds == balanced("1f1b", 1, 8).seconds  # unsplit: unchanged
+    measured = tuning.split_backward(torch.device("cpu"), width=32, depth=2, batch=4)
+    assert 1.0 <= measured <= 2.0
+
+
+def replace_split(cal: Calibration, factor: float) -> Calibration:
+    from dataclasses import replace
+
+    return replace(cal, split_backward=factor)
+
+
+def tune_small(x: torch.Tensor, **options):
+    """Fixed chunks, loops and a deterministic balance: the candidates differ in schedule and checkpointing."""
+    _, seq, _ = source_and_seq()
+    base = dict(devices=CPU2, chunks=8, loops=1, balance="params", top=0, show=False, cache=False)
+    return seq, seqify.tune(seq, x, **{**base, **options})
+
+
+def test_memory_cap_picks_a_leaner_schedule_or_checkpointing_and_names_the_smallest_cap() -> None:
+    x = torch.randn(64, 6, dtype=torch.float64)  # activations outweigh parameters
+    _, gpipe = tune_small(x, schedule="gpipe", checkpoint="never")
+    (only,) = gpipe.trials
+    cap = only.memory_bytes - 1
+    seq, capped = tune_small(x, memory_cap=cap, top=1, steps=1, warm=0)
+    assert (capped.schedule, capped.checkpoint) != ("gpipe", "never")
+    assert max(capped.memory_per_device) <= cap and all(t.memory_bytes <= cap for t in capped.trials)
+    assert capped.measured_s is not None  # confirmed with timed steps (pipe.step for other schedules)
+    with pytest.raises(seqify.MemoryCapError, match="smallest cap that works is ([0-9]+) bytes") as info:
+        tune_small(x, memory_cap=64)
+    import re
+
+    smallest = int(re.search(r"smallest cap that works is ([0-9]+) bytes", str(info.value)).group(1))
+    assert smallest > 64
+    _, tight = tune_small(x, memory_cap=smallest)
+    assert tight.memory_per_device and max(tight.memory_per_device) == smallest
+    with pytest.raises(seqify.MemoryCapError):
+        tune_small(x, memory_cap=smallest - 1)
+
+
+def test_scheduled_candidates_are_timed_with_pipe_step(monkeypatch) -> None:
+    from seqify.pipeline.pipe import Pipeline
+
+    calls = {"step": 0}
+    step = Pipeline.step
+
+    def counted(self, *a, **k):
+        calls["step"] += 1
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Pipeline, "step", counted)
+    x = torch.randn(16, 6, dtype=torch.float64)
+    _, cfg = tune_small(x, chunks=4, schedule="1f1b", top=1, steps=2, warm=1)
+    assert cfg.schedule == "1f1b" and cfg.measured_s is not None
+    assert calls["step"] == 3  # one warm-up and two timed steps, each a scheduled step
+    calls["step"] = 0
+    tune_small(x, chunks=4, schedule="gpipe", top=1, steps=2, warm=1)
+    assert calls["step"] == 0  # fill-drain is timed as pipe(x) and loss.backward()
+
+
+def one_device_grads(source: nn.Module, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    ref = copy.deepcopy(source)
+    loss = nn.functional.mse_loss(ref(x), target)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in seqify.convert(ref).named_parameters()}
+
+
+@pytest.mark.parametrize("schedule, loops", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-h1", 2)])
+def test_tuned_schedule_round_trips_and_trains_like_one_device(tmp_path, schedule: str, loops: int) -> None:
+    source, seq, _ = source_and_seq()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    target = torch.randn(8, 3, dtype=torch.float64)
+    cfg = seqify.tune(seq, x, devices=CPU2, chunks=4, loops=loops, schedule=schedule, top=1, steps=1, warm=0,
+                      show=False, cache=False)
+    assert cfg.schedule == schedule and cfg.measured_s is not None and len(cfg.memory_per_device) == 2
+    cfg.save(tmp_path / "cfg.json")
+    loaded = seqify.PipeConfig.load(tmp_path / "cfg.json")
+    assert loaded == cfg and loaded.trials == cfg.trials
+    pipe = seqify.pipeline(seq, config=tmp_path / "cfg.json")
+    want_slots = v_shape(2) if (schedule, loops) == ("zb-h1", 2) else round_robin(2, loops)
+    assert pipe.schedule == schedule and pipe.placement == want_slots and pipe.chunks == 4
+    assert pipe.schedule_for(4).name == schedule
+    want_loss, want = one_device_grads(source, x, target)
+    loss = pipe.step(x, target, nn.MSELoss())
+    torch.testing.assert_close(loss, want_loss)
+    got = dict(pipe.model.named_parameters())
+    for name, g in want.items():
+        torch.testing.assert_close(got[name].grad, g)
+    pipe.zero_grad(set_to_none=True)  # pipe(x) and loss.backward() still train (fill-drain)
+    out = pipe(x)
+    nn.functional.mse_loss(out, target).backward()
+    torch.testing.assert_close(out, copy.deepcopy(source)(x))  # micro-batches round differently: close, not equal
+    for name, g in want.items():
+        torch.testing.assert_close(got[name].grad, g)
+
+
+def test_auto_tunes_the_schedule_unless_one_is_given() -> None:
+    _, seq, x = source_and_seq()
+    auto = seqify.pipeline(seq, devices=CPU2, sample=x)
+    assert auto.config is not None and auto.schedule == auto.config.schedule
+    assert auto.config.schedule in ("gpipe", "1f1b", "zb-h1", "interleaved")
+    fixed = seqify.pipeline(seq, devices=CPU2, sample=x, schedule="1f1b")
+    assert fixed.config is not None and fixed.config.schedule == "1f1b" and fixed.schedule == "1f1b"
+    with pytest.raises(seqify.TuneError, match="schedule='fast'"):
+        seqify.tune(seq, x, devices=CPU2, schedule="fast", show=False)
+    with pytest.raises(seqify.TuneError, match="schedule='1f1b' applies to loops=1"):
+        seqify.tune(seq, x, devices=CPU2, schedule="1f1b", loops=2, top=0, show=False)

@@ -7,13 +7,15 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["Trial", "PipeConfig", "trial_table"]
+__all__ = ["Trial", "PipeConfig", "trial_table", "megabytes"]
 
 
 @dataclass(frozen=True)
 class Trial:
-    """One candidate the tuner considered: its options, predicted step seconds, measured step seconds
-    (``None`` when it was not confirmed by timed steps) and predicted peak bytes on the fullest device."""
+    """One candidate the tuner considered: its options (``schedule``: one of
+    :data:`~seqify.pipeline.schedule.SCHEDULES`; ``None`` in files from before schedules were tuned means
+    GPipe), predicted step seconds, measured step seconds (``None`` when it was not confirmed by timed
+    steps), predicted peak bytes on the fullest device and on each pipeline device."""
 
     chunks: int
     loops: int
@@ -25,15 +27,16 @@ class Trial:
     predicted_s: float
     measured_s: float | None = None
     memory_bytes: int = 0
+    memory_per_device: tuple[int, ...] = ()
+
+    def layout(self) -> str:
+        """The options but the schedule: ``chunks 4, loops 1, by time, checkpoint never`` (plus graphs)."""
+        text = f"chunks {self.chunks}, loops {self.loops}, by {self.by}, checkpoint {self.checkpoint}"
+        return text + (", graphs" if self.graphs else "")
 
     def label(self) -> str:
-        """A short name: ``chunks 4, loops 1, by time, checkpoint never`` (plus graphs and schedule)."""
-        text = f"chunks {self.chunks}, loops {self.loops}, by {self.by}, checkpoint {self.checkpoint}"
-        if self.graphs:
-            text += ", graphs"
-        if self.schedule:
-            text += f", {self.schedule}"
-        return text
+        """A short name: :meth:`layout` and the schedule."""
+        return f"{self.layout()}, {self.schedule or 'gpipe'}"
 
 
 @dataclass(frozen=True)
@@ -41,8 +44,10 @@ class PipeConfig:
     """How to run a model as a pipeline: pass it back as ``seqify.pipeline(model, config=cfg)``.
 
     ``devices``: one per device (partitions are placed round-robin ``loops`` times over them);
-    ``balance``: layers per partition (``len(devices) * loops`` entries); ``batch``: the mini-batch the
-    choice was made for; ``predicted_s`` / ``measured_s``: the chosen candidate's step time;
+    ``balance``: layers per partition (``len(devices) * loops`` entries); ``schedule``: the order
+    ``pipe.step`` runs (``pipe(x)`` with ``loss.backward()`` always runs GPipe's); ``batch``: the
+    mini-batch the choice was made for; ``predicted_s`` / ``measured_s``: the chosen candidate's step
+    time; ``memory_per_device``: its predicted peak bytes per pipeline device;
     ``trials``: every candidate confirmed by timed steps plus the best predicted ones that were not
     (the chosen one included); ``key``: the cache key it is stored under.
     """
@@ -58,21 +63,29 @@ class PipeConfig:
     predicted_s: float
     measured_s: float | None = None
     schedule: str | None = None
+    memory_per_device: tuple[int, ...] = ()
     trials: tuple[Trial, ...] = field(default=(), compare=False)
     key: str = field(default="", compare=False)
 
     @property
+    def placement(self) -> tuple[int, ...]:
+        """Each partition's device number: round-robin ``loops`` times over ``devices``, or a V (down the
+        devices and back) for ZB-H1 with two partitions per device, as :func:`seqify.pipeline` places them."""
+        from .schedule import round_robin, v_shape
+
+        if self.schedule == "zb-h1" and self.loops == 2:
+            return v_shape(len(self.devices))
+        return round_robin(len(self.devices), self.loops)
+
+    @property
     def partitions(self) -> list[str]:
-        """The device of every partition: ``devices`` repeated ``loops`` times."""
-        return list(self.devices) * self.loops
+        """The device of every partition (see :attr:`placement`)."""
+        return [self.devices[d] for d in self.placement]
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments of ``seqify.pipeline`` that build this configuration."""
-        out: dict[str, Any] = dict(devices=list(self.devices), loops=self.loops, balance=list(self.balance),
-                                   chunks=self.chunks, checkpoint=self.checkpoint, graphs=self.graphs)
-        if self.schedule is not None:
-            out["schedule"] = self.schedule
-        return out
+        return dict(devices=list(self.devices), loops=self.loops, balance=list(self.balance), chunks=self.chunks,
+                    checkpoint=self.checkpoint, graphs=self.graphs, schedule=self.schedule or "gpipe")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,14 +97,18 @@ class PipeConfig:
 
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in ("trials", "key", "measured_s", "schedule"))
+        optional = ("trials", "key", "measured_s", "schedule", "memory_per_device")
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if unknown or missing:
             raise TuneError(
                 f"not a seqify pipeline configuration (unknown keys {unknown}, missing {missing}); save one with "
                 "cfg.save(path) from seqify.tune(...) or pipe.config"
             )
-        trials = tuple(Trial(**{**t, "balance": tuple(t["balance"])}) for t in data.get("trials", ()))
-        return cls(**{**data, "balance": tuple(data["balance"]), "devices": tuple(data["devices"]), "trials": trials})
+        trials = tuple(Trial(**{**t, "balance": tuple(t["balance"]),
+                                "memory_per_device": tuple(t.get("memory_per_device", ()))})
+                       for t in data.get("trials", ()))
+        return cls(**{**data, "balance": tuple(data["balance"]), "devices": tuple(data["devices"]), "trials": trials,
+                      "memory_per_device": tuple(data.get("memory_per_device", ()))})
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the configuration as JSON."""
@@ -120,26 +137,34 @@ class PipeConfig:
         measured = f", measured {self.measured_s * 1e3:.2f} ms" if self.measured_s is not None else ""
         head = (f"PipeConfig: {len(self.devices)} devices ({', '.join(self.devices)}), chunks {self.chunks}, "
                 f"loops {self.loops}, balance by {self.by} {list(self.balance)}, checkpoint {self.checkpoint!r}, "
-                f"graphs {self.graphs}" + (f", schedule {self.schedule!r}" if self.schedule else "")
-                + f"; batch {self.batch}: predicted {self.predicted_s * 1e3:.2f} ms per step{measured}")
+                f"graphs {self.graphs}, schedule {self.schedule or 'gpipe'!r}; batch {self.batch}: predicted "
+                f"{self.predicted_s * 1e3:.2f} ms per step{measured}"
+                + (f", peak {megabytes(self.memory_per_device)} MiB per device" if self.memory_per_device else ""))
         if not self.trials:
             return head
         return head + "\n" + trial_table(self.trials, chosen=self)
 
 
 def trial_table(trials: tuple[Trial, ...] | list[Trial], chosen: PipeConfig | None = None) -> str:
-    """The candidates as a table: options, predicted and measured ms per step, predicted peak MB."""
-    rows = [("", "candidate", "predicted ms", "measured ms", "error", "peak MB")]
+    """The candidates as a table: options, schedule, predicted and measured ms per step, predicted peak
+    MiB per pipeline device."""
+    rows = [("", "candidate", "schedule", "predicted ms", "measured ms", "error", "peak MiB per device")]
     for t in trials:
         mark = "*" if chosen is not None and _same(t, chosen) else ""
         measured = f"{t.measured_s * 1e3:.2f}" if t.measured_s is not None else "-"
         error = f"{(t.predicted_s / t.measured_s - 1) * 100:+.0f}%" if t.measured_s else "-"
-        rows.append((mark, t.label(), f"{t.predicted_s * 1e3:.2f}", measured, error, f"{t.memory_bytes / 2**20:.1f}"))
+        peak = megabytes(t.memory_per_device or (t.memory_bytes,))
+        rows.append((mark, t.layout(), t.schedule or "gpipe", f"{t.predicted_s * 1e3:.2f}", measured, error, peak))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
                      for r in rows)
 
 
+def megabytes(per_device: tuple[int, ...] | list[int]) -> str:
+    """Bytes per device as MiB: ``12.3 / 4.5``."""
+    return " / ".join(f"{b / 2**20:.1f}" for b in per_device)
+
+
 def _same(t: Trial, c: PipeConfig) -> bool:
-    return (t.chunks, t.loops, t.by, t.checkpoint, t.graphs, t.schedule, tuple(t.balance)) == (
-        c.chunks, c.loops, c.by, c.checkpoint, c.graphs, c.schedule, tuple(c.balance))
+    return (t.chunks, t.loops, t.by, t.checkpoint, t.graphs, t.schedule or "gpipe", tuple(t.balance)) == (
+        c.chunks, c.loops, c.by, c.checkpoint, c.graphs, c.schedule or "gpipe", tuple(c.balance))

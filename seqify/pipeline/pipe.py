@@ -137,7 +137,9 @@ class Pipeline(nn.Module):
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{b} on {d}" for b, d in zip(self.balance, self.devices))
-        text = f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r})"
+        schedule = self.schedule if isinstance(self.schedule, str) else self.schedule.name
+        more = "" if schedule == "gpipe" else f", schedule={schedule!r} (pipe.step)"
+        text = f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r}{more})"
         config = getattr(self, "config", None)
         return text if config is None else f"{text}\ntuned: {config}"
 
@@ -377,7 +379,7 @@ def pipeline(
     loops: int = 1,
     example_inputs: Any = None,
     sample: Any = None,
-    schedule: str | Schedule = "gpipe",
+    schedule: str | Schedule | None = None,
     memory_cap: int | float | str | None = None,
     config: PipeConfig | str | os.PathLike[str] | None = None,
     **convert_options: Any,
@@ -394,8 +396,9 @@ def pipeline(
         chunks: micro-batches per mini-batch. A batch that does not divide evenly gets micro-batches
             whose sizes differ by one; more chunks than samples are clamped to the batch size.
             ``'auto'`` runs :func:`seqify.tune` on ``sample`` (or ``example_inputs``) and builds what it
-            picks: chunks, loops, balance, checkpointing and graphs (a ``balance``, or a non-default
-            ``checkpoint``, ``graphs`` or ``loops``, stays fixed); ``pipe.config`` reports the choice.
+            picks: chunks, loops, balance, checkpointing, graphs and schedule (a ``balance``, a
+            ``schedule``, or a non-default ``checkpoint``, ``graphs`` or ``loops``, stays fixed);
+            ``pipe.config`` reports the choice.
             Not given: ``'auto'`` when ``gpus`` or ``devices`` and a sample are given and ``balance`` is
             not, else 1.
         balance: layers per partition, or a strategy: 'time', 'memory', 'flops' or 'params' (see
@@ -421,7 +424,7 @@ def pipeline(
             (zero bubble: backward split into input and weight gradients; with ``loops=2`` the partitions
             are placed in a V: cuda:0, cuda:1, cuda:1, cuda:0), or a
             :class:`~seqify.pipeline.schedule.Schedule`. ``pipe(x)`` followed by ``loss.backward()``
-            always runs fill-drain.
+            always runs fill-drain. Default: 'gpipe', or with ``chunks='auto'`` the tuner's choice.
         memory_cap: bytes (or a size such as '40GiB') every device may use: the pipeline switches to the
             fastest schedule and checkpointing whose predicted peak (parameters + gradients + the
             activations the schedule keeps in flight, measured on ``sample`` or ``example_inputs``)
@@ -447,17 +450,21 @@ def pipeline(
     probe = sample if sample is not None else example_inputs
     if config is not None:
         return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule)
+    fixed_schedule = schedule
+    schedule = "gpipe" if schedule is None else schedule
     if chunks is None:
         auto = (gpus is not None or devices is not None) and balance is None and probe is not None
         chunks = "auto" if auto else 1
     if chunks == "auto":
-        from ..tune import tune  # the tuner builds on pipelines: imported on use
+        from ..tuning import tune  # the tuner builds on pipelines: imported on use
 
         cfg = tune(model, probe, gpus=gpus, devices=devices, balance=balance,
                    checkpoint=None if checkpoint == "except_last" else checkpoint, graphs=True if graphs else None,
                    loops=None if loops == 1 else loops,
+                   schedule=fixed_schedule if isinstance(fixed_schedule, str) else None,
                    memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)))
-        return _from_config(model, cfg, None, None, deferred_batch_norm, schedule)
+        return _from_config(model, cfg, None, None, deferred_batch_norm,
+                            fixed_schedule if isinstance(fixed_schedule, Schedule) else None)
     chunks = _check_chunks(chunks)
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
         raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
@@ -512,8 +519,11 @@ def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipel
 
 
 def _from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str], gpus: int | None,
-                 devices: Sequence[Any] | None, deferred_batch_norm: bool, schedule: str | Schedule = "gpipe") -> Pipeline:
-    """The pipeline a tuned configuration describes, checked against the model and the devices."""
+                 devices: Sequence[Any] | None, deferred_batch_norm: bool,
+                 schedule: str | Schedule | None = None) -> Pipeline:
+    """The pipeline a tuned configuration describes, checked against the model and the devices: its
+    schedule (``pipe.step`` runs it), or ``schedule`` when given (a :class:`Schedule` built for the same
+    placement, or a name that applies to it)."""
     from ..errors import TuneError
 
     cfg = config if isinstance(config, PipeConfig) else PipeConfig.load(config)
@@ -529,9 +539,9 @@ def _from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[st
         if len(mine) != len(cfg.devices):
             raise TuneError(f"the configuration is for {len(cfg.devices)} devices ({', '.join(cfg.devices)}) but "
                             f"{len(mine)} were given; give {len(cfg.devices)}, or tune for these")
-        placed = [str(d) for d in mine] * cfg.loops
+        placed = [str(mine[d]) for d in cfg.placement]
     pipe = Pipeline(model, list(cfg.balance), resolve_devices(None, placed, None), chunks=cfg.chunks,
                     checkpoint=cfg.checkpoint, deferred_batch_norm=deferred_batch_norm, graphs=cfg.graphs,
-                    schedule=cfg.schedule or schedule, placement=round_robin(len(cfg.devices), cfg.loops))
+                    schedule=schedule if schedule is not None else (cfg.schedule or "gpipe"), placement=cfg.placement)
     pipe.config = cfg
     return pipe

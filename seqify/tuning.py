@@ -1,4 +1,4 @@
-"""tune: pick a pipeline's chunks, loops, balance, checkpointing, graphs and schedule from measured costs.
+"""tuning: pick a pipeline's chunks, loops, balance, checkpointing, graphs and schedule from measured costs (seqify.tune).
 
 ::
 
@@ -32,14 +32,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .errors import MemoryCapError, SeqifyError, TuneError
+from .errors import MemoryCapError, ScheduleError, SeqifyError, TuneError
 from .partition.balancer import split
 from .partition.cost import LayerCosts, default_transfer_cost, flop_costs, param_costs, time_costs
 from .partition.graph import dataflow, live_bytes
 from .partition.walk import layers as walk_layers
 from .pipeline.config import PipeConfig, Trial
 from .pipeline.pipe import CHECKPOINT, Pipeline, pipeline, resolve_devices
-from .predict import Calibration, Candidate, LayerModel, predict
+from .pipeline.schedule import SCHEDULES, round_robin, v_shape
+from .predict import Calibration, Candidate, LayerModel, Prediction, predict
 from .progress import progress
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds"]
@@ -47,6 +48,8 @@ __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrat
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 LOOPS = (1, 2, 4)
 STRATEGIES = ("time", "flops", "memory")
+#: what the candidates range over, in the cache key: choices cached before schedules were weighed are not reused
+SPACE = "schedules+checkpoint+loops+balance+chunks"
 
 
 def cache_path() -> str:
@@ -78,7 +81,7 @@ def _key(model: nn.Module, sample: Any, devices: Sequence[torch.device], options
     from . import __version__
 
     text = json.dumps([fingerprint(model), _describe(sample), _device_names(devices), options, __version__,
-                       torch.__version__], sort_keys=True, default=str)
+                       torch.__version__, SPACE], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -138,14 +141,23 @@ def _sync(devices: Sequence[torch.device]) -> None:
             torch.cuda.synchronize(d)
 
 
+def _scored(out: Any, _target: Any) -> torch.Tensor:
+    return _loss(out)
+
+
 def step_seconds(model: nn.Module, sample: Any, devices: Sequence[torch.device], *, steps: int = 2, warm: int = 1) -> float:
     """Median seconds of ``steps`` training steps (forward, a loss over every output, backward) after
-    ``warm`` untimed ones; ``.grad`` is cleared after each."""
+    ``warm`` untimed ones; ``.grad`` is cleared after each. A :class:`Pipeline` whose schedule is not
+    GPipe runs its steps as ``pipe.step`` (the only path that follows its schedule)."""
+    scheduled = isinstance(model, Pipeline) and model.schedule != "gpipe"
     times = []
     for k in range(warm + steps):
         _sync(devices)
         start = time.perf_counter()
-        _loss(_call(model, sample)).backward()
+        if scheduled:
+            model.step(sample, None, _scored, reduction="mean")
+        else:
+            _loss(_call(model, sample)).backward()
         _sync(devices)
         if k >= warm:
             times.append(time.perf_counter() - start)
@@ -177,9 +189,10 @@ def _kept(model: nn.Module) -> Iterator[None]:
                 b.copy_(value)
 
 
-def calibrate(devices: Sequence[torch.device]) -> Calibration:
+def calibrate(devices: Sequence[torch.device], *, split: bool = True) -> Calibration:
     """Measure the executor's overhead per (micro-batch, partition) task, the host time to issue one
-    layer call on CUDA, and the copy latency and bandwidth between the first two distinct devices."""
+    layer call on CUDA, the copy latency and bandwidth between the first two distinct devices, and
+    (``split``) what a backward split for zero-bubble schedules costs over a whole one."""
     devices = list(devices)
     host_serial = all(d.type == "cpu" for d in devices)
     m = 8
@@ -202,7 +215,44 @@ def calibrate(devices: Sequence[torch.device]) -> Calibration:
         latency = _copy_seconds(small, pair)
         bandwidth = big.numel() * big.element_size() / max(_copy_seconds(big, pair) - latency, 1e-9)
     return Calibration(task_s=task, launch_s=launch, copy_latency_s=latency, copy_bytes_per_s=bandwidth,
-                       host_serial=host_serial)
+                       host_serial=host_serial, split_backward=split_backward(first) if split else 1.0)
+
+
+def split_backward(device: torch.device, *, width: int = 128, depth: int = 6, batch: int = 32) -> float:
+    """Seconds of a backward split as ``pipe.step`` splits it for zero-bubble schedules (input gradients
+    with ``torch.autograd.grad``, then weight gradients with ``backward(inputs=weights)``) over those of
+    one whole backward, on a chain of ``depth`` linear layers on ``device``."""
+    with torch.random.fork_rng(devices=[]):
+        chain = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]).to(device)
+        x = torch.randn(batch, width, device=device, requires_grad=True)
+    weights = list(chain.parameters())
+
+    def whole() -> None:
+        chain(x).sum().backward()
+
+    def split() -> None:
+        y = chain(x).sum()
+        torch.autograd.grad(y, [x], retain_graph=True)
+        torch.autograd.backward(y, inputs=weights)
+
+    def forward() -> None:
+        with torch.enable_grad():
+            chain(x).sum()
+
+    kinds = (("forward", forward), ("whole", whole), ("split", split))
+    for _, fn in kinds * 2:  # warm: allocations and kernels' first runs
+        fn()
+    times = {name: float("inf") for name, _ in kinds}
+    for _ in range(4):  # rounds of all three, the fastest of each: noise from a shared machine only adds
+        for name, fn in kinds:
+            _sync([device])
+            start = time.perf_counter()
+            fn()
+            _sync([device])
+            times[name] = min(times[name], time.perf_counter() - start)
+    back = times["whole"] - times["forward"]
+    # at least one backward's work, at most two (W walks the whole graph again): outside, it was noise
+    return min(max(1.0, (times["split"] - times["forward"]) / back), 2.0) if back > 0 else 1.0
 
 
 def _copy_seconds(t: torch.Tensor, pair: tuple[torch.device, torch.device]) -> float:
@@ -248,11 +298,24 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
 # -- candidates --------------------------------------------------------------------------------------------
 
 
-def _schedules() -> tuple[str, ...]:
-    """The schedules the tuner compares. Only fill-drain for now: ``pipe(x)`` with ``loss.backward()``
-    always runs GPipe's order (the other schedules act in ``pipe.step``, which the timed steps do not
-    use yet); :func:`seqify.predict.tasks_order` already simulates '1f1b' for when they do."""
-    return ("gpipe",)
+def _schedules(loops: int, sample: Any) -> tuple[str, ...]:
+    """The schedules that apply with ``loops`` partitions per device: GPipe always; 1F1B with one
+    partition per device; interleaved 1F1B with several; ZB-H1 with one, or two in a V. Only GPipe for a
+    sample of keyword arguments (``pipe.step``, which runs the others, takes positional inputs)."""
+    if isinstance(sample, dict):
+        return ("gpipe",)
+    if loops == 1:
+        return ("gpipe", "1f1b", "zb-h1")
+    return ("gpipe", "interleaved", "zb-h1") if loops == 2 else ("gpipe", "interleaved")
+
+
+def _layout(schedule: str, devices: Sequence[torch.device], loops: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Each partition's device and pipeline device number, as :func:`seqify.pipeline` places them: ZB-H1
+    with two partitions per device in a V, everything else round-robin."""
+    names = [str(d) for d in devices]
+    if schedule == "zb-h1" and loops == 2:
+        return tuple(names + names[::-1]), v_shape(len(names))
+    return tuple(names * loops), round_robin(len(names), loops)
 
 
 def _plans(model: nn.Module, sample: Any, hi: LayerCosts, parts: int, by: Sequence[str],
@@ -291,7 +354,6 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
     loop_set = [fixed["loops"]] if fixed.get("loops") else [v for v in LOOPS if v == 1 or len(devices) > 1]
     ckpt_set = [fixed["checkpoint"]] if fixed.get("checkpoint") else list(CHECKPOINT)
     graph_set = [fixed["graphs"]] if fixed.get("graphs") is not None else ([False, True] if cuda else [False])
-    sched_set = [fixed["schedule"]] if fixed.get("schedule") else list(_schedules())
     balance = fixed.get("balance")
     out: list[tuple[Candidate, str, int]] = []
     for loops in loop_set:
@@ -307,14 +369,18 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
         seen: dict[tuple[int, ...], str] = {}
         for strategy, bal in plans.items():
             seen.setdefault(bal, strategy)  # two strategies that agree are one candidate
-        placed = tuple(str(d) for d in devices) * loops
+        valid = _schedules(loops, sample)
+        sched_set = ([fixed["schedule"]] if fixed["schedule"] in valid else []) if fixed.get("schedule") else list(valid)
         for bal, strategy in seen.items():
             for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graph_set, sched_set):
                 if graphs and (ckpt != "never" or sched != "gpipe"):
-                    continue
+                    continue  # captured graphs: fill-drain without checkpointing only
                 if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
                     continue  # one micro-batch, the last: the same run as checkpoint='never'
-                out.append((Candidate(bal, placed, m, ckpt, graphs, sched), strategy, loops))
+                if m == 1 and sched != "gpipe" and not fixed.get("schedule"):
+                    continue  # one micro-batch has no bubble to fill: every schedule is GPipe's order
+                names, slots = _layout(sched, devices, loops)
+                out.append((Candidate(bal, names, m, ckpt, graphs, sched, slots), strategy, loops))
     return out
 
 
@@ -351,9 +417,11 @@ def tune(
         gpus / devices: as for :func:`seqify.pipeline`: ``gpus=N`` or one device per pipeline stage
             (``devices=['cpu', 'cpu']`` pipelines on the CPU).
         memory_cap: bytes a device may hold (parameters, gradients and the activations the schedule
-            keeps, predicted); :class:`TuneError` when no candidate fits.
+            keeps in flight, predicted; optimizer state not counted): candidates predicted over it are
+            rejected, and :class:`MemoryCapError` names the smallest cap that works when none fits.
         chunks, loops, balance, checkpoint, graphs, schedule: fix that choice (``balance``: a strategy
-            or a list of layer counts); ``None`` searches it.
+            or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1');
+            ``None`` searches it. Schedules other than GPipe are timed, and later run, by ``pipe.step``.
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
             prediction); ``steps`` timed steps each after ``warm`` untimed ones.
         cache: read and write the on-disk cache (:func:`cache_path`).
@@ -371,6 +439,8 @@ def tune(
 
         model = convert(model, example_inputs, **convert_options)
     placed = resolve_devices(gpus, devices, None if gpus is not None or devices is not None else 1)
+    if schedule is not None and schedule not in SCHEDULES:
+        raise TuneError(f"schedule={schedule!r}: choose one of {SCHEDULES}, or None to let the tuner choose")
     if checkpoint is not None and checkpoint not in CHECKPOINT:
         raise TuneError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}, or None to let the tuner choose")
     if memory_cap is not None and not memory_cap > 0:
@@ -389,28 +459,42 @@ def tune(
                 pass  # an entry from another version: measure again
     batch = _batch(sample)
     with _kept(model):
-        cal = calibrate(placed)
+        cal = calibrate(placed, split=schedule in (None, "zb-h1") and not isinstance(sample, dict))
         lo = max(2 if batch >= 2 else 1, batch // max(c for c in CHUNKS if c <= batch))
         layers, hi = layer_model(model, sample, placed[0], lo=lo, show=show)
         layers = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
         found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s)
         if not found:
+            given = {k: v for k, v in fixed.items() if v is not None}
+            if schedule is not None and schedule != "gpipe":
+                raise TuneError(f"no candidate configuration with the fixed options {given}: schedule={schedule!r} "
+                                "applies to loops=1 ('1f1b'), loops > 1 ('interleaved') or loops 1 and 2 ('zb-h1'), "
+                                "with positional inputs; fix loops to match, or let the tuner choose (schedule=None)")
             raise TuneError(f"no candidate configuration: {len(model)} layers cannot make {len(placed)} partitions "
-                            f"with the fixed options {({k: v for k, v in fixed.items() if v is not None})}")
-        trials = [_trial(c, s, v, predict(c, layers, cal, batch)) for c, s, v in found]
+                            f"with the fixed options {given}")
+        trials = []
+        for c, s, v in found:
+            try:
+                trials.append(_trial(c, s, v, predict(c, layers, cal, batch)))
+            except ScheduleError:
+                continue  # a schedule that does not apply to this layout
+        if not trials:
+            raise TuneError(f"no schedule applies with the fixed options "
+                            f"{({k: v for k, v in fixed.items() if v is not None})}; let the tuner choose schedule "
+                            "or loops (schedule=None, loops=None)")
         fits = [t for t in trials if memory_cap is None or t.memory_bytes <= memory_cap]
         if not fits:
-            least = min(trials, key=lambda t: t.memory_bytes)
+            least = min(trials, key=lambda t: (t.memory_bytes, t.predicted_s))
             raise MemoryCapError(
-                f"no configuration fits memory_cap={memory_cap / 2**20:.1f} MB per device: the least memory "
-                f"predicted is {least.memory_bytes / 2**20:.1f} MB ({least.label()}); raise memory_cap, use more "
-                "devices, or a smaller mini-batch"
+                f"no configuration fits memory_cap={memory_cap:.0f} bytes ({memory_cap / 2**20:.2f} MiB) per device: "
+                f"the smallest cap that works is {least.memory_bytes} bytes ({least.memory_bytes / 2**20:.2f} MiB, "
+                f"{least.label()}); raise memory_cap to at least that, use more devices, or a smaller mini-batch"
             )
         fits.sort(key=lambda t: t.predicted_s)
         confirmed = []
         for t in progress(fits[:top], min(top, len(fits)), "seqify tune: timing the best candidates", show):
             try:
-                pipe = pipeline(model, **_options(t, placed))
+                pipe = pipeline(model, **_options(t, placed)).train()
                 seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
             except torch.OutOfMemoryError:  # predicted to fit but did not: the next candidate
                 pipe = None
@@ -428,21 +512,19 @@ def tune(
     cfg = PipeConfig(chunks=best.chunks, loops=best.loops, balance=best.balance, by=best.by,
                      checkpoint=best.checkpoint, graphs=best.graphs, devices=tuple(str(d) for d in placed),
                      batch=batch, predicted_s=best.predicted_s, measured_s=best.measured_s,
-                     schedule=best.schedule, trials=tuple(shown), key=key)
+                     schedule=best.schedule, memory_per_device=best.memory_per_device, trials=tuple(shown), key=key)
     if cache:
         _write_cache(key, cfg)
     return cfg
 
 
-def _trial(c: Candidate, by: str, loops: int, p: Any) -> Trial:
+def _trial(c: Candidate, by: str, loops: int, p: Prediction) -> Trial:
     return Trial(chunks=c.chunks, loops=loops, by=by, checkpoint=c.checkpoint, graphs=c.graphs,
-                 schedule=None if c.schedule == "gpipe" and _schedules() == ("gpipe",) else c.schedule,
-                 balance=c.balance, predicted_s=p.seconds, memory_bytes=p.memory_bytes)
+                 schedule=c.schedule, balance=c.balance, predicted_s=p.seconds, memory_bytes=p.memory_bytes,
+                 memory_per_device=p.per_device)
 
 
 def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
-    out: dict[str, Any] = dict(devices=list(devices), loops=t.loops, balance=list(t.balance), chunks=t.chunks,
-                               checkpoint=t.checkpoint, graphs=t.graphs)
-    if t.schedule is not None:
-        out["schedule"] = t.schedule
-    return out
+    """Keyword arguments of :func:`seqify.pipeline` that build trial ``t`` on ``devices``."""
+    return dict(devices=list(devices), loops=t.loops, balance=list(t.balance), chunks=t.chunks,
+                checkpoint=t.checkpoint, graphs=t.graphs, schedule=t.schedule or "gpipe")

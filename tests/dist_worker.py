@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +31,33 @@ class Tiny(nn.Module):
         return self.c(torch.relu(self.b(h)) + h)
 
 
+class Skippy(nn.Module):
+    """Six Linear layers and three skips (14 layers converted): balance 3,3,4,4 cuts every skip across
+    partitions, some between partitions of one rank and some across ranks, round-robin or in a V."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 8)
+        self.e = nn.Linear(8, 8)
+        self.f = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1 = torch.relu(self.a(x))
+        h2 = torch.relu(self.b(h1))
+        h3 = torch.relu(self.c(h2)) + h1
+        h4 = torch.tanh(self.d(h3)) + h2
+        return self.f(torch.relu(self.e(h4)) * h1)
+
+
 def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "tiny":
         return Tiny()
+    if name == "skippy":
+        return Skippy().double()
     if name == "resnet18":
         import torchvision
 
@@ -44,6 +69,8 @@ def data(name: str, batch: int, step: int = 0) -> tuple[torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(1 + step)
     if name == "tiny":
         return torch.randn(batch, 6, generator=g), torch.randint(0, 3, (batch,), generator=g)
+    if name == "skippy":
+        return torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g)
     if name == "resnet18":
         return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
     return torch.randn(batch, 3, 16, 16, generator=g), torch.randn(batch, 2, 16, 16, generator=g)
@@ -142,6 +169,48 @@ def train(args: argparse.Namespace, model: nn.Module, stage: sd.DistributedStage
                 "optimizer": opt.state_dict()},
                os.path.join(args.out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
+
+
+def spawned(rank: int, world: int, port: int, out: str, name: str, balance: list[int], schedule: Any, loops: int,
+            chunks: int, batch: int, checkpoint: str, ckpt: str) -> None:
+    """One rank started by ``torch.multiprocessing.spawn``: two SGD steps of ``name``, saving each step's
+    loss and gradients (source names) to ``out/rank{rank}.pt``; with ``ckpt``, saves a checkpoint after
+    the first step and loads it into a freshly built stage, whose parameters it reports."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))
+    try:
+        model = build(name).train()
+        stage = sd.stage(seqify.convert(model), balance=balance, chunks=chunks, checkpoint=checkpoint,
+                         schedule=schedule, loops=loops)
+        names = {id(p): n for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+        record: dict[str, Any] = {"stage": stage.index, "owned": stage.owned, "losses": [], "grads": []}
+        for step in range(2):
+            x, y = data(name, batch, step)
+            opt.zero_grad()
+            loss = stage.step(x if stage.is_first else None, y if stage.is_last else None, loss_fn=loss_fn(name))
+            record["losses"].append(None if loss is None else float(loss))
+            record["grads"].append({names[id(p)]: p.grad.clone() for p in stage.partition.parameters()
+                                    if p.grad is not None})
+            opt.step()
+            if step == 0 and ckpt:
+                sd.save(stage, ckpt, opt, extra=1)
+        with torch.no_grad():
+            x, _ = data(name, batch, 0)
+            record["output"] = stage(x) if stage.is_first else stage()
+        if ckpt:
+            fresh = build(name).train()
+            again = sd.stage(seqify.convert(fresh), balance=balance, chunks=chunks, schedule=schedule, loops=loops)
+            fopt = torch.optim.SGD(again.parameters(), lr=0.1, momentum=0.9)
+            record["extra"] = sd.load(again, ckpt, fopt)
+            fnames = {id(p): n for n, p in fresh.named_parameters()}
+            record["loaded"] = {fnames[id(p)]: p.detach().clone() for p in again.partition.parameters()}
+            record["momentum"] = {fnames[id(p)]: fopt.state[p]["momentum_buffer"].clone()
+                                  for p in again.partition.parameters()}
+        torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from torch import nn
 
 import seqify
 import seqify.distributed as sd
+from seqify.dist_link import Link
 
 
 class Tiny(nn.Module):
@@ -172,11 +173,22 @@ def train(args: argparse.Namespace, model: nn.Module, stage: sd.DistributedStage
 
 
 def spawned(rank: int, world: int, port: int, out: str, name: str, balance: list[int], schedule: Any, loops: int,
-            chunks: int, batch: int, checkpoint: str, ckpt: str) -> None:
-    """One rank started by ``torch.multiprocessing.spawn``: two SGD steps of ``name``, saving each step's
-    loss and gradients (source names) to ``out/rank{rank}.pt``; with ``ckpt``, saves a checkpoint after
-    the first step and loads it into a freshly built stage, whose parameters it reports."""
+            chunks: int, batch: int, checkpoint: str, ckpt: str, fail_rank: int = -1) -> None:
+    """One rank started by ``torch.multiprocessing.spawn``: two SGD steps of ``name`` on its replica's shard,
+    saving each step's loss and gradients (source names) to ``out/rank{rank}.pt``; with ``ckpt``, saves a
+    checkpoint after the first step and loads it into a freshly built stage, whose parameters it reports.
+    ``fail_rank`` dies (``os._exit``) in its first step's loss; the others write the error they raise."""
     torch.set_num_threads(1)
+    try:
+        _spawned(rank, world, port, out, name, balance, schedule, loops, chunks, batch, checkpoint, ckpt, fail_rank)
+    except seqify.SeqifyError as e:
+        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        raise
+
+
+def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: list[int], schedule: Any, loops: int,
+             chunks: int, batch: int, checkpoint: str, ckpt: str, fail_rank: int) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=60))
     try:
@@ -185,11 +197,28 @@ def spawned(rank: int, world: int, port: int, out: str, name: str, balance: list
                          schedule=schedule, loops=loops)
         names = {id(p): n for n, p in model.named_parameters()}
         opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
-        record: dict[str, Any] = {"stage": stage.index, "owned": stage.owned, "losses": [], "grads": []}
+        sent: list[tuple[tuple[int, int, int], int]] = []  # (key, destination) of every message this rank sends
+        send = Link.send
+
+        def logged(self: Link, key: tuple[int, int, int], value: Any, dst: int) -> None:
+            sent.append((key, dst))
+            send(self, key, value, dst)
+
+        Link.send = logged  # type: ignore[method-assign]
+        record: dict[str, Any] = {"stage": stage.index, "owned": stage.owned, "replica": stage.replica, "losses": [],
+                                  "grads": []}
+        shard = slice(stage.replica * batch // stage.replicas, (stage.replica + 1) * batch // stage.replicas)
+
+        def loss_of(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            if rank == fail_rank:
+                os._exit(3)  # as if killed: no exception, no goodbye to the peers
+            return loss_fn(name)(output, target)
+
         for step in range(2):
             x, y = data(name, batch, step)
+            x, y = x[shard], y[shard]
             opt.zero_grad()
-            loss = stage.step(x if stage.is_first else None, y if stage.is_last else None, loss_fn=loss_fn(name))
+            loss = stage.step(x if stage.is_first else None, y if stage.is_last else None, loss_fn=loss_of)
             record["losses"].append(None if loss is None else float(loss))
             record["grads"].append({names[id(p)]: p.grad.clone() for p in stage.partition.parameters()
                                     if p.grad is not None})
@@ -198,7 +227,7 @@ def spawned(rank: int, world: int, port: int, out: str, name: str, balance: list
                 sd.save(stage, ckpt, opt, extra=1)
         with torch.no_grad():
             x, _ = data(name, batch, 0)
-            record["output"] = stage(x) if stage.is_first else stage()
+            record["output"] = stage(x[shard]) if stage.is_first else stage()
         if ckpt:
             fresh = build(name).train()
             again = sd.stage(seqify.convert(fresh), balance=balance, chunks=chunks, schedule=schedule, loops=loops)
@@ -208,6 +237,7 @@ def spawned(rank: int, world: int, port: int, out: str, name: str, balance: list
             record["loaded"] = {fnames[id(p)]: p.detach().clone() for p in again.partition.parameters()}
             record["momentum"] = {fnames[id(p)]: fopt.state[p]["momentum_buffer"].clone()
                                   for p in again.partition.parameters()}
+        record["sent"] = sent
         torch.save(record, os.path.join(out, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()

@@ -147,3 +147,13 @@ def test_graphs_with_checkpointing_is_refused() -> None:
     seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(seqify.BalanceError, match="checkpoint='never'"):
         sd.DistributedStage(seq, [1, 1], index=0, device=torch.device("cpu"), graphs=True, checkpoint="always")
+
+
+def test_a_message_left_unread_at_the_end_of_a_step_says_the_ranks_disagree() -> None:
+    # what a rank built with another schedule leaves behind: a message no action of this rank reads
+    from seqify.dist_link import GRAD, Link
+
+    link = Link(torch.device("cpu"), "rank 1")
+    link.inbox[(0, (GRAD, 2, 3))] = torch.zeros(2)
+    with pytest.raises(seqify.PeerError, match=r"gradients for partition 2, micro-batch 3 from rank 0.*same schedule"):
+        link.flush()

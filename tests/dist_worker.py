@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--backend", default="gloo")
     p.add_argument("--schedule", default="gpipe")
+    p.add_argument("--loops", type=int, default=1, help="partitions per rank")
     p.add_argument("--steps", type=int, default=1, help="SGD steps (more than 1: train() below)")
     p.add_argument("--save-after", type=int, default=0, help="checkpoint to --ckpt after this many steps")
     p.add_argument("--resume", action="store_true", help="load --ckpt first, then run the remaining steps")
@@ -113,7 +114,7 @@ def main() -> None:
     else:
         balance = [int(b) for b in args.balance.split(",")]
     stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                     graphs=args.graphs, sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
+                     graphs=args.graphs, loops=args.loops, sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
     if rank == args.fail_rank:
         raise RuntimeError(f"planned failure on rank {rank}")
     if args.steps > 1 or args.resume:

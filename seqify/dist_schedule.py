@@ -4,8 +4,8 @@ Each (partition, micro-batch) forward runs on *leaves*, detached copies of what 
 partition's output, popped skips), so its backward runs on its own whenever the schedule says. A value
 for a partition on another rank is sent (:class:`~seqify.dist_link.Link`); one for a partition on this
 rank is handed over directly. B of a split schedule (zero bubble) computes only the gradients of its
-leaves (``torch.autograd.grad(..., retain_graph=True)``) and sends them on at once; W later adds the
-weights' gradients (``torch.autograd.backward(..., inputs=weights)``). Unsplit, B does both.
+leaves and sends them on at once; W later adds the weights' gradients (:mod:`seqify.dist_backward`).
+Unsplit, B does both in one ``torch.autograd.backward``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .dist_backward import input_grads, weight_grads
 from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Key, Link, grads_for, leaves, like_grads
 from .errors import ScheduleError
 from .pipeline.checkpoint import checkpointed
@@ -51,6 +52,7 @@ class _Work:
     stashed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> tensors of the stashed skip
     outs: list[torch.Tensor] = field(default_factory=list)  # what W differentiates (split schedules)
     grads: list[torch.Tensor | None] = field(default_factory=list)
+    boundary: list[dict[str, Any]] | None = None  # what B saved for W (see dist_backward)
 
 
 class RankRun:
@@ -168,7 +170,7 @@ class RankRun:
             del self.work[(p, i)]
         else:
             if outs and wanted:
-                found = torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
+                found, w.boundary = input_grads(outs, grads, wanted, self.s.params[p])
                 got = {id(t): g for t, g in zip(wanted, found)}
             w.outs, w.grads = outs, grads
         if p > 0:
@@ -184,6 +186,5 @@ class RankRun:
             raise ScheduleError(f"{self.s.me}: a W action in a schedule whose backward is not split; build the "
                                 "Schedule with split=True or drop its W actions")
         w = self.work.pop((p, i))
-        params = self.s.params[p]
-        if w.outs and params:
-            torch.autograd.backward(w.outs, w.grads, inputs=params)
+        if w.outs:
+            weight_grads(w.outs, w.grads, self.s.params[p], w.boundary)

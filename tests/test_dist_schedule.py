@@ -98,6 +98,16 @@ def test_zb_h1_b_sends_input_gradients_before_w_computes_weight_gradients(monkey
 
     monkeypatch.setattr(RankRun, "backward", spy("B", backward))
     monkeypatch.setattr(RankRun, "weights", spy("W", weights))
+    import seqify.dist_schedule as ds
+
+    from_boundary: list[bool] = []
+    real_w = ds.weight_grads
+
+    def boundary(outs: Any, grads: Any, params: Any, groups: Any) -> None:
+        from_boundary.append(groups is not None)
+        real_w(outs, grads, params, groups)
+
+    monkeypatch.setattr(ds, "weight_grads", boundary)
     x, y = worker.data("skippy", 8)
     loss = stage.step(x, y, loss_fn=worker.loss_fn("skippy"))
     plan = stage.plan(4)
@@ -109,6 +119,11 @@ def test_zb_h1_b_sends_input_gradients_before_w_computes_weight_gradients(monkey
         if k < first_w[p]:
             assert not has, f"{kind}{p}.{i} wrote weight gradients before any W of partition {p}"
     assert all(has for kind, _, _, _, has in seen if kind == "W")
+    # the second partition's W starts from what B kept at its boundary (the first has no input gradients
+    # to compute, so its W is its whole backward)
+    ws = [p for kind, p, *_ in seen if kind == "W"]
+    assert [b for b, p in zip(from_boundary, ws) if p == 1] == [True] * 4
+    assert [b for b, p in zip(from_boundary, ws) if p == 0] == [False] * 4
     # and the sum is exact: one process, the same micro-batches
     total = sum(worker.loss_fn("skippy")(model(a), b) * (len(a) / len(x))
                 for a, b in zip(x.tensor_split(4), y.tensor_split(4)))

@@ -1,14 +1,4 @@
-"""Zero bubble's split backward: B the input gradients now, W the weight gradients later from B's boundary.
-
-B runs ``torch.autograd.grad`` to the partition's inputs only, with hooks that keep the gradients
-arriving at the *boundary*: the nodes where each weight's sub-graph joins the path from inputs to
-outputs (torch.distributed.pipelining's ``stage_backward_input``). W then differentiates from those
-saved gradients to the weights only (``stage_backward_weight``), so B + W walk the graph about once,
-not twice. Where that cannot cover every weight (a weight reaching an output without meeting the
-inputs' path, say a learned embedding stashed as a skip), or torch's helpers are missing, W walks
-the retained graph again from the outputs (``torch.autograd.backward(..., inputs=weights)``): exact
-either way.
-"""
+"""Zero bubble's split backward: B the input gradients now, W the weight gradients later from B's boundary."""
 
 from __future__ import annotations
 
@@ -51,7 +41,16 @@ def _groups(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
 def input_grads(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
                 params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], list[dict[str, Any]] | None]:
     """B: the gradients of ``inputs`` (None where unused), and what :func:`weight_grads` needs (None:
-    walk from the outputs again)."""
+    walk from the outputs again).
+
+    ``torch.autograd.grad`` runs to the inputs only, with hooks that keep the gradients arriving at the
+    *boundary*: the nodes where each weight's sub-graph joins the path from inputs to outputs
+    (torch.distributed.pipelining's ``stage_backward_input``, without its in-place detach of the
+    outputs). W then differentiates from those saved gradients to the weights only
+    (``stage_backward_weight``), so B + W walk the graph about once, not twice. Where that cannot cover
+    every weight (a weight reaching an output without meeting the inputs' path, say a learned
+    embedding stashed as a skip), or torch's helpers are missing, W walks the retained graph again from
+    the outputs (``torch.autograd.backward(..., inputs=weights)``): exact either way."""
     groups = _groups(outs, inputs, params)
     handles = []
     try:

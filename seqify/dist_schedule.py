@@ -1,12 +1,4 @@
-"""A rank's share of a shared schedule: its partitions' F, B and W actions, with values crossing by key.
-
-Each (partition, micro-batch) forward runs on *leaves*, detached copies of what it reads (the previous
-partition's output, popped skips), so its backward runs on its own whenever the schedule says. A value
-for a partition on another rank is sent (:class:`~seqify.dist_link.Link`); one for a partition on this
-rank is handed over directly. B of a split schedule (zero bubble) computes only the gradients of its
-leaves and sends them on at once; W later adds the weights' gradients (:mod:`seqify.dist_backward`).
-Unsplit, B does both in one ``torch.autograd.backward``.
-"""
+"""A rank's share of a shared schedule: its partitions' F, B and W actions, with values crossing by key."""
 
 from __future__ import annotations
 
@@ -56,7 +48,14 @@ class _Work:
 
 
 class RankRun:
-    """One training step (or inference pass) of ``stage``'s partitions over ``micro`` micro-batches."""
+    """One training step (or inference pass) of ``stage``'s partitions over ``micro`` micro-batches.
+
+    Each (partition, micro-batch) forward runs on *leaves*, detached copies of what it reads (the
+    previous partition's output, popped skips), so its backward runs on its own whenever the schedule
+    says. A value for a partition on another rank is sent (:class:`~seqify.dist_link.Link`); one for a
+    partition on this rank is handed over directly. B of a split schedule (zero bubble) computes only
+    the gradients of its leaves and sends them on at once; W later adds the weights' gradients
+    (:mod:`seqify.dist_backward`). Unsplit, B does both in one ``torch.autograd.backward``."""
 
     def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any],
                  sizes: list[int], loss_fn: LossFn | None, stop: int, split: bool) -> None:

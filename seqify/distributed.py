@@ -1,5 +1,4 @@
-"""Distributed: a pipeline over the processes of a torchrun job, one or several partitions per rank, run
-by the shared schedules; activations, gradients and skips go point-to-point between the ranks."""
+"""Distributed: a pipeline over torchrun's processes, one or several partitions per rank, shared schedules."""
 
 from __future__ import annotations
 

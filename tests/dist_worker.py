@@ -114,7 +114,8 @@ def main() -> None:
     else:
         balance = [int(b) for b in args.balance.split(",")]
     stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                     graphs=args.graphs, loops=args.loops, sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
+                     graphs=args.graphs, loops=args.loops,
+                     sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
     if rank == args.fail_rank:
         raise RuntimeError(f"planned failure on rank {rank}")
     if args.steps > 1 or args.resume:

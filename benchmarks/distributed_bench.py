@@ -1,7 +1,8 @@
-"""Training throughput of seqify.distributed (one stage per process, NCCL) on ResNet-101.
+"""Training throughput of seqify.distributed (NCCL) on ResNet-101, one or ``--loops`` partitions per process.
 
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 16 \
         --schedules gpipe 1f1b zb-h1 --graphs both --out DIR
+    torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --loops 2 --schedules interleaved zb-h1 --out DIR
 
 Balanced by FLOPs by default (``--balance``); rank 0 prints one JSON row per schedule and chunk count, with
 every rank's peak allocated and reserved GiB, and writes them to DIR/distributed.json.
@@ -30,7 +31,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--balance", default="flops")
-    p.add_argument("--schedules", nargs="+", default=["gpipe"], help="shared schedules: gpipe 1f1b zb-h1")
+    p.add_argument("--schedules", nargs="+", default=["gpipe"], help="shared schedules: gpipe 1f1b interleaved zb-h1")
+    p.add_argument("--loops", type=int, default=1, help="partitions per process (interleaved; zb-h1: 2 in a V)")
     p.add_argument("--graphs", choices=["off", "on", "both"], default="off", help="rows with graphs=True too")
     p.add_argument("--out", default=".")
     args = p.parse_args()
@@ -38,12 +40,13 @@ def main() -> None:
     rows = []
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     for schedule, graphs, chunks in [(s, g, c) for s in args.schedules for g in modes for c in args.chunks]:
-        name = f"seqify-distributed-{schedule}{'-graphs' if graphs else ''}-c{chunks}"
+        loops = f"-loops{args.loops}" if args.loops > 1 else ""
+        name = f"seqify-distributed-{schedule}{loops}{'-graphs' if graphs else ''}-c{chunks}"
         try:
             torch.manual_seed(0)
             seq = seqify.convert(torchvision.models.resnet101())
             stage = sd.stage(seq, balance=args.balance, chunks=chunks, schedule=schedule, graphs=graphs,
-                             sample=torch.randn(2, 3, args.res, args.res))
+                             loops=args.loops, sample=torch.randn(2, 3, args.res, args.res))
             opt = torch.optim.SGD(stage.parameters(), lr=0.01)
             x = torch.randn(args.batch, 3, args.res, args.res, device=stage.device)
             y = torch.randint(0, 1000, (args.batch,), device=stage.device)

@@ -1,10 +1,12 @@
-"""Train a ResNet over processes with seqify.distributed: one pipeline stage per rank, under torchrun.
+"""Train a ResNet over processes with seqify.distributed: one (or --loops) pipeline partitions per rank, under torchrun.
 
     torchrun --nproc-per-node 2 examples/torchrun_resnet.py                 # 2 stages (GPUs, or CPUs with gloo)
     torchrun --standalone --nproc-per-node 2 examples/torchrun_resnet.py --model resnet18 --batch 4 --size 32 --steps 1   # a quick run on a CPU
     torchrun --nproc-per-node 4 examples/torchrun_resnet.py --stages 2      # 2 stages x 2 data-parallel replicas
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/torchrun_resnet.py --stages 4                              # two machines
+    torchrun --standalone --nproc-per-node 2 examples/torchrun_resnet.py --model resnet18 --batch 4 --size 32 \
+        --steps 1 --schedule interleaved --loops 2                          # 4 partitions on 2 ranks
 
 Synthetic data; prints the loss of each step on the last stage of replica 0.
 """
@@ -31,6 +33,8 @@ def main() -> None:
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--schedule", default="gpipe", help="gpipe, 1f1b, interleaved or zb-h1")
+    p.add_argument("--loops", type=int, default=1, help="partitions per rank (interleaved; zb-h1: 2 in a V)")
     args = p.parse_args()
 
     chunks = max(1, min(args.chunks, args.batch // 2))  # BatchNorm (train) needs >= 2 samples per micro-batch
@@ -39,14 +43,15 @@ def main() -> None:
     stages = args.stages or world
     torch.manual_seed(0)  # every rank must build the same model
     seq = seqify.convert(torchvision.models.get_model(args.model, num_classes=10))
-    plan = seqify.balance(seq, stages, by="params", progress=False)
-    stage = sd.stage(seq, balance=plan.balance, chunks=chunks)
+    plan = seqify.balance(seq, stages * args.loops, by="params", progress=False)
+    stage = sd.stage(seq, balance=plan.balance, chunks=chunks, schedule=args.schedule, loops=args.loops)
     opt = torch.optim.SGD(stage.parameters(), lr=0.01, momentum=0.9)
     if dist.get_rank() == 0:
         if chunks != args.chunks:
             print(f"chunks: {chunks} instead of {args.chunks}: micro-batches of 1 sample cannot be normalised by "
                   "BatchNorm in training mode", flush=True)
-        print(f"{world} processes: {stages} stages x {world // stages} replicas, balance {plan.balance}", flush=True)
+        print(f"{world} processes: {stages} stages x {world // stages} replicas, {args.loops} partition(s) per "
+              f"stage, balance {plan.balance}", flush=True)
 
     g = torch.Generator().manual_seed(stage.replica)
     x = torch.randn(args.batch, 3, args.size, args.size, generator=g)

@@ -92,7 +92,7 @@ def save(
     """Every rank calls this: replica 0 of each stage writes ``path/stage{i}.pt`` (its parameters and
     buffers under the source model's keys, the optimizer's state under the same keys, and ``extra``);
     all ranks then wait for every file to be written."""
-    from .distributed import _peer
+    from .dist_link import peer as _peer
 
     places = _places(stage)
     if stage.replica == 0:

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
 from .pipeline.replay import Program, _buffers, _Flat, _hand_over
 from .pipeline.stage import Stage
+from .sequential import Sequential
 from .skip.namespace import SkipKey
 
-__all__ = ["RankPrograms"]
+if TYPE_CHECKING:
+    from .distributed import DistributedStage
+
+__all__ = ["RankPrograms", "program_step"]
+
+_OUT = -1  # where the last stage keeps the leaves its loss starts from
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -129,3 +137,78 @@ class RankPrograms:
             if self.acc:
                 torch._foreach_zero_(self.acc)
         self.captured = True
+
+
+def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any], sizes: list[int],
+                 loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[torch.Tensor]:
+    """One training step of a one-partition-per-rank ``stage`` as fixed programs, in its schedule's order
+    (a split schedule's W runs inside its B: a program's backward is one piece); the micro-batch losses
+    on the last stage."""
+    prog = stage._programs
+    assert prog is not None
+    p, last, batch = stage.index, stage.partitions - 1, sum(sizes)
+    routes = stage.routes
+    prog.begin(sizes)
+    saved: dict[int, tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], Any, dict[int, list[torch.Tensor]]]] = {}
+    losses: list[torch.Tensor] = []
+    order = stage.order(len(sizes))
+
+    def forward(i: int) -> None:
+        x_in: list[torch.Tensor] = []
+        x = micro[i] if p == 0 else link.recv((ACTIVATION, p - 1, i), stage.rank_of(p - 1))
+        x_in = leaves(x) if p > 0 else []
+        skips_in: dict[Any, Any] = {}
+        received: dict[int, list[torch.Tensor]] = {}
+        for r in routes:
+            if r.dst == p:
+                value = link.recv((SKIP, r.index, i), stage.rank_of(r.src))
+                skips_in[stage.skip_key(r)], received[r.index] = value, leaves(value)
+        y, skips_out = prog.forward(i, x, skips_in, needs_grad=p > 0)
+        sent: dict[int, list[torch.Tensor]] = {}
+        if p < last:
+            link.send((ACTIVATION, p, i), y, stage.rank_of(p + 1))
+        for r in routes:
+            if r.src == p:
+                value = skips_out[stage.skip_key(r)]
+                link.send((SKIP, r.index, i), value, stage.rank_of(r.dst))
+                sent[r.index] = leaves(value)
+        if p == last:  # the loss on leaves: a program's outputs carry no autograd history
+            sent[_OUT] = [t.detach().requires_grad_(t.is_floating_point()) for t in leaves(y)]
+            y = sent[_OUT][0] if isinstance(y, torch.Tensor) else tuple(sent[_OUT])
+            out = stage.model.unflatten_outputs(y) if isinstance(stage.model, Sequential) else y
+            y = loss_fn(out, targets[i]) * (sizes[i] / batch)  # the mini-batch mean, piece by piece
+            losses.append(y.detach())
+        saved[i] = (x_in, received, y, sent)
+
+    def backward(i: int) -> None:
+        x_in, received, y, sent = saved.pop(i)
+        if p == last:
+            y.backward()
+            grads: list[torch.Tensor | None] = [t.grad for t in sent.pop(_OUT)]
+        else:
+            ys = leaves(y)
+            grads = grads_for(ys, link.recv((GRAD, p, i), stage.rank_of(p + 1)))
+        for r in routes:
+            if r.src == p:
+                grads += grads_for(sent[r.index], link.recv((SKIP_GRAD, r.index, i), stage.rank_of(r.dst)))
+        in_grads = prog.backward(i, grads)
+        if p > 0:
+            link.send((GRAD, p - 1, i), like_grads(x_in, in_grads[:len(x_in)]), stage.rank_of(p - 1))
+        at = len(x_in)
+        for r in routes:
+            if r.dst == p:
+                n = len(received[r.index])
+                link.send((SKIP_GRAD, r.index, i), like_grads(received[r.index], in_grads[at:at + n]),
+                          stage.rank_of(r.src))
+                at += n
+
+    try:
+        for kind, i in order:
+            if kind == "F":
+                forward(i)
+            else:
+                backward(i)
+        prog.finish(True, order)
+    finally:
+        saved.clear()
+    return losses

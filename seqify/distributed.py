@@ -1,12 +1,11 @@
-"""Distributed: one pipeline stage per process under torchrun; skips go point-to-point, stash rank to pop rank."""
+"""Distributed: a pipeline over torchrun's processes, one or several partitions per rank, shared schedules."""
 
 from __future__ import annotations
 
 import datetime
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,28 +14,23 @@ import torch.distributed as dist
 from torch import nn
 
 from .dist_checkpoint import load, merge, save
-from .dist_replay import RankPrograms
-from .errors import BalanceError, BoundaryError, DeviceError, PeerError, ScheduleError, SeqifyError
-from .pipeline.checkpoint import checkpointed, norms_of
+from .dist_link import Link, leaves, peer
+from .dist_replay import RankPrograms, program_step
+from .dist_schedule import RankRun
+from .errors import BalanceError, BoundaryError, DeviceError, ScheduleError
+from .pipeline.checkpoint import norms_of
 from .pipeline.microbatch import gather, scatter
 from .pipeline.pipe import CHECKPOINT, _check_balance, _place
-from .pipeline.schedule import SCHEDULES, Schedule, make
+from .pipeline.schedule import SCHEDULES, Action, Schedule, gpipe, make, round_robin, v_shape
 from .pipeline.stage import Stage
 from .pipeline import tied
 from .sequential import Sequential
 from .skip.layout import routes
+from .skip.namespace import SkipKey
 
-__all__ = ["DistributedStage", "stage", "init", "save", "load", "merge", "SCHEDULES"]
+__all__ = ["DistributedStage", "stage", "init", "save", "load", "merge", "SCHEDULES", "placement_for"]
 
-_DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-]
-_OUT = -1  # where a last stage running programs keeps the leaves its loss starts from
-_MAX_TENSORS = 16
-_MAX_DIMS = 8
-_SLOT = 2 + _MAX_DIMS
-_HEADER = 2 + _MAX_TENSORS * _SLOT
+_peer = peer  # the name dist_checkpoint and older code import
 
 
 def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
@@ -53,149 +47,45 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-@contextmanager
-def _peer(me: str, peer: int | list[int], what: str) -> Iterator[None]:
-    """Turns a failed send, receive or all-reduce (a peer died, or stayed silent past the process-group
-    timeout) into a :class:`PeerError` naming both ranks and what to do."""
-    try:
-        yield
-    except RuntimeError as e:  # gloo and NCCL raise DistBackendError or a plain RuntimeError
-        if isinstance(e, SeqifyError):
-            raise
-        who = f"rank {peer}" if isinstance(peer, int) else f"one of ranks {peer}"
-        cause = (str(e).splitlines() or [type(e).__name__])[0]
-        cause = cause.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source location and advice
-        raise PeerError(
-            f"{me} lost {who} while {what} ({cause}). The peer process died or did not answer within the "
-            "process-group timeout (seqify.distributed.init(timeout_s=...)). Look in its log (or its node's) for "
-            "the first error; the rest of the job stops too. Restart the job and resume from the last "
-            "seqify.distributed.save(stage, path, optimizer) with seqify.distributed.load(stage, path, optimizer)."
-        ) from e
-
-
 @dataclass(frozen=True)
 class _Route:
     index: int
     name: str
-    src: int  # stage that stashes
-    dst: int  # stage that pops
+    src: int  # partition that stashes
+    dst: int  # partition that pops
 
 
-class _Link:
-    """Sends and receives tensors, tuples of tensors or None, with a small header so receivers need
-    no shapes in advance."""
-
-    def __init__(self, device: torch.device, me: str = "this rank") -> None:
-        self.device = device
-        self.me = me
-        self.pending: list[Any] = []
-
-    def send(self, value: Any, dst: int) -> list[torch.Tensor]:
-        if value is None:
-            tensors: tuple[torch.Tensor, ...] = ()
-            kind = 2
-        elif isinstance(value, torch.Tensor):
-            tensors, kind = (value,), 0
-        elif type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value):
-            tensors, kind = value, 1
-        else:
-            raise BoundaryError(
-                f"a {type(value).__name__} must cross to rank {dst}; only tensors, tuples of tensors and None "
-                "travel between processes (move the cut so Python values stay inside one stage)"
-            )
-        if len(tensors) > _MAX_TENSORS or any(t.dim() > _MAX_DIMS for t in tensors):
-            raise BoundaryError(f"at most {_MAX_TENSORS} tensors of at most {_MAX_DIMS} dims cross ranks at once")
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = kind, len(tensors)
-        for k, t in enumerate(tensors):
-            base = 2 + k * _SLOT
-            header[base] = _DTYPES.index(t.dtype)
-            header[base + 1] = t.dim()
-            header[base + 2:base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        sent = [header.to(self.device)] + [t.detach().contiguous() for t in tensors]
-        with _peer(self.me, dst, "sending activations"):
-            for t in sent:
-                self.pending.append((dist.isend(t, dst), t, dst))
-        return list(tensors)
-
-    def _recv(self, t: torch.Tensor, src: int, what: str) -> None:
-        with _peer(self.me, src, what):
-            dist.irecv(t, src).wait()
-
-    def recv(self, src: int) -> Any:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self._recv(header, src, "receiving activations")
-        header = header.cpu()
-        kind, n = int(header[0]), int(header[1])
-        tensors = []
-        for k in range(n):
-            base = 2 + k * _SLOT
-            dtype = _DTYPES[int(header[base])]
-            shape = [int(d) for d in header[base + 2:base + 2 + int(header[base + 1])]]
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._recv(t, src, "receiving activations")
-            tensors.append(t)
-        if kind == 2:
-            return None
-        return tensors[0] if kind == 0 else tuple(tensors)
-
-    def send_grads(self, tensors: Sequence[torch.Tensor], dst: int) -> None:
-        self.send_values(tensors, [t.grad for t in tensors], dst)
-
-    def send_values(self, like: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], dst: int) -> None:
-        """The gradients of ``like``'s floating-point tensors (zeros where ``None``), for ``recv_grads``."""
-        for t, g in zip(like, grads):
-            if t.is_floating_point():
-                g = g if g is not None else torch.zeros_like(t)
-                g = g.contiguous()
-                with _peer(self.me, dst, "sending gradients"):
-                    self.pending.append((dist.isend(g, dst), g, dst))
-
-    def recv_grads(self, like: Sequence[torch.Tensor], src: int) -> list[torch.Tensor | None]:
-        grads: list[torch.Tensor | None] = []
-        for t in like:
-            if t.is_floating_point():
-                g = torch.empty_like(t)
-                self._recv(g, src, "receiving gradients")
-                grads.append(g)
-            else:
-                grads.append(None)
-        return grads
-
-    def flush(self) -> None:
-        for work, _, peer in self.pending:
-            with _peer(self.me, peer, "waiting for its sends to arrive"):
-                work.wait()
-        self.pending.clear()
-
-
-def _leaves(value: Any) -> list[torch.Tensor]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, torch.Tensor) else list(value)
-
-
-def _requiring_grad(value: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Received tensors as leaves that collect gradients, and clones of them for the stage to use (a
-    first layer may work in place, which autograd forbids on a leaf)."""
-    if value is None:
-        return None, []
-    tensors = [value] if isinstance(value, torch.Tensor) else list(value)
-    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
-    used = [t.clone() if t.requires_grad else t for t in leaves]
-    return (used[0] if isinstance(value, torch.Tensor) else tuple(used)), leaves
+def placement_for(schedule: str | Schedule, ranks: int, loops: int) -> tuple[int, ...]:
+    """Which rank (of one pipeline) holds each partition: a ``Schedule``'s own placement; one partition
+    per rank for ``loops=1``; a V (``v_shape``) for 'zb-h1' with ``loops=2``; else round-robin."""
+    if isinstance(schedule, Schedule):
+        return tuple(schedule.placement)
+    if loops == 1:
+        return tuple(range(ranks))
+    if schedule == "zb-h1":
+        if loops != 2:
+            raise ScheduleError(f"zb-h1 with loops={loops}: it runs one partition per rank, or two placed in a V "
+                                "(loops=2); use schedule='interleaved' for more")
+        return v_shape(ranks)
+    if schedule == "1f1b":
+        raise ScheduleError("1f1b runs one partition per rank; with loops > 1 use schedule='interleaved' (or 'gpipe')")
+    return round_robin(ranks, loops)
 
 
 class DistributedStage(nn.Module):
-    """This process's partition of a pipeline that spans processes (one stage per rank).
+    """This process's partitions of a pipeline that spans processes.
 
-    ``step(inputs, target, loss_fn)`` runs one mini-batch in the order of a shared schedule
-    (``seqify.pipeline.schedule``: 'gpipe', every forward then every backward; '1f1b', a backward after
-    each forward once the pipeline is full, which bounds the activations kept; 'zb-h1'; or a ``Schedule``
-    with one partition per rank), exchanging activations with the
-    neighbouring stages and skips directly with the stage that pops (or stashed) them. It returns the mini-batch
-    loss on the last stage and ``None`` elsewhere; gradients are left in this stage's parameters (and
-    averaged over data-parallel replicas), ready for ``optimizer.step()``.
+    The pipeline's partitions are placed on its ranks by ``placement`` (one per rank by default;
+    ``loops`` per rank round-robin, or in a V for 'zb-h1'). ``step(inputs, target, loss_fn)`` runs one
+    mini-batch as this rank's share of a shared schedule (``seqify.pipeline.schedule``: 'gpipe', every
+    forward then every backward; '1f1b', a backward after each forward once the pipeline is full, which
+    bounds the activations kept; 'interleaved', 1F1B over several partitions per rank; 'zb-h1', backward
+    split into input gradients, sent on at once, and weight gradients, run later in the bubbles; or a
+    ``Schedule``). Values between partitions of one rank are handed over directly; between ranks they
+    go point-to-point, skips straight from the stashing partition's rank to the popping one's. It
+    returns the mini-batch loss on the rank holding the last partition and ``None`` elsewhere;
+    gradients are left in this rank's parameters (and averaged over data-parallel replicas), ready for
+    ``optimizer.step()``.
     """
 
     def __init__(
@@ -211,70 +101,120 @@ class DistributedStage(nn.Module):
         checkpoint: str = "never",
         schedule: str | Schedule = "gpipe",
         graphs: bool = False,
+        loops: int = 1,
     ) -> None:
         super().__init__()
         if graphs and checkpoint != "never":
             raise BalanceError(f"graphs=True with checkpoint={checkpoint!r}: captured graphs need checkpoint='never'")
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
             raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
-                                "seqify.pipeline.schedule.Schedule with one partition per rank")
+                                "seqify.pipeline.schedule.Schedule")
         if checkpoint not in CHECKPOINT:
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
+        if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+            raise BalanceError(f"loops={loops!r}: give the number of partitions per rank, a whole number >= 1")
         names = list(model._modules)
         balance = _check_balance(balance, len(names))
+        if isinstance(schedule, Schedule):
+            placement = placement_for(schedule, 0, 0)
+        else:
+            if len(balance) % loops:
+                raise BalanceError(f"balance has {len(balance)} partitions, not a multiple of loops={loops}: give "
+                                   "loops entries per rank")
+            placement = placement_for(schedule, len(balance) // loops, loops)
+        if len(placement) != len(balance):
+            raise ScheduleError(f"schedule {getattr(schedule, 'name', schedule)!r} places {len(placement)} "
+                                f"partitions, but balance has {len(balance)}: build it for this balance")
+        ranks = max(placement) + 1
+        if sorted(set(placement)) != list(range(ranks)):
+            raise ScheduleError(f"placement {placement} leaves a rank without partitions; number ranks 0..n-1")
+        if not 0 <= index < ranks:
+            raise DeviceError(f"index={index}: this pipeline has ranks 0..{ranks - 1}")
         tied.refuse_across_processes(model, balance)
         starts = [sum(balance[:j]) for j in range(len(balance))]
         part_of = [j for j, count in enumerate(balance) for _ in range(count)]
         layers = list(model._modules.values())
-        start, count = starts[index], balance[index]
-        part = nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count])))
-        _place([part], [device])  # like .to(device), keeping tensors its layers share one tensor
+        self.placement = placement
+        self.owned = [p for p, r in enumerate(placement) if r == index]
+        parts = {p: nn.Sequential(OrderedDict(zip(names[starts[p]:starts[p] + balance[p]],
+                                                  layers[starts[p]:starts[p] + balance[p]])))
+                 for p in self.owned}
+        _place(list(parts.values()), [device] * len(parts))  # like .to(device), keeping tensors layers share
+        # every layer of this rank, in model order: parameters(), state_dict() and checkpoints read it
+        mine = sorted((starts[p] + k, names[starts[p] + k]) for p in self.owned for k in range(balance[p]))
+        self.partition = nn.Sequential(OrderedDict((n, layers[k]) for k, n in mine))
         found = routes(model)
         self.routes = [
             _Route(i, r.key[1], part_of[r.stash], part_of[r.pop])
             for i, r in enumerate(found)
             if part_of[r.stash] != part_of[r.pop]
         ]
-        self._key = {rt.index: found[rt.index].key for rt in self.routes}
-        self.partition = part
+        self._key: dict[int, SkipKey] = {rt.index: found[rt.index].key for rt in self.routes}
         object.__setattr__(self, "model", model)
         self.balance = list(balance)
         self.index = index
-        self.stages = len(balance)
+        self.stages = ranks
+        self.partitions = len(balance)
+        self.loops = len(self.owned) if isinstance(schedule, Schedule) else loops
         self.replica = replica
         self.replicas = replicas
         self.device = device
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.schedule = schedule
-        pops = tuple(self._key[r.index] for r in self.routes if r.dst == index)
-        stashes = tuple(self._key[r.index] for r in self.routes if r.src == index)
-        self.runner = Stage(index, part, device, pops, stashes)
-        self._norms = norms_of(part)
+        self.runners: dict[int, Stage] = {}
+        self.norms: dict[int, list[Any]] = {}
+        self.params: dict[int, list[nn.Parameter]] = {}
+        for p, part in parts.items():
+            pops = tuple(self._key[r.index] for r in self.routes if r.dst == p)
+            stashes = tuple(self._key[r.index] for r in self.routes if r.src == p)
+            self.runners[p] = Stage(p, part, device, pops, stashes)
+            self.norms[p] = list(norms_of(part))
+            self.params[p] = [w for w in part.parameters() if w.requires_grad]
         self._dp_group: Any = None
-        self._orders: dict[int, list[tuple[str, int]]] = {}  # per micro-batch count: built once
+        self._plans: dict[int, Schedule] = {}  # per micro-batch count: built once
         self.graphs = graphs
+        if graphs and len(self.owned) > 1:
+            raise BalanceError(f"graphs=True with {len(self.owned)} partitions per rank: fixed programs run one "
+                               "partition per rank; use loops=1 or graphs=False")
+        self.runner = self.runners[self.owned[0]]
         self._programs = RankPrograms(self.runner, device, graphs) if graphs else None
 
     @property
     def is_first(self) -> bool:
-        return self.index == 0
+        """Whether this rank holds the first partition (it takes the inputs)."""
+        return self.placement[0] == self.index
 
     @property
     def is_last(self) -> bool:
-        return self.index == self.stages - 1
+        """Whether this rank holds the last partition (it takes the target and returns the loss)."""
+        return self.placement[-1] == self.index
 
     def rank_of(self, stage_index: int) -> int:
+        """The global rank of this replica's pipeline rank ``stage_index``."""
         return self.replica * self.stages + stage_index
+
+    def rank_of_partition(self, partition: int) -> int:
+        return self.rank_of(self.placement[partition])
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank_of(self.index)
+
+    def skip_key(self, route: _Route) -> SkipKey:
+        return self._key[route.index]
 
     @property
     def me(self) -> str:
-        rank = dist.get_rank() if dist.is_initialized() else self.rank_of(self.index)
-        return f"rank {rank} (stage {self.index + 1}/{self.stages}, replica {self.replica + 1}/{self.replicas})"
+        rank = dist.get_rank() if dist.is_initialized() else self.global_rank
+        held = f"partitions {self.owned}" if len(self.owned) > 1 else f"partition {self.owned[0]}"
+        return (f"rank {rank} (stage {self.index + 1}/{self.stages}, {held} of {self.partitions}, "
+                f"replica {self.replica + 1}/{self.replicas})")
 
     def __repr__(self) -> str:
-        return (f"DistributedStage({self.index + 1}/{self.stages}, replica {self.replica + 1}/{self.replicas}, "
-                f"{len(self.partition)} layers on {self.device}, chunks={self.chunks})")
+        return (f"DistributedStage({self.index + 1}/{self.stages}, partitions {self.owned} of {self.partitions}, "
+                f"replica {self.replica + 1}/{self.replicas}, {len(self.partition)} layers on {self.device}, "
+                f"chunks={self.chunks})")
 
     def _micro_inputs(self, inputs: Any) -> list[Any]:
         model = self.model
@@ -290,59 +230,44 @@ class DistributedStage(nn.Module):
             carried = tuple(t.to(self.device) for t in carried)
         return scatter(carried, self.chunks)
 
-    def _forward(self, x: Any, skips: dict[Any, Any], checkpoint: bool) -> tuple[Any, dict[Any, Any]]:
-        if checkpoint:
-            return checkpointed(self.runner.fresh, x, skips, norms=self._norms)
-        return self.runner(x, skips)
-
     def _sizes(self, micro: list[Any]) -> list[int]:
-        """Every stage learns the micro-batch sizes the first stage made (for loss weights and 1F1B)."""
+        """Every rank learns the micro-batch sizes the first partition's rank made (for loss weights and
+        the schedule)."""
+        source = self.rank_of(self.placement[0])
         count = torch.tensor([len(micro)], dtype=torch.int64, device=self.device)
         if self.stages > 1 and not self.is_first:
-            with _peer(self.me, self.rank_of(0), "receiving the micro-batch sizes"):
-                dist.recv(count, self.rank_of(0))
+            with peer(self.me, source, "receiving the micro-batch sizes"):
+                dist.recv(count, source)
         sizes = torch.tensor(
-            [_leaves(v)[0].size(0) for v in micro] if self.is_first else [0] * int(count[0]),
+            [leaves(v)[0].size(0) for v in micro] if self.is_first else [0] * int(count[0]),
             dtype=torch.int64, device=self.device,
         )
         if self.stages > 1:
             if self.is_first:
-                for j in range(1, self.stages):
-                    with _peer(self.me, self.rank_of(j), "sending the micro-batch sizes"):
-                        dist.send(count, self.rank_of(j))
-                        dist.send(sizes, self.rank_of(j))
+                for j in range(self.stages):
+                    if self.rank_of(j) != source:
+                        with peer(self.me, self.rank_of(j), "sending the micro-batch sizes"):
+                            dist.send(count, self.rank_of(j))
+                            dist.send(sizes, self.rank_of(j))
             else:
-                with _peer(self.me, self.rank_of(0), "receiving the micro-batch sizes"):
-                    dist.recv(sizes, self.rank_of(0))
+                with peer(self.me, source, "receiving the micro-batch sizes"):
+                    dist.recv(sizes, source)
         return [int(v) for v in sizes.tolist()]
 
-    def order(self, m: int) -> list[tuple[str, int]]:
-        """This stage's work for ``m`` micro-batches, ('F', i) forwards and ('B', i) backwards, read from
-        the shared schedule (``seqify.pipeline.schedule``: one partition per rank, rank = device).
+    def plan(self, m: int) -> Schedule:
+        """The shared schedule for ``m`` micro-batches (built once per count; every rank builds the same)."""
+        if m not in self._plans:
+            self._plans[m] = make(self.schedule, self.placement, m)
+        return self._plans[m]
 
-        A split schedule's W (weight gradients, zero-bubble) runs inside its B here: the order is the
-        schedule's, the split is not (yet). Messages between two ranks are matched in the order they are
-        posted, so every rank must meet the micro-batches in the same order, forwards and backwards."""
-        if m in self._orders:
-            return self._orders[m]
-        plan = make(self.schedule, tuple(range(self.stages)), m)
-        lists = plan.per_device()
-        if len(lists) != self.stages:
-            raise ScheduleError(
-                f"schedule {plan.name!r} places partitions on {len(lists)} devices; seqify.distributed runs one "
-                f"partition per rank, placement {tuple(range(self.stages))}: build it with that placement"
-            )
-        for kind in ("F", "B"):
-            seen = [[a.microbatch for a in actions if a.kind == kind] for actions in lists]
-            odd = next((j for j, got in enumerate(seen) if got != seen[0]), None)
-            if odd is not None:
-                raise ScheduleError(
-                    f"schedule {plan.name!r} runs {kind} of the micro-batches in order {seen[0]} on rank 0 and "
-                    f"{seen[odd]} on rank {odd}; seqify.distributed matches messages in the order they are sent, "
-                    "so every rank needs the same order (gpipe, 1f1b and zb-h1 have it)"
-                )
-        self._orders[m] = [(a.kind, a.microbatch) for a in lists[self.index] if a.kind != "W"]
-        return self._orders[m]
+    def actions(self, m: int) -> list[Action]:
+        """This rank's actions for ``m`` micro-batches, in the order the shared schedule gives them."""
+        return self.plan(m).per_device()[self.index]
+
+    def order(self, m: int) -> list[tuple[str, int]]:
+        """This rank's ('F', i) forwards and ('B', i) backwards (one partition per rank; a split
+        schedule's W is left out: fixed programs, ``graphs=True``, run it inside B)."""
+        return [(a.kind, a.microbatch) for a in self.actions(m) if a.kind != "W"]
 
     def step(
         self,
@@ -350,120 +275,42 @@ class DistributedStage(nn.Module):
         target: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
-        """Forward and backward of one mini-batch. ``inputs`` on the first stage, ``target`` and
-        ``loss_fn(output, target) -> mean loss of a micro-batch`` on the last."""
+        """Forward and backward of one mini-batch. ``inputs`` on the rank holding the first partition,
+        ``target`` and ``loss_fn(output, target) -> mean loss of a micro-batch`` on the one holding the last."""
         if self.is_last and loss_fn is None:
-            raise BoundaryError("the last stage needs loss_fn(output, target) to run backward")
+            raise BoundaryError("the rank holding the last partition needs loss_fn(output, target) to run backward")
         micro = self._micro_inputs(inputs) if self.is_first else []
         sizes = self._sizes(micro)
-        m, batch = len(sizes), sum(sizes)
+        m = len(sizes)
         targets = scatter(target.to(self.device), m) if self.is_last and target is not None else [None] * m
-        link = _Link(self.device, self.me)
+        link = Link(self.device, self.me)
         grad = torch.is_grad_enabled()
-        stop = 0 if not grad else {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-        saved: dict[int, tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], Any, dict[int, list[torch.Tensor]]]] = {}
-        losses: list[torch.Tensor] = []
-        # graphs=True: fixed programs per micro-batch; received values are copied in, not made leaves
-        prog = self._programs if grad else None
-        if prog is not None:
-            prog.begin(sizes)
-
-        def take(value: Any) -> tuple[Any, list[torch.Tensor]]:
-            return (value, _leaves(value)) if prog is not None else _requiring_grad(value)
-
-        def forward(i: int) -> None:
-            x_leaves: list[torch.Tensor] = []
-            if self.is_first:
-                x = micro[i]
-            else:
-                x, x_leaves = take(link.recv(self.rank_of(self.index - 1)))
-            skips_in: dict[Any, Any] = {}
-            received: dict[int, list[torch.Tensor]] = {}
-            for r in self.routes:
-                if r.dst == self.index:
-                    value, received[r.index] = take(link.recv(self.rank_of(r.src)))
-                    skips_in[self._key[r.index]] = value
-            if prog is None:
-                y, skips_out = self._forward(x, skips_in, i < stop)
-            else:
-                y, skips_out = prog.forward(i, x, skips_in, needs_grad=not self.is_first)
-            sent: dict[int, list[torch.Tensor]] = {}
-            if not self.is_last:
-                link.send(y, self.rank_of(self.index + 1))
-            for r in self.routes:
-                if r.src == self.index:
-                    sent[r.index] = link.send(skips_out[self._key[r.index]], self.rank_of(r.dst))
-            if self.is_last:
-                if prog is not None:  # the loss on leaves: a program's outputs carry no autograd history
-                    sent[_OUT] = [t.detach().requires_grad_(t.is_floating_point()) for t in _leaves(y)]
-                    y = sent[_OUT][0] if isinstance(y, torch.Tensor) else tuple(sent[_OUT])
-                out = self.model.unflatten_outputs(y) if isinstance(self.model, Sequential) else y
-                assert loss_fn is not None
-                y = loss_fn(out, targets[i]) * (sizes[i] / batch)  # the mini-batch mean, piece by piece
-                losses.append(y.detach())
-            saved[i] = (x_leaves, received, y, sent)
-
-        def backward_program(i: int) -> None:
-            assert prog is not None
-            x_leaves, received, y, sent = saved.pop(i)
-            if self.is_last:
-                y.backward()
-                grads = [t.grad for t in sent.pop(_OUT)]
-            else:
-                grads = link.recv_grads(_leaves(y), self.rank_of(self.index + 1))
-            for r in self.routes:
-                if r.src == self.index:
-                    grads += link.recv_grads(sent[r.index], self.rank_of(r.dst))
-            in_grads = prog.backward(i, grads)
-            if not self.is_first:
-                link.send_values(x_leaves, in_grads[:len(x_leaves)], self.rank_of(self.index - 1))
-            at = len(x_leaves)
-            for r in self.routes:
-                if r.dst == self.index:
-                    n = len(received[r.index])
-                    link.send_values(received[r.index], in_grads[at:at + n], self.rank_of(r.src))
-                    at += n
-
-        def backward(i: int) -> None:
-            if prog is not None:
-                return backward_program(i)
-            x_leaves, received, y, sent = saved.pop(i)
-            outputs: list[torch.Tensor] = []
-            grads: list[torch.Tensor | None] = []
-            if self.is_last:
-                outputs.append(y)
-                grads.append(None)
-            else:
-                ys = _leaves(y)
-                outputs += ys
-                grads += link.recv_grads(ys, self.rank_of(self.index + 1))
-            for r in self.routes:
-                if r.src == self.index:
-                    outputs += sent[r.index]
-                    grads += link.recv_grads(sent[r.index], self.rank_of(r.dst))
-            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and (g is not None or self.is_last)]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            if not self.is_first:
-                link.send_grads(x_leaves, self.rank_of(self.index - 1))
-            for r in self.routes:
-                if r.dst == self.index:
-                    link.send_grads(received[r.index], self.rank_of(r.src))
-
-        try:
-            for kind, i in (self.order(m) if grad else [("F", i) for i in range(m)]):
-                if kind == "F":
-                    forward(i)
-                else:
-                    backward(i)
-            if prog is not None:
-                prog.finish(grad, self.order(m))
-            if grad:
-                self._all_reduce_grads()
-            link.flush()
-        finally:
-            saved.clear()
+        if not grad:
+            return self._forward_only(micro, sizes, link, targets, loss_fn)
+        if self._programs is not None:
+            assert loss_fn is not None or not self.is_last
+            losses = program_step(self, link, micro, targets, sizes, loss_fn)  # type: ignore[arg-type]
+        else:
+            stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+            plan = self.plan(m)
+            run = RankRun(self, link, micro, targets, sizes, loss_fn, stop, plan.split)
+            run.run(plan.per_device()[self.index])
+            losses = run.losses
+        self._all_reduce_grads()
+        link.flush()
         return torch.stack(losses).sum() if self.is_last else None
+
+    def _forward_only(self, micro: list[Any], sizes: list[int], link: Link, targets: list[Any],
+                      loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Any:
+        """Every forward, in fill-drain order, without autograd: the loss (with ``loss_fn``) or the
+        outputs by micro-batch on the last partition's rank."""
+        order = [a for a in gpipe(self.placement, len(sizes)).per_device()[self.index] if a.kind == "F"]
+        run = RankRun(self, link, micro, targets, sizes, loss_fn, 0, False)
+        run.run(order)
+        link.flush()
+        if loss_fn is not None:
+            return torch.stack(run.losses).sum() if self.is_last else None
+        return [run.outputs[i] for i in range(len(sizes))] if self.is_last else None
 
     def _all_reduce_grads(self) -> None:
         if self.replicas == 1 or self._dp_group is None:
@@ -473,7 +320,7 @@ class DistributedStage(nn.Module):
             return
         flat = torch._utils._flatten_dense_tensors(grads)
         others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
-        with _peer(self.me, others, "averaging gradients over data-parallel replicas"):
+        with peer(self.me, others, "averaging gradients over data-parallel replicas"):
             dist.all_reduce(flat, group=self._dp_group)
         flat /= self.replicas
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
@@ -481,22 +328,10 @@ class DistributedStage(nn.Module):
 
     @torch.no_grad()
     def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
-        """Inference over the pipeline: the output (source structure) on the last stage, None elsewhere."""
+        """Inference over the pipeline: the output (source structure) on the last partition's rank, None elsewhere."""
         micro = self._micro_inputs(inputs if len(inputs) != 1 else inputs[0]) if self.is_first else []
-        m = len(self._sizes(micro))
-        link = _Link(self.device, self.me)
-        outs = []
-        for i in range(m):
-            x = micro[i] if self.is_first else link.recv(self.rank_of(self.index - 1))
-            skips_in = {self._key[r.index]: link.recv(self.rank_of(r.src)) for r in self.routes if r.dst == self.index}
-            y, skips_out = self.runner(x, skips_in)
-            if not self.is_last:
-                link.send(y, self.rank_of(self.index + 1))
-            for r in self.routes:
-                if r.src == self.index:
-                    link.send(skips_out[self._key[r.index]], self.rank_of(r.dst))
-            outs.append(y)
-        link.flush()
+        sizes = self._sizes(micro)
+        outs = self._forward_only(micro, sizes, Link(self.device, self.me), [None] * len(sizes), None)
         if not self.is_last:
             return None
         out = gather(outs)
@@ -510,19 +345,23 @@ def stage(
     chunks: int = 1,
     checkpoint: str = "never",
     schedule: str | Schedule = "gpipe",
+    loops: int = 1,
     graphs: bool = False,
     device: torch.device | str | None = None,
     sample: Any = None,
     example_inputs: Any = None,
 ) -> DistributedStage:
-    """This process's stage of a pipeline over all processes of the job (call under torchrun).
+    """This process's partitions of a pipeline over all processes of the job (call under torchrun).
 
-    With ``world_size = stages * replicas``, rank ``r`` runs stage ``r % stages`` of replica
-    ``r // stages``; ``balance`` fixes the number of stages (a list of layer counts), or a strategy name
-    ('params', 'flops', 'time', 'memory') splits the model into ``world_size`` stages. Rank 0 decides
-    the balance and broadcasts it, so every rank agrees. Every rank must build the same model (seed it).
-    ``graphs=True`` runs each micro-batch's forward and backward as fixed programs, captured as CUDA
-    graphs after the first step (eager programs on the CPU); the sends and receives stay between them.
+    With ``world_size = ranks * replicas``, rank ``r`` is pipeline rank ``r % ranks`` of replica
+    ``r // ranks``. Each pipeline rank holds ``loops`` partitions (round-robin, or in a V for
+    'zb-h1' with ``loops=2``; a ``Schedule`` brings its own placement): ``balance`` lists the layers of
+    every partition (``ranks * loops`` entries), or a strategy name ('params', 'flops', 'time',
+    'memory') splits the model into ``world_size * loops`` partitions. Rank 0 decides the balance and
+    broadcasts it, so every rank agrees. Every rank must build the same model (seed it).
+    ``graphs=True`` (one partition per rank) runs each micro-batch's forward and backward as fixed
+    programs, captured as CUDA graphs after the first step (eager programs on the CPU); the sends and
+    receives stay between them.
     """
     if not dist.is_initialized():
         init()
@@ -534,27 +373,36 @@ def stage(
     if device is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
     device = torch.device(device)
+    per_rank = len(schedule.placement) // (max(schedule.placement) + 1) if isinstance(schedule, Schedule) else loops
     if isinstance(balance, str) or balance is None:
         shared: list[Any] = [None]
         if rank == 0:
             from .partition import balance as make_plan
 
             probe = sample if sample is not None else example_inputs
-            shared[0] = make_plan(model, world, sample=probe, by=balance or "params", progress=False).balance
+            parts = len(schedule.placement) if isinstance(schedule, Schedule) else world * per_rank
+            shared[0] = make_plan(model, parts, sample=probe, by=balance or "params", progress=False).balance
         dist.broadcast_object_list(shared, src=0)
         counts = list(shared[0])
     else:
         counts = list(balance)
-    stages = len(counts)
-    if world % stages:
-        raise DeviceError(f"world size {world} is not a multiple of the {stages} pipeline stages; launch stages x replicas processes")
-    replicas = world // stages
-    result = DistributedStage(model, counts, index=rank % stages, replica=rank // stages, replicas=replicas,
+    if isinstance(schedule, Schedule):
+        ranks = max(schedule.placement) + 1
+    elif len(counts) % loops:
+        raise BalanceError(f"balance has {len(counts)} partitions, not a multiple of loops={loops}: give loops "
+                           "entries per rank")
+    else:
+        ranks = len(counts) // loops
+    if world % ranks:
+        raise DeviceError(f"world size {world} is not a multiple of the {ranks} pipeline ranks; launch "
+                          "ranks x replicas processes")
+    replicas = world // ranks
+    result = DistributedStage(model, counts, index=rank % ranks, replica=rank // ranks, replicas=replicas,
                               device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-                              graphs=graphs)
+                              graphs=graphs, loops=loops)
     if replicas > 1:
-        for s in range(stages):
-            group = dist.new_group([d * stages + s for d in range(replicas)])
-            if s == rank % stages:
+        for s in range(ranks):
+            group = dist.new_group([d * ranks + s for d in range(replicas)])
+            if s == rank % ranks:
                 result._dp_group = group
     return result

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from torch import nn
 
 import seqify
 import seqify.distributed as sd
+from seqify.dist_link import Link
 
 
 class Tiny(nn.Module):
@@ -29,10 +32,33 @@ class Tiny(nn.Module):
         return self.c(torch.relu(self.b(h)) + h)
 
 
+class Skippy(nn.Module):
+    """Six Linear layers and three skips (14 layers converted): balance 3,3,4,4 cuts every skip across
+    partitions, some between partitions of one rank and some across ranks, round-robin or in a V."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 8)
+        self.e = nn.Linear(8, 8)
+        self.f = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1 = torch.relu(self.a(x))
+        h2 = torch.relu(self.b(h1))
+        h3 = torch.relu(self.c(h2)) + h1
+        h4 = torch.tanh(self.d(h3)) + h2
+        return self.f(torch.relu(self.e(h4)) * h1)
+
+
 def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "tiny":
         return Tiny()
+    if name == "skippy":
+        return Skippy().double()
     if name == "resnet18":
         import torchvision
 
@@ -44,6 +70,8 @@ def data(name: str, batch: int, step: int = 0) -> tuple[torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(1 + step)
     if name == "tiny":
         return torch.randn(batch, 6, generator=g), torch.randint(0, 3, (batch,), generator=g)
+    if name == "skippy":
+        return torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g)
     if name == "resnet18":
         return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
     return torch.randn(batch, 3, 16, 16, generator=g), torch.randn(batch, 2, 16, 16, generator=g)
@@ -65,6 +93,7 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--backend", default="gloo")
     p.add_argument("--schedule", default="gpipe")
+    p.add_argument("--loops", type=int, default=1, help="partitions per rank")
     p.add_argument("--steps", type=int, default=1, help="SGD steps (more than 1: train() below)")
     p.add_argument("--save-after", type=int, default=0, help="checkpoint to --ckpt after this many steps")
     p.add_argument("--resume", action="store_true", help="load --ckpt first, then run the remaining steps")
@@ -85,7 +114,8 @@ def main() -> None:
     else:
         balance = [int(b) for b in args.balance.split(",")]
     stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                     graphs=args.graphs, sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
+                     graphs=args.graphs, loops=args.loops,
+                     sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
     if rank == args.fail_rank:
         raise RuntimeError(f"planned failure on rank {rank}")
     if args.steps > 1 or args.resume:
@@ -142,6 +172,77 @@ def train(args: argparse.Namespace, model: nn.Module, stage: sd.DistributedStage
                 "optimizer": opt.state_dict()},
                os.path.join(args.out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
+
+
+def spawned(rank: int, world: int, port: int, out: str, name: str, balance: list[int], schedule: Any, loops: int,
+            chunks: int, batch: int, checkpoint: str, ckpt: str, fail_rank: int = -1) -> None:
+    """One rank started by ``torch.multiprocessing.spawn``: two SGD steps of ``name`` on its replica's shard,
+    saving each step's loss and gradients (source names) to ``out/rank{rank}.pt``; with ``ckpt``, saves a
+    checkpoint after the first step and loads it into a freshly built stage, whose parameters it reports.
+    ``fail_rank`` dies (``os._exit``) in its first step's loss; the others write the error they raise."""
+    torch.set_num_threads(1)
+    try:
+        _spawned(rank, world, port, out, name, balance, schedule, loops, chunks, batch, checkpoint, ckpt, fail_rank)
+    except seqify.SeqifyError as e:
+        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        raise
+
+
+def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: list[int], schedule: Any, loops: int,
+             chunks: int, batch: int, checkpoint: str, ckpt: str, fail_rank: int) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))
+    try:
+        model = build(name).train()
+        stage = sd.stage(seqify.convert(model), balance=balance, chunks=chunks, checkpoint=checkpoint,
+                         schedule=schedule, loops=loops)
+        names = {id(p): n for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+        sent: list[tuple[tuple[int, int, int], int]] = []  # (key, destination) of every message this rank sends
+        send = Link.send
+
+        def logged(self: Link, key: tuple[int, int, int], value: Any, dst: int) -> None:
+            sent.append((key, dst))
+            send(self, key, value, dst)
+
+        Link.send = logged  # type: ignore[method-assign]
+        record: dict[str, Any] = {"stage": stage.index, "owned": stage.owned, "replica": stage.replica, "losses": [],
+                                  "grads": []}
+        shard = slice(stage.replica * batch // stage.replicas, (stage.replica + 1) * batch // stage.replicas)
+
+        def loss_of(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            if rank == fail_rank:
+                os._exit(3)  # as if killed: no exception, no goodbye to the peers
+            return loss_fn(name)(output, target)
+
+        for step in range(2):
+            x, y = data(name, batch, step)
+            x, y = x[shard], y[shard]
+            opt.zero_grad()
+            loss = stage.step(x if stage.is_first else None, y if stage.is_last else None, loss_fn=loss_of)
+            record["losses"].append(None if loss is None else float(loss))
+            record["grads"].append({names[id(p)]: p.grad.clone() for p in stage.partition.parameters()
+                                    if p.grad is not None})
+            opt.step()
+            if step == 0 and ckpt:
+                sd.save(stage, ckpt, opt, extra=1)
+        with torch.no_grad():
+            x, _ = data(name, batch, 0)
+            record["output"] = stage(x[shard]) if stage.is_first else stage()
+        if ckpt:
+            fresh = build(name).train()
+            again = sd.stage(seqify.convert(fresh), balance=balance, chunks=chunks, schedule=schedule, loops=loops)
+            fopt = torch.optim.SGD(again.parameters(), lr=0.1, momentum=0.9)
+            record["extra"] = sd.load(again, ckpt, fopt)
+            fnames = {id(p): n for n, p in fresh.named_parameters()}
+            record["loaded"] = {fnames[id(p)]: p.detach().clone() for p in again.partition.parameters()}
+            record["momentum"] = {fnames[id(p)]: fopt.state[p]["momentum_buffer"].clone()
+                                  for p in again.partition.parameters()}
+        record["sent"] = sent
+        torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

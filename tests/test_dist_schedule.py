@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -60,11 +62,95 @@ def test_a_schedule_object_sets_the_order() -> None:
     assert [s.order(3) for s in stages(plan, 2)] == order
 
 
-def test_ranks_meeting_micro_batches_in_different_orders_are_refused() -> None:
+def test_each_rank_keeps_its_own_order_of_micro_batches() -> None:
+    # Messages are keyed by (partition or skip, micro-batch), so ranks may differ (run: test_dist_loops.py).
     order = [[("F", 0), ("F", 1), ("B", 0), ("B", 1)], [("F", 0), ("F", 1), ("B", 1), ("B", 0)]]
     plan = by_hand(order, 2)
-    with pytest.raises(ScheduleError, match="same order"):
-        stages(plan, 2)[0].order(2)
+    assert [s.order(2) for s in stages(plan, 2)] == order
+
+
+def one_rank_v() -> tuple[nn.Module, sd.DistributedStage]:
+    """zb-h1 with loops=2 on a one-rank pipeline: both partitions of the V on rank 0, values handed over
+    directly, no process group needed."""
+    import dist_worker as worker
+
+    model = worker.build("skippy").train()
+    return model, sd.DistributedStage(seqify.convert(model), [7, 7], index=0, device=torch.device("cpu"),
+                                      chunks=4, schedule="zb-h1", loops=2)
+
+
+def test_zb_h1_b_sends_input_gradients_before_w_computes_weight_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dist_worker as worker
+    from seqify.dist_schedule import RankRun
+
+    model, stage = one_rank_v()
+    assert stage.owned == [0, 1] and stage.placement == (0, 0)
+    seen: list[tuple[str, int, int, bool, bool]] = []
+    backward, weights = RankRun.backward, RankRun.weights
+
+    def spy(kind: str, real: Any) -> Any:
+        def run(self: RankRun, p: int, i: int) -> None:
+            real(self, p, i)
+            sent = p > 0 and (2, p - 1, i) in self.local  # the input gradient, ready for partition p - 1
+            has = any(w.grad is not None for w in stage.params[p])
+            seen.append((kind, p, i, sent, has))
+        return run
+
+    monkeypatch.setattr(RankRun, "backward", spy("B", backward))
+    monkeypatch.setattr(RankRun, "weights", spy("W", weights))
+    import seqify.dist_schedule as ds
+
+    from_boundary: list[bool] = []
+    real_w = ds.weight_grads
+
+    def boundary(outs: Any, grads: Any, params: Any, groups: Any) -> None:
+        from_boundary.append(groups is not None)
+        real_w(outs, grads, params, groups)
+
+    monkeypatch.setattr(ds, "weight_grads", boundary)
+    x, y = worker.data("skippy", 8)
+    loss = stage.step(x, y, loss_fn=worker.loss_fn("skippy"))
+    plan = stage.plan(4)
+    assert plan.split and [k for k, *_ in seen] == [a.kind for a in plan.actions if a.kind != "F"]
+    first_w = {p: next(k for k, e in enumerate(seen) if e[0] == "W" and e[1] == p) for p in (0, 1)}
+    for k, (kind, p, i, sent, has) in enumerate(seen):
+        if kind == "B" and p == 1:
+            assert sent  # B of the second partition hands its input gradient on at once
+        if k < first_w[p]:
+            assert not has, f"{kind}{p}.{i} wrote weight gradients before any W of partition {p}"
+    assert all(has for kind, _, _, _, has in seen if kind == "W")
+    # the second partition's W starts from what B kept at its boundary (the first has no input gradients
+    # to compute, so its W is its whole backward)
+    ws = [p for kind, p, *_ in seen if kind == "W"]
+    assert [b for b, p in zip(from_boundary, ws) if p == 1] == [True] * 4
+    assert [b for b, p in zip(from_boundary, ws) if p == 0] == [False] * 4
+    # and the sum is exact: one process, the same micro-batches
+    total = sum(worker.loss_fn("skippy")(model(a), b) * (len(a) / len(x))
+                for a, b in zip(x.tensor_split(4), y.tensor_split(4)))
+    grads = {n: g for n, g in zip([n for n, _ in model.named_parameters()],
+                                  torch.autograd.grad(total, list(model.parameters())))}
+    assert loss is not None and float(loss) == pytest.approx(float(total.detach()), rel=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize(("schedule", "loops", "balance", "match"), [
+    ("1f1b", 2, [1, 1, 1, 1], "interleaved"),
+    ("zb-h1", 3, [1] * 6, "V"),
+    ("interleaved", 2, [1, 1, 1], "multiple of loops"),
+])
+def test_placements_seqify_distributed_cannot_run_say_what_to_use(schedule: str, loops: int, balance: list[int],
+                                                                   match: str) -> None:
+    seq = nn.Sequential(*[nn.Linear(2, 2) for _ in range(len(balance))])
+    with pytest.raises(seqify.SeqifyError, match=match):
+        sd.DistributedStage(seq, balance, index=0, device=torch.device("cpu"), schedule=schedule, loops=loops)
+
+
+def test_fixed_programs_with_several_partitions_per_rank_are_refused() -> None:
+    seq = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    with pytest.raises(seqify.BalanceError, match="loops=1 or graphs=False"):
+        sd.DistributedStage(seq, [1] * 4, index=0, device=torch.device("cpu"), schedule="interleaved", loops=2,
+                            graphs=True)
 
 
 def test_unknown_schedule_names_the_choices() -> None:
@@ -76,3 +162,13 @@ def test_graphs_with_checkpointing_is_refused() -> None:
     seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(seqify.BalanceError, match="checkpoint='never'"):
         sd.DistributedStage(seq, [1, 1], index=0, device=torch.device("cpu"), graphs=True, checkpoint="always")
+
+
+def test_a_message_left_unread_at_the_end_of_a_step_says_the_ranks_disagree() -> None:
+    # what a rank built with another schedule leaves behind: a message no action of this rank reads
+    from seqify.dist_link import GRAD, Link
+
+    link = Link(torch.device("cpu"), "rank 1")
+    link.inbox[(0, (GRAD, 2, 3))] = torch.zeros(2)
+    with pytest.raises(seqify.PeerError, match=r"gradients for partition 2, micro-batch 3 from rank 0.*same schedule"):
+        link.flush()

@@ -1,0 +1,162 @@
+"""Point-to-point messages between pipeline ranks, each named by a key and buffered until its reader asks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import BoundaryError, PeerError, SeqifyError
+
+__all__ = ["Link", "Key", "ACTIVATION", "SKIP", "GRAD", "SKIP_GRAD", "peer", "leaves", "grads_for", "like_grads"]
+
+Key = tuple[int, int, int]  # (what, partition or route, micro-batch)
+ACTIVATION, SKIP, GRAD, SKIP_GRAD = 0, 1, 2, 3  # what a message carries
+
+_DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool,
+]
+_MAX_TENSORS = 16
+_MAX_DIMS = 8
+_SLOT = 2 + _MAX_DIMS
+_KEY = 3
+_HEADER = _KEY + 2 + _MAX_TENSORS * _SLOT
+
+
+@contextmanager
+def peer(me: str, who: int | list[int], what: str) -> Iterator[None]:
+    """Turns a failed send, receive or all-reduce (a peer died, or stayed silent past the process-group
+    timeout) into a :class:`PeerError` naming both ranks and what to do."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise DistBackendError or a plain RuntimeError
+        if isinstance(e, SeqifyError):
+            raise
+        name = f"rank {who}" if isinstance(who, int) else f"one of ranks {who}"
+        cause = (str(e).splitlines() or [type(e).__name__])[0]
+        cause = cause.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source location and advice
+        raise PeerError(
+            f"{me} lost {name} while {what} ({cause}). The peer process died or did not answer within the "
+            "process-group timeout (seqify.distributed.init(timeout_s=...)). Look in its log (or its node's) for "
+            "the first error; the rest of the job stops too. Restart the job and resume from the last "
+            "seqify.distributed.save(stage, path, optimizer) with seqify.distributed.load(stage, path, optimizer)."
+        ) from e
+
+
+def leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors of a value that crosses a boundary (a tensor, a tuple of tensors, or None)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def like_grads(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """The gradients of ``tensors``' floating-point members (zeros where ``None``), as one message."""
+    return tuple((g if g is not None else torch.zeros_like(t)).contiguous()
+                 for t, g in zip(tensors, grads) if t.is_floating_point())
+
+
+def grads_for(tensors: Sequence[torch.Tensor], message: Any) -> list[torch.Tensor | None]:
+    """Spread a :func:`like_grads` message back over ``tensors`` (None for those without gradients)."""
+    got = iter(leaves(message))
+    return [next(got) if t.is_floating_point() else None for t in tensors]
+
+
+def _describe(key: Key) -> str:
+    what = ("activations of partition {}", "skip {}", "gradients for partition {}", "gradients of skip {}")[key[0]]
+    return f"{what.format(key[1])}, micro-batch {key[2]}"
+
+
+class Link:
+    """Sends values (a tensor, a tuple of tensors or None) to other ranks under a key, with a header
+    giving the key, dtypes and shapes, so receivers need no shapes in advance.
+
+    Between two ranks messages arrive in the order they were sent; :meth:`recv` of a key reads the
+    sender's messages in that order, keeping those that are not yet wanted for a later :meth:`recv`.
+    Every message a rank waits for was sent by an action that comes earlier in the shared schedule, so
+    as long as sends never block (they are ``isend``) no two ranks wait on each other."""
+
+    def __init__(self, device: torch.device, me: str = "this rank") -> None:
+        self.device = device
+        self.me = me
+        self.pending: list[tuple[Any, torch.Tensor, int]] = []
+        self.inbox: dict[tuple[int, Key], Any] = {}
+
+    def send(self, key: Key, value: Any, dst: int) -> None:
+        if value is None:
+            tensors: tuple[torch.Tensor, ...] = ()
+            kind = 2
+        elif isinstance(value, torch.Tensor):
+            tensors, kind = (value,), 0
+        elif type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value):
+            tensors, kind = value, 1
+        else:
+            raise BoundaryError(
+                f"a {type(value).__name__} must cross to rank {dst} ({_describe(key)}); only tensors, tuples of "
+                "tensors and None travel between processes (move the cut so Python values stay inside one stage)"
+            )
+        if len(tensors) > _MAX_TENSORS or any(t.dim() > _MAX_DIMS for t in tensors):
+            raise BoundaryError(f"at most {_MAX_TENSORS} tensors of at most {_MAX_DIMS} dims cross ranks at once "
+                                f"({_describe(key)} has {len(tensors)}): move the cut")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[:_KEY] = torch.tensor(key, dtype=torch.int64)
+        header[_KEY], header[_KEY + 1] = kind, len(tensors)
+        for k, t in enumerate(tensors):
+            base = _KEY + 2 + k * _SLOT
+            header[base] = _DTYPES.index(t.dtype)
+            header[base + 1] = t.dim()
+            header[base + 2:base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        sent = [header.to(self.device)] + [t.detach().contiguous() for t in tensors]
+        with peer(self.me, dst, f"sending {_describe(key)}"):
+            for t in sent:
+                self.pending.append((dist.isend(t, dst), t, dst))
+
+    def _recv(self, t: torch.Tensor, src: int, what: str) -> None:
+        with peer(self.me, src, what):
+            dist.irecv(t, src).wait()
+
+    def _next(self, src: int, wanted: Key) -> tuple[Key, Any]:
+        """The next message from ``src``, whichever it is."""
+        what = f"receiving {_describe(wanted)}"
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        self._recv(header, src, what)
+        header = header.cpu()
+        key = (int(header[0]), int(header[1]), int(header[2]))
+        kind, n = int(header[_KEY]), int(header[_KEY + 1])
+        tensors = []
+        for k in range(n):
+            base = _KEY + 2 + k * _SLOT
+            dtype = _DTYPES[int(header[base])]
+            shape = [int(d) for d in header[base + 2:base + 2 + int(header[base + 1])]]
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            self._recv(t, src, what)
+            tensors.append(t)
+        if kind == 2:
+            return key, None
+        return key, (tensors[0] if kind == 0 else tuple(tensors))
+
+    def recv(self, key: Key, src: int) -> Any:
+        """The value sent under ``key`` by rank ``src``."""
+        while (src, key) not in self.inbox:
+            got, value = self._next(src, key)
+            if (src, got) in self.inbox:
+                raise PeerError(f"{self.me} received {_describe(got)} twice from rank {src}: the ranks run "
+                                "different schedules; build every rank's stage with the same schedule and chunks")
+            self.inbox[(src, got)] = value
+        return self.inbox.pop((src, key))
+
+    def flush(self) -> None:
+        """Wait until every message sent has arrived (the end of a step)."""
+        for work, _, dst in self.pending:
+            with peer(self.me, dst, "waiting for its sends to arrive"):
+                work.wait()
+        self.pending.clear()
+        if self.inbox:
+            (src, key), *_ = self.inbox
+            raise PeerError(f"{self.me} ends the step with {len(self.inbox)} unread message(s) ({_describe(key)} "
+                            f"from rank {src}): the ranks run different schedules; build every rank's stage with "
+                            "the same schedule and chunks")

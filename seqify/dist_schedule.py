@@ -1,0 +1,189 @@
+"""A rank's share of a shared schedule: its partitions' F, B and W actions, with values crossing by key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .dist_backward import input_grads, weight_grads
+from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Key, Link, grads_for, leaves, like_grads
+from .errors import ScheduleError
+from .pipeline.checkpoint import checkpointed
+from .pipeline.schedule import Action
+from .sequential import Sequential
+
+if TYPE_CHECKING:
+    from .distributed import DistributedStage
+
+__all__ = ["RankRun"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Received tensors as leaves that collect gradients, and clones of them for the partition to use (a
+    first layer may work in place, which autograd forbids on a leaf)."""
+    if value is None:
+        return None, []
+    tensors = leaves(value)
+    made = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+    used = [t.clone() if t.requires_grad else t for t in made]
+    return (used[0] if isinstance(value, torch.Tensor) else tuple(used)), made
+
+
+@dataclass
+class _Work:
+    """One (partition, micro-batch) between its F and its last backward action."""
+
+    x: list[torch.Tensor] = field(default_factory=list)  # leaves of the carried input
+    popped: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> leaves of the popped skip
+    y: Any = None  # the carried output, or the micro-batch's weighted loss on the last partition
+    stashed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> tensors of the stashed skip
+    outs: list[torch.Tensor] = field(default_factory=list)  # what W differentiates (split schedules)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    boundary: list[dict[str, Any]] | None = None  # what B saved for W (see dist_backward)
+
+
+class RankRun:
+    """One training step (or inference pass) of ``stage``'s partitions over ``micro`` micro-batches.
+
+    Each (partition, micro-batch) forward runs on *leaves*, detached copies of what it reads (the
+    previous partition's output, popped skips), so its backward runs on its own whenever the schedule
+    says. A value for a partition on another rank is sent (:class:`~seqify.dist_link.Link`); one for a
+    partition on this rank is handed over directly. B of a split schedule (zero bubble) computes only
+    the gradients of its leaves and sends them on at once; W later adds the weights' gradients
+    (:mod:`seqify.dist_backward`). Unsplit, B does both in one ``torch.autograd.backward``."""
+
+    def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any],
+                 sizes: list[int], loss_fn: LossFn | None, stop: int, split: bool) -> None:
+        self.s = stage
+        self.link = link
+        self.micro = micro
+        self.targets = targets
+        self.sizes = sizes
+        self.batch = sum(sizes)
+        self.loss_fn = loss_fn
+        self.stop = stop
+        self.split = split
+        self.grad = torch.is_grad_enabled()
+        self.work: dict[tuple[int, int], _Work] = {}
+        self.local: dict[Key, Any] = {}  # values between two partitions of this rank
+        self.losses: list[torch.Tensor] = []
+        self.outputs: dict[int, Any] = {}  # inference: the last partition's output per micro-batch
+        self.last = stage.partitions - 1
+
+    # -- moving values ------------------------------------------------------------------------------
+    def _put(self, key: Key, value: Any, partition: int) -> None:
+        rank = self.s.rank_of_partition(partition)
+        if rank == self.s.global_rank:
+            self.local[key] = value
+        else:
+            self.link.send(key, value, rank)
+
+    def _get(self, key: Key, partition: int) -> Any:
+        rank = self.s.rank_of_partition(partition)
+        if rank == self.s.global_rank:
+            if key not in self.local:
+                raise ScheduleError(f"{self.s.me}: an action of partition {partition} reads a value this rank has "
+                                    "not made yet: the schedule runs a step before what it depends on")
+            return self.local.pop(key)
+        return self.link.recv(key, rank)
+
+    def _take(self, value: Any) -> tuple[Any, list[torch.Tensor]]:
+        return _as_leaves(value) if self.grad else (value, [])
+
+    # -- the three kinds of work --------------------------------------------------------------------
+    def run(self, actions: list[Action]) -> None:
+        for a in actions:
+            if a.kind == "F":
+                self.forward(a.partition, a.microbatch)
+            elif a.kind == "B":
+                self.backward(a.partition, a.microbatch)
+            else:
+                self.weights(a.partition, a.microbatch)
+
+    def forward(self, p: int, i: int) -> None:
+        s, w = self.s, _Work()
+        if p == 0:
+            x = self.micro[i]
+        else:
+            x, w.x = self._take(self._get((ACTIVATION, p - 1, i), p - 1))
+        skips: dict[Any, Any] = {}
+        for r in s.routes:
+            if r.dst == p:
+                skips[s.skip_key(r)], w.popped[r.index] = self._take(self._get((SKIP, r.index, i), r.src))
+        runner = s.runners[p]
+        if self.grad and i < self.stop:
+            y, stashed = checkpointed(runner.fresh, x, skips, norms=s.norms[p])
+        else:
+            y, stashed = runner(x, skips)
+        if p < self.last:
+            self._put((ACTIVATION, p, i), y, p + 1)
+        for r in s.routes:
+            if r.src == p:
+                value = stashed[s.skip_key(r)]
+                self._put((SKIP, r.index, i), value, r.dst)
+                w.stashed[r.index] = leaves(value)
+        if p == self.last:
+            if self.loss_fn is None:
+                self.outputs[i] = y
+                return
+            out = s.model.unflatten_outputs(y) if isinstance(s.model, Sequential) else y
+            y = self.loss_fn(out, self.targets[i]) * (self.sizes[i] / self.batch)  # the mean, piece by piece
+            self.losses.append(y.detach())
+        w.y = y
+        if self.grad:
+            self.work[(p, i)] = w
+
+    def _seed(self, p: int, i: int, w: _Work) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The outputs of (p, i) with the gradients their readers sent back (the loss: the root)."""
+        outs: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if p == self.last:
+            outs.append(w.y)
+            grads.append(None)
+        else:
+            ys = leaves(w.y)
+            outs += ys
+            grads += grads_for(ys, self._get((GRAD, p, i), p + 1))
+        for r in self.s.routes:
+            if r.src == p:
+                outs += w.stashed[r.index]
+                grads += grads_for(w.stashed[r.index], self._get((SKIP_GRAD, r.index, i), r.dst))
+        keep = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and (g is not None or p == self.last)]
+        return [o for o, _ in keep], [g for _, g in keep]
+
+    def backward(self, p: int, i: int) -> None:
+        w = self.work[(p, i)]
+        outs, grads = self._seed(p, i, w)
+        inputs = w.x + [t for r in self.s.routes if r.dst == p for t in w.popped[r.index]]
+        wanted = [t for t in inputs if t.requires_grad]
+        got: dict[int, torch.Tensor | None] = {}
+        if not self.split:
+            if outs:
+                torch.autograd.backward(outs, grads)
+            got = {id(t): t.grad for t in wanted}
+            del self.work[(p, i)]
+        else:
+            if outs and wanted:
+                found, w.boundary = input_grads(outs, grads, wanted, self.s.params[p])
+                got = {id(t): g for t, g in zip(wanted, found)}
+            w.outs, w.grads = outs, grads
+        if p > 0:
+            self._put((GRAD, p - 1, i), like_grads(w.x, [got.get(id(t)) for t in w.x]), p - 1)
+        for r in self.s.routes:
+            if r.dst == p:
+                popped = w.popped[r.index]
+                self._put((SKIP_GRAD, r.index, i), like_grads(popped, [got.get(id(t)) for t in popped]), r.src)
+
+    def weights(self, p: int, i: int) -> None:
+        """W of a split schedule: the weights' gradients of (p, i), from the gradients B kept."""
+        if not self.split:
+            raise ScheduleError(f"{self.s.me}: a W action in a schedule whose backward is not split; build the "
+                                "Schedule with split=True or drop its W actions")
+        w = self.work.pop((p, i))
+        if w.outs:
+            weight_grads(w.outs, w.grads, self.s.params[p], w.boundary)

@@ -1,0 +1,64 @@
+"""Zero bubble's split backward (seqify.dist_backward): B's input gradients and W's weight gradients add up
+to one backward, from B's boundary where it covers every weight, else walking from the outputs again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from seqify.dist_backward import input_grads, weight_grads
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Net(nn.Module):
+    """A residual, a Linear called twice (two paths into one weight) and an output the inputs never reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.emb = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor, stray: bool) -> list[torch.Tensor]:
+        h = torch.relu(self.a(x)) + x
+        y = self.b(torch.tanh(self.b(h))) * h
+        return [y, self.emb * 2] if stray else [y]
+
+
+def split_vs_whole(run: Callable[[nn.Module, torch.Tensor], list[torch.Tensor]]) -> bool:
+    """Compare B + W with one backward; whether W started from B's boundary."""
+    torch.manual_seed(0)
+    net = Net().double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    outs = run(net, x)
+    grads = [torch.randn_like(o) for o in outs]
+    params = list(net.parameters())
+    dx, boundary = input_grads(outs, grads, [x], params)
+    assert all(p.grad is None for p in params)  # B leaves the weights alone
+    weight_grads(outs, grads, params, boundary)
+    split = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    again = run(net, x)
+    whole = torch.autograd.grad(again, [x, *params], grads, allow_unused=True)
+    torch.testing.assert_close(dx[0], whole[0], rtol=1e-12, atol=1e-14)
+    for got, want in zip(split, whole[1:]):
+        torch.testing.assert_close(got, want if want is not None else torch.zeros_like(got), rtol=1e-12, atol=1e-14)
+    return boundary is not None
+
+
+def test_w_starts_from_b_boundary_and_adds_up() -> None:
+    assert split_vs_whole(lambda net, x: net(x, False))
+
+
+def test_a_weight_the_inputs_never_meet_falls_back_to_the_outputs() -> None:
+    assert not split_vs_whole(lambda net, x: net(x, True))
+
+
+def test_checkpointed_partition_recomputes_for_both_halves() -> None:
+    assert split_vs_whole(lambda net, x: [checkpoint(lambda t: net(t, False)[0], x, use_reentrant=False)])

@@ -18,7 +18,7 @@ case "${1:-tests}" in
   graphs)
     timeout 240 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests/test_gpu_graphs.py -x --timeout 200 2>&1 | tee "$OUT/gpu-graphs-tests.log" | tail -30
     timeout 330 python3 benchmarks/pipeline_bench.py --batch 128 --precision fp32 --chunks 8 --loops 1 2 \
-      --schedule gpipe 1f1b zb-h1 --schedule-graphs both --skip-seqify --steps 4 --warm 2 --out "$OUT" 2>&1 | tee "$OUT/graphs.log" | tail -40
+      --schedule gpipe 1f1b zb-h1 --schedule-graphs both --inference --skip-seqify --steps 4 --warm 2 --out "$OUT" 2>&1 | tee "$OUT/graphs.log" | tail -40
     ;;
   llama)
     timeout 560 python3 benchmarks/llama_bench.py --precision fp32 --steps 3 --warmup 1 --out "$OUT/llama.json" 2>&1 | tee "$OUT/llama.log" | tail -40

@@ -146,6 +146,46 @@ def schedule_rows(args: argparse.Namespace, x: torch.Tensor, y1: torch.Tensor, b
                 cleanup()
 
 
+def inference_rows(args: argparse.Namespace, x: torch.Tensor, bf16: bool, tag: str,
+                   plans: dict[tuple[int, int], list[int]]) -> None:
+    """Inference (eval, torch.no_grad()): the source on one GPU, then seqify per chunk count, eagerly and
+    replaying forward-only CUDA graphs, over every visible GPU."""
+    B = x.size(0)
+    n_gpus = len(gpus())
+
+    def infer(model: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                model(x)
+        return step
+
+    try:
+        model = fresh().to(x.device).eval()
+        record(f"infer-single{tag}", timed(infer(model), args.warm, args.steps), B)
+        del model
+    except Exception as e:
+        failed(f"infer-single{tag}", e)
+    cleanup()
+    for chunks in args.chunks:
+        for graphs in (False, True):
+            name = f"infer-{'graphs' if graphs else 'eager'}-c{chunks}{tag}"
+            try:
+                seq = seqify.convert(fresh())
+                if (chunks, n_gpus) not in plans:
+                    plans[(chunks, n_gpus)] = seqify.balance(seq, n_gpus, sample=x[: B // chunks].cpu(), by=args.balance,
+                                                             device=x.device, progress=False).balance
+                    cleanup()
+                pipe = seqify.pipeline(seq, gpus=n_gpus, balance=plans[(chunks, n_gpus)], chunks=chunks,
+                                       checkpoint="never", graphs=graphs).eval()
+                record(name, timed(infer(pipe), args.warm, args.steps), B, balance=plans[(chunks, n_gpus)])
+                if graphs and pipe.graph_error:
+                    failed(name + " (graphs fell back to eager)", RuntimeError(pipe.graph_error[-300:]))
+                del seq, pipe
+            except Exception as e:
+                failed(name, e)
+            cleanup()
+
+
 def torchrun(script: str, args: list[str], label: str) -> None:
     """Run a benchmarks/ script on 2 processes under torchrun; keep the JSON rows it prints."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -197,6 +237,8 @@ def main() -> None:
                    help="also train with pipe.step under these schedules, one row each per chunk count")
     p.add_argument("--schedule-graphs", choices=["eager", "graphs", "both"], default="both",
                    help="--schedule rows with CUDA graphs, eagerly, or both (default)")
+    p.add_argument("--inference", action="store_true",
+                   help="also time inference (eval, no_grad): one GPU, and seqify eager and graphs per chunk count")
     p.add_argument("--skip-seqify", action="store_true", help="skip the seqify rows without --schedule")
     p.add_argument("--out", default=".")
     args = p.parse_args()
@@ -231,6 +273,8 @@ def main() -> None:
         cleanup()
         if args.schedule:
             schedule_rows(args, x, y1, bf16, tag, plans)
+        if args.inference:
+            inference_rows(args, x, bf16, tag, plans)
         for chunks in ([] if args.skip_seqify else args.chunks):
             for loops in args.loops:
                 for graphs in ([True] if args.skip_eager or loops > 1 else [False, True]):

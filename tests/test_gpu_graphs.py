@@ -73,3 +73,27 @@ def test_graphed_step_matches_eager_step(schedule: str, loops: int) -> None:
     assert graphed.graph_error is None and graphed._graphed is not None
     replay = graphed._graphed[1]
     assert replay.schedule.name == schedule and all(p.graphs is not None for row in replay.programs for p in row)
+
+
+@pytest.mark.parametrize("loops", [1, 2])
+def test_inference_replays_forward_graphs(loops: int) -> None:
+    """Under torch.no_grad() in eval mode, graphs=True replays forward-only graphs: outputs as eager's,
+    step after step (new inputs each time), with no gradient buffers."""
+    torch.manual_seed(0)
+    source = torchvision.models.resnet50(num_classes=10).eval()
+    twin = copy.deepcopy(source)
+    gpus = min(torch.cuda.device_count(), 2)
+    parts = gpus * loops
+    seq, seq2 = seqify.convert(source), seqify.convert(twin)
+    n = len(seq)
+    balance = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
+    eager = seqify.pipeline(seq, gpus=gpus, loops=loops, balance=balance, chunks=4, checkpoint="never").eval()
+    graphed = seqify.pipeline(seq2, gpus=gpus, loops=loops, balance=balance, chunks=4, checkpoint="never",
+                              graphs=True).eval()
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(16, 3, 64, 64, device="cuda:0")
+            close(graphed(x), eager(x), f"step {step} output")
+    assert graphed.graph_error is None and graphed._graphed is not None
+    replay = graphed._graphed[1]
+    assert all(p.graphs is not None and not p.acc for row in replay.programs for p in row)

@@ -102,10 +102,10 @@ def test_a_new_batch_shape_rebuilds_the_programs() -> None:
     assert pipe._graphed is first
 
 
-def test_eval_and_no_grad_run_eagerly() -> None:
+def test_eval_with_gradients_runs_eagerly() -> None:
+    """Eval mode with autograd on (gradients through a frozen model, say) is neither a training step nor
+    inference under no_grad: it runs eagerly."""
     pipe = replayed(resnet18(num_classes=5), 2, chunks=2)
-    with torch.no_grad():
-        pipe(torch.randn(4, 3, 32, 32))
     pipe.eval()
     pipe(torch.randn(4, 3, 32, 32))
     assert pipe._graphed is None
@@ -124,3 +124,33 @@ def test_issue_order_is_fill_drain_per_device_and_looped_across_repeats() -> Non
         assert all(dep in looped[:k] for dep in chain(i, j))
     back = order([cpu, gpu, cpu, gpu], 2, lambda i, j: [(i, j + 1)] if j < 3 else [], backward=True)
     assert [ij for ij in back if ij[1] in (1, 3)] == [(1, 3), (0, 3), (1, 1), (0, 1)]
+
+
+@pytest.mark.parametrize("train_mode", [False, True], ids=["eval", "train-mode"])
+def test_inference_under_no_grad_replays_forward_programs(train_mode: bool) -> None:
+    """Under torch.no_grad() the pipeline replays forward-only programs (no gradient buffers), bit-equal
+    to the source over the same micro-batches, BatchNorm statistics too in train mode; a training step
+    afterwards gets programs of its own and still trains like the source."""
+    torch.manual_seed(0)
+    source = seqify.zoo.unet(depth=3, blocks=1, channels=4).train(train_mode)
+    reference = copy.deepcopy(source)
+    pipe = replayed(source, 2, chunks=3)
+    pipe.train(train_mode)
+    for _ in range(2):
+        x = torch.randn(5, 3, 32, 32)
+        with torch.no_grad():
+            got = pipe(x)
+            want = torch.cat([reference(c) for c in x.tensor_split(3)])
+        assert torch.equal(got, want)
+    key, replay = pipe._graphed
+    assert pipe.graph_error is None and key[1] is False  # built for inference
+    assert all(not p.acc and p.backward is not None and not any(p.out_grads) for row in replay.programs for p in row)
+    for (name, a), b in zip(reference.named_buffers(), source.buffers()):  # the pipeline shares source's
+        assert torch.equal(a, b), name
+    pipe.train()
+    reference.train()
+    x = torch.randn(5, 3, 32, 32)
+    assert torch.equal(reference_step(pipe, x, 1), reference_step(reference, x, 3))
+    assert pipe._graphed[0][1] is True
+    for (name, a), b in zip(reference.named_parameters(), source.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)

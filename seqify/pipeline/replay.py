@@ -64,6 +64,7 @@ class Program:
         self.in_grads: list[torch.Tensor | None] = [None] * len(inputs)
         self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None] | None = None  # (forward, backward)
         self.touched = [False] * len(params)  # which parameters some backward reached (the others keep .grad)
+        self.grad = bool(params) or any(t.requires_grad for t in inputs)  # False: an inference program
 
     def _grads(self) -> None:
         """Differentiate outputs by inputs and parameters; add the parameters' part into ``acc``."""
@@ -85,7 +86,7 @@ class Program:
             torch._foreach_add_([a for a, _ in used], [g for _, g in used])
 
     def _outputs(self) -> None:
-        with torch.enable_grad():
+        with torch.set_grad_enabled(self.grad):
             self.outputs = self.flat(*self.inputs)
         if not self.out_grads:  # fixed buffers, zero where nothing flows back
             self.out_grads = [
@@ -519,7 +520,8 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
         returns: int | None = carried
         for j, stage in enumerate(stages):
             device = stage.device
-            params = [p for p in stage.layers.parameters() if p.requires_grad]
+            # Under torch.no_grad() the programs are inference ones: forwards only, no gradient sums.
+            params = [p for p in stage.layers.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
             acc = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
             if j == 0:
                 slots: list[Route] = []

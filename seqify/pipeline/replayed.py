@@ -42,8 +42,11 @@ class Replayer:
         self.error: str | None = None
 
     def wanted(self, training: bool) -> bool:
-        """Whether a forward now replays: a training step with gradients, graphs (or eager replay) on."""
-        return (self.graphs or self.eager) and training and torch.is_grad_enabled()
+        """Whether a forward now replays (graphs, or eager replay, on): a training step with gradients,
+        or inference under ``torch.no_grad()`` (train or eval mode; forward programs only)."""
+        if not (self.graphs or self.eager):
+            return False
+        return not torch.is_grad_enabled() or training
 
     def _key(self, batches: list[Any], autocast: bool, dtype: torch.dtype | None) -> tuple[Any, ...]:
         return (
@@ -68,7 +71,8 @@ class Replayer:
         autocast = torch.is_autocast_enabled("cuda")
         dtype = torch.get_autocast_dtype("cuda") if autocast else None
         schedule = schedule or gpipe(self.placement, len(batches))
-        key = (self._key(batches, autocast, dtype), schedule.name, schedule.placement, schedule.microbatches)
+        key = (self._key(batches, autocast, dtype), torch.is_grad_enabled(), schedule.name, schedule.placement,
+               schedule.microbatches)
         if self.built is None or self.built[0] != key:
             self.built = None  # let the old graphs' memory go first
             carried = None if isinstance(batches[0], torch.Tensor) else len(batches[0])

@@ -19,6 +19,7 @@ from ..errors import ConversionError, ExampleInputError, ExportError, HookError,
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
+from .autocast import neutral_autocast, prepare_regions
 
 __all__ = ["export_trace"]
 
@@ -197,7 +198,7 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
     for shapes in (dynamic, None):  # a batch dimension the model fixes falls back to static shapes (guarded)
         with preserved(model), torch.random.fork_rng(devices=[]), _writes(model) as seen:
             try:
-                with _quiet():
+                with _quiet(), neutral_autocast(model, kwargs):
                     ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
             except SeqifyError:
                 raise
@@ -395,6 +396,7 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
         raise ExportError(f"torch.export captured {name} but could not unlift it: {_first_line(e)}") from e
     graph = gm.graph
     constants, inputs = _clean(gm, model, kwargs)
+    prepare_regions(graph, constants)
     _module_calls(graph, model)
     example = next((t for t in pytree.tree_leaves(kwargs) if isinstance(t, torch.Tensor)), None)
     if example is not None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import ConversionError, ExampleInputError, ExportError, HookError, SeqifyError
 from ..guard import Guard, check_equal
-from ..signature import EMPTY, InputSpec, Param
+from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
 from .autocast import neutral_autocast, prepare_regions
 
@@ -50,20 +50,7 @@ def _bind(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str,
     and dynamic shapes (dim 0 of every tensor is one shared batch dimension)."""
     name = type(model).__name__
     sig = inspect.signature(model.forward)
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    try:
-        if isinstance(example_inputs, dict):
-            given = dict(sig.bind_partial(**example_inputs).arguments)
-        elif isinstance(example_inputs, (tuple, list)):
-            given = dict(sig.bind_partial(*example_inputs).arguments)
-        else:
-            raise TypeError(f"example_inputs must be a tensor, a tuple or a dict, not {type(example_inputs).__name__}")
-    except TypeError as e:
-        raise ExampleInputError(
-            f"example_inputs do not fit {name}.forward{sig}: {e}; pass a tensor, a tuple of positional "
-            "arguments, or a dict by parameter name (e.g. {'input_ids': ids})"
-        ) from None
+    given = bind_examples(model.forward, name, example_inputs)
     batch = torch.export.Dim.AUTO  # export infers the batch range; a batch it cannot free stays fixed (guarded)
     params: list[Param] = []
     kwargs: dict[str, Any] = {}

@@ -4,6 +4,7 @@ message names the offending module path, layer, argument or graph node, and that
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -844,3 +845,17 @@ def test_op_failing_on_example_values() -> None:
     with raises(seqify.UntraceableError, "NotATensorPath.forward", "device=x.device", "fails on the example values",
                 "test_errors.py", "What to do"):
         seqify.convert(NotATensorPath(), (torch.randn(2, 4), torch.tensor([2.0])), frontend="fx")
+
+
+def test_zoo_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from seqify import zoo
+
+    with raises(seqify.ZooError, "resnet1011", "did you mean resnet101"):
+        zoo.get("resnet1011")
+    pytest.importorskip("transformers")
+    with raises(seqify.ZooError, "'llama'", "no preset '9b'", "0.89b"):
+        zoo.build("llama", preset="9b")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails, as when not installed
+    assert "llama" in zoo.list()
+    with raises(seqify.ZooError, "'gpt2'", "transformers is not installed", "pip install 'seqify[hf]'"):
+        zoo.get("gpt2")

@@ -345,6 +345,10 @@ def zoo_cmd(args: argparse.Namespace) -> int:
     if args.check:
         from .zoo.check import check_all
 
+        missing = [n for n in names if not zoo.entry(n).available]
+        if missing and not args.names:  # checking the whole zoo: skip what needs an extra that is not installed
+            print(f"skipped {', '.join(missing)}: they need transformers (pip install 'seqify[hf]')")
+            names = [n for n in names if n not in missing]
         results = check_all(names)
         for c in results:
             mark = "ok  " if c.ok else "FAIL"

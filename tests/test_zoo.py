@@ -267,6 +267,7 @@ def test_zoo_lists_without_transformers_and_says_how_to_install() -> None:
         "import sys; sys.modules['transformers'] = None\n"
         "from seqify import zoo\n"
         "assert 'llama' in zoo.list() and 'resnet50' in zoo.list()\n"
+        "assert not zoo.entry('llama').available and zoo.entry('resnet50').available  # zoo --check skips it\n"
         "try:\n    zoo.get('llama')\nexcept zoo.ZooError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

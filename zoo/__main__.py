@@ -75,6 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     except ZooError as e:
         print(f"python -m seqify.zoo: error: {e}", file=sys.stderr)
         return 2  # a usage error, as for the seqify command
+    missing = [n for n in names if not ENTRIES[n].available]
+    if missing and args.write:
+        print(f"python -m seqify.zoo: error: --write needs every model; {', '.join(missing)} need transformers: "
+              "pip install 'seqify[hf]'", file=sys.stderr)
+        return 2
+    if missing and not args.names:  # the whole zoo: what needs an optional extra that is not installed is skipped
+        print(f"skipped {', '.join(missing)}: they need transformers (pip install 'seqify[hf]')", file=sys.stderr)
+        names = [n for n in names if n not in missing]
     if args.check:
         from .check import check_all
 

@@ -54,6 +54,18 @@ class Entry:
         """Whether the model takes token ids (``input_ids``) rather than images."""
         return self.vocab is not None
 
+    @property
+    def available(self) -> bool:
+        """Whether the optional dependencies it needs are installed (transformers for ``extra='hf'``)."""
+        if self.extra != "hf":
+            return True
+        import importlib.util
+
+        try:
+            return importlib.util.find_spec("transformers") is not None
+        except ValueError:  # a module in sys.modules without a spec (None: imports of it are blocked)
+            return False
+
 
 def _torchvision_builder(name: str) -> Callable[..., nn.Module]:
     def build(**kwargs: Any) -> nn.Module:

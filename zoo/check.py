@@ -58,6 +58,7 @@ def check(name: str) -> Check:
 
 
 def check_all(names: Sequence[str] | None = None, *, show: bool = True) -> list[Check]:
-    """:func:`check` every zoo model (or ``names``), with a progress bar on stderr."""
-    names = list(ENTRIES) if names is None else list(names)
+    """:func:`check` every zoo model whose optional dependencies are installed (or ``names``), with a
+    progress bar on stderr."""
+    names = [n for n, e in ENTRIES.items() if e.available] if names is None else list(names)
     return [check(n) for n in progress(names, len(names), desc="zoo: checking", enabled=show)]

@@ -134,3 +134,17 @@ def test_gpt2_upcast_attention_under_bf16_autocast() -> None:
     seq = seqify.convert(model, example_inputs=kwargs, frontend="export")
     assert "autocast_region(" in str(seq)  # the autocast-off region is in the graph
     _same_under_autocast(model, seq, kwargs, grads=True)
+
+
+def test_autocast_regions_follow_the_device_they_were_made_for() -> None:
+    """A region captured as `autocast(<the example's device>, enabled=False)` turns autocast off on the device
+    its tensors are on at run time (a model converted on the CPU, run on a GPU); a region naming another
+    device type stays as written, as in the source (CUDA autocast off leaves CPU autocast on)."""
+    from seqify.frontends.autocast import autocast_region
+
+    a = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moved = autocast_region("cuda", "cuda", torch.float16, False, None, torch.matmul, a, a)  # made on cuda, run on cpu
+        named = autocast_region("cpu", "cuda", torch.float16, False, None, torch.matmul, a, a)  # names cuda, made on cpu
+        on = autocast_region("cpu", "cpu", torch.float32, True, None, torch.matmul, a, a)  # on, at the neutral dtype
+    assert moved.dtype == torch.float32 and named.dtype == torch.bfloat16 and on.dtype == torch.bfloat16

@@ -49,13 +49,16 @@ def neutral_autocast(model: nn.Module, example: Any) -> Iterator[None]:
         yield
 
 
-def autocast_region(device_type: str, dtype: torch.dtype | None, enabled: bool, cache_enabled: bool | None,
-                    body: Any, *args: Any) -> Any:
-    """Run an autocast region of a captured graph on the device of its tensors (the graph recorded the
-    capture's device type: a model converted on the CPU and moved to a GPU must turn off CUDA autocast).
-    A region that turns autocast on at the capture's neutral float32 takes the caller's dtype, as the
-    source's ``torch.autocast(device, enabled=True)`` without a dtype would."""
-    here = next((a.device.type for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), device_type)
+def autocast_region(captured_on: str | None, device_type: str, dtype: torch.dtype | None, enabled: bool,
+                    cache_enabled: bool | None, body: Any, *args: Any) -> Any:
+    """Run an autocast region of a captured graph. A region made for the device the capture ran on
+    (``maybe_autocast(x.device.type)``) follows its tensors to the device they are on now: a model converted
+    on the CPU and moved to a GPU must turn CUDA autocast off there; a region that names another device
+    type stays as written. A region that turns autocast on at the capture's neutral float32 takes the
+    caller's dtype, as the source's ``torch.autocast(device, enabled=True)`` without a dtype would."""
+    here = device_type
+    if device_type == captured_on:
+        here = next((a.device.type for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), device_type)
     if enabled and dtype == torch.float32:
         dtype = torch.get_autocast_dtype(here)
     with torch.autocast(here, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
@@ -71,9 +74,9 @@ def _graphs(root: fx.Graph, constants: dict[str, Any]) -> Iterator[fx.Graph]:
                     yield module.graph
 
 
-def prepare_regions(root: fx.Graph, constants: dict[str, Any]) -> None:
+def prepare_regions(root: fx.Graph, constants: dict[str, Any], captured_on: str | None) -> None:
     """Point every ``wrap_with_autocast`` node (in the graph and in the regions it calls, such as a
-    ``no_grad`` forward) at :func:`autocast_region`, and drop export's dtype and device asserts inside those
+    ``no_grad`` forward) at :func:`autocast_region` (``captured_on``: the example's device type), and drop export's dtype and device asserts inside those
     regions (the graph's own are dropped already): they fix the capture's dtypes, which autocast changes."""
     for graph in _graphs(root, constants):
         changed = False
@@ -82,6 +85,7 @@ def prepare_regions(root: fx.Graph, constants: dict[str, Any]) -> None:
                 continue
             if _WRAP is not None and node.target is _WRAP:
                 node.target = autocast_region
+                node.args = (captured_on, *node.args)
                 changed = True
             elif graph is not root and node.target is _ASSERT and not node.users:
                 graph.erase_node(node)

@@ -383,9 +383,9 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
         raise ExportError(f"torch.export captured {name} but could not unlift it: {_first_line(e)}") from e
     graph = gm.graph
     constants, inputs = _clean(gm, model, kwargs)
-    prepare_regions(graph, constants)
-    _module_calls(graph, model)
     example = next((t for t in pytree.tree_leaves(kwargs) if isinstance(t, torch.Tensor)), None)
+    prepare_regions(graph, constants, example.device.type if example is not None else None)
+    _module_calls(graph, model)
     if example is not None:
         _devices(graph, example.device)
     input_names = [k for k, v in kwargs.items() for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]

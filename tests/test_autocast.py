@@ -143,7 +143,7 @@ def test_autocast_regions_follow_the_device_they_were_made_for() -> None:
     """A region captured as `autocast(<the example's device>, enabled=False)` turns autocast off on the device
     its tensors are on at run time (a model converted on the CPU, run on a GPU); a region naming another
     device type stays as written, as in the source (CUDA autocast off leaves CPU autocast on)."""
-    from seqify.frontends.autocast import autocast_region
+    from seqify.frontends.regions import autocast_region
 
     a = torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -151,3 +151,19 @@ def test_autocast_regions_follow_the_device_they_were_made_for() -> None:
         named = autocast_region("cpu", "cuda", torch.float16, False, None, torch.matmul, a, a)  # names cuda, made on cpu
         on = autocast_region("cpu", "cpu", torch.float32, True, None, torch.matmul, a, a)  # on, at the neutral dtype
     assert moved.dtype == torch.float32 and named.dtype == torch.bfloat16 and on.dtype == torch.bfloat16
+
+
+def test_a_failing_no_grad_region_leaves_grad_mode_on() -> None:
+    """torch's wrap_with_set_grad_enabled left gradients off for the whole process when its region raised
+    (one failing call of a converted Llama's rotary embedding, and every later backward failed)."""
+    from seqify.frontends.regions import grad_region
+
+    seq = seqify.convert(RotaryNet(), example_inputs={"x": torch.randn(2, 4, 8)}, frontend="export")
+    assert "grad_region(" in str(seq)
+
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("inside the region")
+
+    with pytest.raises(RuntimeError, match="inside the region"):
+        grad_region(False, fails, torch.randn(2))
+    assert torch.is_grad_enabled()

@@ -19,7 +19,7 @@ from ..errors import ConversionError, ExampleInputError, ExportError, HookError,
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
-from .autocast import neutral_autocast, prepare_regions
+from .regions import neutral_autocast, prepare_regions
 
 __all__ = ["export_trace"]
 

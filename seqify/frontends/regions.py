@@ -1,4 +1,4 @@
-"""Autocast in export graphs: capture autocast-off regions whatever the caller's autocast, replay them on any device."""
+"""Regions in export graphs: autocast-off regions captured whatever the caller's autocast, grad-mode regions exception-safe."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["neutral_autocast", "autocast_region", "prepare_regions"]
+__all__ = ["neutral_autocast", "autocast_region", "grad_region", "prepare_regions"]
 
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 _ASSERT = torch.ops.aten._assert_tensor_metadata.default
 
 
@@ -65,6 +66,14 @@ def autocast_region(captured_on: str | None, device_type: str, dtype: torch.dtyp
         return body(*args)
 
 
+def grad_region(enabled: bool, body: Any, *args: Any) -> Any:
+    """Run a grad-mode region of a captured graph (a ``@torch.no_grad()`` forward such as a rotary
+    embedding's). torch's ``wrap_with_set_grad_enabled`` does not restore grad mode when the region raises,
+    which left gradients off for the rest of the process after one failing call."""
+    with torch.set_grad_enabled(enabled):
+        return body(*args)
+
+
 def _graphs(root: fx.Graph, constants: dict[str, Any]) -> Iterator[fx.Graph]:
     yield root
     for value in constants.values():
@@ -76,8 +85,10 @@ def _graphs(root: fx.Graph, constants: dict[str, Any]) -> Iterator[fx.Graph]:
 
 def prepare_regions(root: fx.Graph, constants: dict[str, Any], captured_on: str | None) -> None:
     """Point every ``wrap_with_autocast`` node (in the graph and in the regions it calls, such as a
-    ``no_grad`` forward) at :func:`autocast_region` (``captured_on``: the example's device type), and drop export's dtype and device asserts inside those
-    regions (the graph's own are dropped already): they fix the capture's dtypes, which autocast changes."""
+    ``no_grad`` forward) at :func:`autocast_region` (``captured_on``: the example's device type) and every
+    ``wrap_with_set_grad_enabled`` node at :func:`grad_region`; drop export's dtype and device asserts
+    inside those regions (the graph's own are dropped already): they fix the capture's dtypes, which
+    autocast changes."""
     for graph in _graphs(root, constants):
         changed = False
         for node in list(graph.nodes):
@@ -86,6 +97,9 @@ def prepare_regions(root: fx.Graph, constants: dict[str, Any], captured_on: str 
             if _WRAP is not None and node.target is _WRAP:
                 node.target = autocast_region
                 node.args = (captured_on, *node.args)
+                changed = True
+            elif _GRAD is not None and node.target is _GRAD and not node.kwargs:
+                node.target = grad_region
                 changed = True
             elif graph is not root and node.target is _ASSERT and not node.users:
                 graph.erase_node(node)

@@ -106,7 +106,7 @@ def _run_check(module: torch.nn.Module, seq: Any, x: torch.Tensor) -> bool:
 
 def convert_cmd(args: argparse.Namespace) -> int:
     model, x = _load(args)
-    seq = _convert(model.module, x, args.example)
+    seq = _convert(model.module, x, args.example or model.example)
     print(for_cli(seq.summary()))
     ok = True
     if not args.no_check:
@@ -133,7 +133,7 @@ def _describe(layer: torch.nn.Module) -> str:
 
 def inspect_cmd(args: argparse.Namespace) -> int:
     model, x = _load(args)
-    seq = _convert(model.module, x, args.example)
+    seq = _convert(model.module, x, args.example or model.example)
     print(for_cli(seq.summary()))
     plan = None
     if args.stages:
@@ -233,7 +233,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
 
     args.size = args.size if args.size_given else None  # the model's own input side unless --size is given
     model, x = _load(args)
-    seq = _convert(model.module, x, args.example)
+    seq = _convert(model.module, x, args.example or model.example)
     result = run_bench(seq, x, _devices_of(args), spec=args.spec, top=args.top, alternatives=args.alternatives,
                        steps=args.steps, warm=args.warm, cache=not args.no_cache, memory_cap=_cap(args),
                        schedule=args.schedule)
@@ -354,6 +354,10 @@ def zoo_cmd(args: argparse.Namespace) -> int:
     if args.check:
         from .zoo.check import check_all
 
+        missing = [n for n in names if not zoo.entry(n).available]
+        if missing and not args.names:  # checking the whole zoo: skip what needs an extra that is not installed
+            print(f"skipped {', '.join(missing)}: they need transformers (pip install 'seqify[hf]')")
+            names = [n for n in names if n not in missing]
         results = check_all(names)
         for c in results:
             mark = "ok  " if c.ok else "FAIL"

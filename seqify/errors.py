@@ -125,7 +125,8 @@ class OptionError(SeqifyError):
 
 
 class ZooError(SeqifyError):
-    """A zoo name that does not exist, or weights that do not fit the model."""
+    """A zoo name that does not exist, weights that do not fit the model, a preset it does not have, or a
+    transformers model asked for without transformers installed."""
 
 
 class PlotError(SeqifyError):

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import InputError
+from .errors import ExampleInputError, InputError
 
-__all__ = ["Param", "InputSpec", "OutputSpec", "EMPTY"]
+__all__ = ["Param", "InputSpec", "OutputSpec", "EMPTY", "bind_examples"]
 
 
 class _Empty:
@@ -23,6 +23,30 @@ class _Empty:
 
 
 EMPTY = _Empty()
+
+
+def bind_examples(forward: Any, name: str, example_inputs: Any) -> dict[str, Any]:
+    """The arguments ``example_inputs`` give ``forward``, by parameter name: a tensor is the one positional
+    argument, a tuple or list the positional arguments, a dict the arguments by name. Both frontends bind
+    their examples here; :class:`ExampleInputError` names ``name.forward(signature)`` when they do not fit."""
+    sig = inspect.signature(forward)
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    try:
+        if isinstance(example_inputs, dict):
+            return dict(sig.bind_partial(**example_inputs).arguments)
+        if isinstance(example_inputs, (tuple, list)):
+            return dict(sig.bind_partial(*example_inputs).arguments)
+        raise TypeError(f"example_inputs must be a tensor, a tuple of arguments or a dict, not {type(example_inputs).__name__}")
+    except TypeError as e:
+        keyword_only = [p.name for p in sig.parameters.values() if p.kind == inspect.Parameter.KEYWORD_ONLY]
+        hint = (
+            f"; {', '.join(keyword_only)} {'is' if len(keyword_only) == 1 else 'are'} keyword-only: pass "
+            f"example_inputs as a dict by parameter name, e.g. {{{keyword_only[0]!r}: x}}"
+            if keyword_only and not isinstance(example_inputs, dict) else
+            "; pass a tensor, a tuple of positional arguments, or a dict by parameter name (e.g. {'input_ids': ids})"
+        )
+        raise ExampleInputError(f"example_inputs do not fit {name}.forward{sig}: {e}{hint}") from None
 
 
 @dataclass(frozen=True)

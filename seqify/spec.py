@@ -21,7 +21,8 @@ __all__ = ["SpecError", "Model", "parse_args", "load", "sample_shape", "random_i
 SPEC_HELP = """\
 SPEC names a model:
   torchvision:NAME     a torchvision model without weights, e.g. torchvision:resnet101, torchvision:vit_b_16
-  zoo:NAME             a seqify.zoo model, e.g. zoo:unet, zoo:amoebanet_d, zoo:resnet50 (list: seqify zoo)
+  zoo:NAME             a seqify.zoo model, e.g. zoo:unet, zoo:amoebanet_d, zoo:resnet50, zoo:llama
+                       (--arg preset='0.89b'; list: seqify zoo)
   FILE.py:FACTORY      a function (or class) in a Python file that returns an nn.Module, e.g. nets.py:build
   MODULE:FACTORY       the same from an importable module, e.g. mypackage.models:make_net
   transformers:CLASS   a Hugging Face transformers model from its config (no download), e.g.
@@ -39,6 +40,7 @@ class Model:
     size: int = 224
     sample_kwargs: dict[str, Any] | None = None
     vocab: int | None = None  # token-id input (batch x sequence of ids below vocab) instead of an image
+    example: bool = False  # converted on the sample input (the export frontend needs one), as with --example
 
 
 def parse_args(items: Sequence[str] | None) -> dict[str, Any]:
@@ -96,6 +98,8 @@ def _zoo(spec: str, name: str, kwargs: dict[str, Any]) -> Model:
         module = zoo.build(name, **kwargs)
     except TypeError as e:
         raise _fail(spec, f"the zoo's {name} builder refused the arguments: {e}") from e
+    if entry.vocab is not None:  # a language model: token ids of the entry's sequence length
+        return Model(module, spec, size=entry.size, vocab=entry.vocab(**kwargs), example=True)
     size = int(kwargs.get("image_size", entry.size))
     return Model(module, spec, int(kwargs.get("in_channels", entry.in_channels)), size)
 

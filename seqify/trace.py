@@ -26,7 +26,7 @@ from torch.fx.proxy import Scope, ScopeContextManager
 
 from .errors import ExampleInputError, HookError, SeqifyError, StatefulForwardError, UntraceableError
 from .guard import Guard, check_bool, check_equal
-from .signature import EMPTY, InputSpec, Param
+from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
 from .trace_checks import attributes, check_decorated, writes_since
 from .trace_real import RealRun, buffers_kept, unpatched
@@ -606,26 +606,7 @@ def _bind_examples(
     """Decide which forward parameters carry tensors; return params, fx concrete_args and the placeholder plan."""
     name = type(model).__name__
     sig = inspect.signature(model.forward)
-    given: dict[str, Any] = {}
-    if example_inputs is not None:
-        if isinstance(example_inputs, torch.Tensor):
-            example_inputs = (example_inputs,)
-        try:
-            if isinstance(example_inputs, dict):
-                given = dict(sig.bind_partial(**example_inputs).arguments)
-            elif isinstance(example_inputs, (tuple, list)):
-                given = dict(sig.bind_partial(*example_inputs).arguments)
-            else:
-                raise TypeError(f"example_inputs must be a tensor, a tuple of arguments or a dict, not {type(example_inputs).__name__}")
-        except TypeError as e:
-            keyword_only = [p.name for p in sig.parameters.values() if p.kind == inspect.Parameter.KEYWORD_ONLY]
-            hint = (
-                f"; {', '.join(keyword_only)} {'is' if len(keyword_only) == 1 else 'are'} keyword-only: pass "
-                f"example_inputs as a dict by parameter name, e.g. {{{keyword_only[0]!r}: x}}"
-                if keyword_only and not isinstance(example_inputs, dict) else
-                "; pass a tensor, a tuple of positional arguments, or a dict by parameter name"
-            )
-            raise ExampleInputError(f"example_inputs do not fit {name}.forward{sig}: {e}{hint}") from None
+    given = bind_examples(model.forward, name, example_inputs) if example_inputs is not None else {}
     params: list[Param] = []
     concrete: dict[str, Any] = {}
     plan: list[tuple[str, Any]] = []

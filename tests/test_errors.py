@@ -4,6 +4,7 @@ message names the offending module path, layer, argument or graph node, and that
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -129,20 +130,22 @@ def test_keyword_only_forward_converts_and_pipelines() -> None:
 
 def test_keyword_only_forward_misused() -> None:
     x, scale = torch.randn(4, 3), torch.rand(4, 1)
-    with raises(seqify.ExampleInputError, "KeywordOnly.forward", "keyword-only", "as a dict by parameter name"):
-        seqify.convert(KeywordOnly(), example_inputs=(x, scale))
+    for frontend in ("auto", "fx", "export"):  # both frontends bind examples through one helper
+        with raises(seqify.ExampleInputError, "KeywordOnly.forward", "keyword-only", "as a dict by parameter name"):
+            seqify.convert(KeywordOnly(), example_inputs=(x, scale), frontend=frontend)
     seq = seqify.convert(KeywordOnly())
     with raises(seqify.InputError, "KeywordOnly", "pass x=..., scale=... by keyword"):
         seq(x, scale)
 
 
-def test_example_inputs_that_do_not_fit_the_forward() -> None:
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_example_inputs_that_do_not_fit_the_forward(frontend: str) -> None:
     with raises(seqify.ExampleInputError, "Lin.forward", "example_inputs miss", "'x'"):
-        seqify.convert(Lin(), example_inputs={})
+        seqify.convert(Lin(), example_inputs={}, frontend=frontend)
     with raises(seqify.ExampleInputError, "Lin.forward", "pass a tensor, a tuple"):
-        seqify.convert(Lin(), example_inputs=(torch.randn(2, 4), torch.randn(2, 4)))
+        seqify.convert(Lin(), example_inputs=(torch.randn(2, 4), torch.randn(2, 4)), frontend=frontend)
     with raises(seqify.ExampleInputError, "must be a tensor, a tuple of arguments or a dict"):
-        seqify.convert(Lin(), example_inputs=3)
+        seqify.convert(Lin(), example_inputs=3, frontend=frontend)
 
 
 def test_empty_models() -> None:
@@ -842,3 +845,17 @@ def test_op_failing_on_example_values() -> None:
     with raises(seqify.UntraceableError, "NotATensorPath.forward", "device=x.device", "fails on the example values",
                 "test_errors.py", "What to do"):
         seqify.convert(NotATensorPath(), (torch.randn(2, 4), torch.tensor([2.0])), frontend="fx")
+
+
+def test_zoo_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from seqify import zoo
+
+    with raises(seqify.ZooError, "resnet1011", "did you mean resnet101"):
+        zoo.get("resnet1011")
+    pytest.importorskip("transformers")
+    with raises(seqify.ZooError, "'llama'", "no preset '9b'", "0.89b"):
+        zoo.build("llama", preset="9b")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails, as when not installed
+    assert "llama" in zoo.list()
+    with raises(seqify.ZooError, "'gpt2'", "transformers is not installed", "pip install 'seqify[hf]'"):
+        zoo.get("gpt2")

@@ -30,7 +30,8 @@ def test_catalogue() -> None:
     names = zoo.list()
     assert len(names) == len(set(names))
     assert {"unet", "amoebanet_d", "resnet101", "vit_b_16", "swin_v2_t", "maxvit_t", "deeplabv3_resnet50"} <= set(names)
-    assert {zoo.entry(n).family for n in names} >= TORCHVISION_FAMILIES | {"U-Net", "AmoebaNet-D"}
+    assert {zoo.entry(n).family for n in names} >= TORCHVISION_FAMILIES | {"U-Net", "AmoebaNet-D", "Llama", "GPT-2"}
+    assert [n for n in names if zoo.entry(n).tokens] == ["llama", "gpt2"]
     assert zoo.list("vit") == ["vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14"]
     # every torchvision entry is torchvision's own builder name
     known = set(torchvision.models.list_models())
@@ -40,21 +41,35 @@ def test_catalogue() -> None:
     assert isinstance(seqify.zoo.ZooError("x"), seqify.SeqifyError)
 
 
+def _module_of(e: zoo.Entry) -> str:
+    if e.torchvision:
+        return "torchvision.models"
+    return "transformers.models" if e.extra == "hf" else "zoo."
+
+
 @pytest.mark.parametrize("name", zoo.list())
 def test_entry_converts_and_pipelines_exactly(name: str) -> None:
     """One small configuration per entry, built once (building dominates for the big ones): in eval mode
     the conversion is bit-equal to its source, and a 2-partition CPU pipeline over 2 micro-batches is
-    bit-equal to the source run on each micro-batch."""
+    bit-equal to the source run on each micro-batch. Token models (Llama, GPT-2) take token ids, and are
+    converted for the sequence length of their small configuration."""
     e = zoo.entry(name)
+    if e.extra == "hf":
+        pytest.importorskip("transformers")
     kwargs, side = e.small
     torch.manual_seed(0)
-    seq, source = zoo.get(name, return_source=True, **kwargs)
+    x = zoo.sample(name, 2, side, **kwargs) if e.tokens else torch.randn(2, e.in_channels, side, side)
+    if e.tokens:
+        assert x.dtype == torch.long and 0 <= int(x.min()) and int(x.max()) < kwargs["vocab_size"]
+        seq, source = zoo.get(name, return_source=True, example_inputs={"input_ids": x}, train=False, **kwargs)
+        assert seq.frontend == "export"
+    else:
+        seq, source = zoo.get(name, return_source=True, **kwargs)
     assert isinstance(seq, seqify.Sequential)
-    assert ("torchvision.models" if e.torchvision else "zoo.") in type(source).__module__
+    assert _module_of(e) in type(source).__module__
     assert seq.original_keys() == list(source.state_dict())  # speaks the source's checkpoint keys
     source.eval()
     seq.eval()
-    x = torch.randn(2, e.in_channels, side, side)
     with torch.no_grad():
         halves = [source(x[:1]), source(x[1:])]
         assert equal(seq(x[:1]), halves[0])
@@ -88,7 +103,8 @@ def test_cached_hints_table() -> None:
     table = plans.cached_table()
     if not table:
         pytest.skip("zoo/hints.json was written by another torch/torchvision; hints are computed instead")
-    assert set(table["models"]) == set(zoo.list())
+    # every model but those of optional extras (transformers: their layers depend on its version too)
+    assert set(table["models"]) == {n for n in zoo.list() if not zoo.entry(n).extra}
     for name, row in table["models"].items():
         for gpus, balance in row["balance"].items():
             assert len(balance) == int(gpus) and sum(balance) == row["layers"], name
@@ -184,3 +200,88 @@ def test_amoebanet_structure() -> None:
     assert len(seq.skips) >= len(model.cells)
     with pytest.raises(ValueError, match="multiple of 3"):
         zoo.amoebanet(layers=4)
+
+
+def test_solver_cuts_only_where_allowed() -> None:
+    from seqify.partition.solve import solve
+
+    assert solve([1.0] * 10, 2).balance == (5, 5)
+    assert solve([1.0] * 10, 2, cuts=[4, 8]).balance == (4, 6)
+    assert solve([1.0] * 10, 3, cuts=[2, 4, 8]).balance == (4, 4, 2)
+    with pytest.raises(seqify.BalanceError, match="allowed cuts"):
+        solve([1.0] * 10, 3, cuts=[4])
+
+
+@pytest.mark.parametrize(("name", "block"), [("llama", "model_layers_{}_input_layernorm"), ("gpt2", "transformer_h_{}_ln_1")])
+def test_token_models_hint_cuts_at_decoder_layers(name: str, block: str) -> None:
+    """The default (tiny) Llama and GPT-2 have 4 decoder layers: hints for 2 and 4 GPUs start every stage
+    after the first at a decoder layer's first layer (or the final norm), and are the by-FLOPs optimum
+    among those cuts (brute force over the cut positions)."""
+    pytest.importorskip("transformers")
+    import itertools
+
+    from seqify.partition import default_transfer_cost, split
+
+    _, measured, lays = plans._measure(name, "flops", None, ())
+    names = list(lays.names)
+    starts = {names.index(block.format(i)) for i in range(1, 4)} | {names.index(next(
+        n for n in names if n in ("model_norm", "transformer_ln_f")))}
+    for gpus in (2, 4):
+        hint = zoo.hints(name, gpus)
+        assert sum(hint) == len(names) == zoo.facts(name).layers
+        bounds = list(itertools.accumulate(hint))[:-1]
+        assert set(bounds) <= starts, (gpus, [names[b] for b in bounds])
+        # each combination of boundary cuts, costed as the plan costs it (compute and transfer)
+        forced = [split(measured, gpus, names, lays.routes, transfer_cost=default_transfer_cost("flops"), cuts=cut)
+                  for cut in itertools.combinations(sorted(starts), gpus - 1)]
+        assert all(list(itertools.accumulate(f.balance))[:-1] == list(c) for f, c in
+                   zip(forced, itertools.combinations(sorted(starts), gpus - 1)))
+        best = min(f.bottleneck for f in forced)
+        assert zoo.plan(name, gpus).bottleneck == pytest.approx(best, rel=1e-9)
+        assert zoo.plan(name, gpus).bottleneck >= split(measured, gpus, names, lays.routes,
+                                                         transfer_cost=default_transfer_cost("flops")).bottleneck
+
+
+def test_token_models_presets_and_samples() -> None:
+    pytest.importorskip("transformers")
+    with torch.device("meta"):
+        big = zoo.build("llama", preset="0.89b")
+        gpt = zoo.build("gpt2", preset="124m")
+    assert round(sum(p.numel() for p in big.parameters()) / 1e9, 2) == 0.89
+    assert (big.config.hidden_size, big.config.num_hidden_layers, big.config.num_attention_heads,
+            big.config.num_key_value_heads, big.config.vocab_size) == (2048, 16, 16, 8, 32000)
+    assert round(sum(p.numel() for p in gpt.parameters()) / 1e6) == 124  # GPT-2 small, tied head
+    ids = zoo.sample("llama", 3, preset="0.89b")
+    assert ids.shape == (3, zoo.entry("llama").size) and ids.dtype == torch.long and int(ids.max()) < 32000
+    with pytest.raises(zoo.ZooError, match="no preset '9b'"):
+        zoo.build("llama", preset="9b")
+
+
+def test_zoo_lists_without_transformers_and_says_how_to_install() -> None:
+    """transformers is an optional extra: without it the zoo still lists, and asking for Llama says what to
+    install (a subprocess where importing transformers fails)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "from seqify import zoo\n"
+        "assert 'llama' in zoo.list() and 'resnet50' in zoo.list()\n"
+        "assert not zoo.entry('llama').available and zoo.entry('resnet50').available  # zoo --check skips it\n"
+        "try:\n    zoo.get('llama')\nexcept zoo.ZooError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'seqify[hf]'" in out.stdout
+
+
+def test_cli_inspects_a_token_zoo_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """`seqify inspect zoo:gpt2` converts on token ids (the export frontend needs them) and plans stages."""
+    pytest.importorskip("transformers")
+    from seqify.cli import main
+
+    code = main(["inspect", "zoo:gpt2", "--arg", "n_layer=2", "--arg", "n_embd=16", "--arg", "n_head=2",
+                 "--arg", "vocab_size=64", "--size", "8", "--batch", "2", "--stages", "2"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "export frontend" in text and "input_ids.size(1) == 8" in text and "2 stages" in text

@@ -6,10 +6,14 @@
     pipe = seqify.pipeline(seq, gpus=4, balance=seqify.zoo.hints("resnet101", 4), chunks=8)
     seq = seqify.zoo.get("resnet50", weights="IMAGENET1K_V2")   # torchvision's weights (downloads)
     seq = seqify.zoo.get("amoebanet_d", layers=18, filters=256)  # GPipe's AmoebaNet-D(18, 256)
+    seq = seqify.zoo.get("llama", preset="0.89b")      # transformers' LlamaForCausalLM from a config
+    ids = seqify.zoo.sample("llama", batch=8)          # token ids: seq(input_ids=ids).logits
 
 The torchvision families (ResNet, ResNeXt, Wide ResNet, VGG, DenseNet, MobileNet v2/v3, EfficientNet
 v1/v2, RegNet, ConvNeXt, ViT, Swin, MaxViT, FCN, DeepLabV3, LR-ASPP) by their torchvision names, plus
-the pipeline models of the GPipe literature torchvision lacks: U-Net(B, C) and AmoebaNet-D(L, F).
+the pipeline models of the GPipe literature torchvision lacks: U-Net(B, C) and AmoebaNet-D(L, F), and
+the language models pipelines train most, built from a transformers config without downloading:
+``llama`` (LlamaForCausalLM) and ``gpt2`` (GPT2LMHeadModel), which need ``pip install 'seqify[hf]'``.
 ``python -m seqify.zoo`` prints the table (docs/zoo.md).
 """
 
@@ -19,6 +23,7 @@ from typing import List
 
 from .amoebanet import AmoebaNetD, amoebanet
 from .catalog import ENTRIES, Entry, ZooError, build, entry, get, load_weights, names, sample
+from .hf import GPT2_PRESETS, LLAMA_PRESETS, gpt2, llama
 from .plans import Facts, facts, hints, plan
 from .unet import UNet, unet
 
@@ -40,6 +45,10 @@ __all__ = [
     "unet",
     "AmoebaNetD",
     "amoebanet",
+    "llama",
+    "gpt2",
+    "LLAMA_PRESETS",
+    "GPT2_PRESETS",
 ]
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from seqify.errors import ZooError
 
 from .amoebanet import amoebanet
+from .hf import gpt2, llama, vocab_size
 from .unet import unet
 
 __all__ = ["Entry", "ZooError", "ENTRIES", "entry", "names", "build", "get", "sample", "load_weights"]
@@ -22,9 +23,14 @@ __all__ = ["Entry", "ZooError", "ENTRIES", "entry", "names", "build", "get", "sa
 class Entry:
     """One zoo model.
 
-    ``size``: the side of the default square input (``in_channels x size x size``), used for partition
-    hints and ``seqify inspect``; ``small``: keyword arguments and input side of a small configuration
-    of the same code, for quick checks; ``torchvision``: whether torchvision publishes weights for it.
+    ``size``: the side of the default square input (``in_channels x size x size``), or for a token model
+    the default sequence length, used for partition hints and ``seqify inspect``; ``small``: keyword
+    arguments and input side (or sequence length) of a small configuration of the same code, for quick
+    checks; ``torchvision``: whether torchvision publishes weights for it. A token model (``vocab`` set:
+    the vocabulary size of the configuration its keyword arguments build) takes ``input_ids``;
+    ``blocks`` matches the names of its repeated blocks' layers (group 1: the block's index), where
+    partition hints cut; ``frontend`` is the one ``get`` converts with; ``extra`` names the optional
+    dependencies it needs (``pip install 'seqify[hf]'``).
     """
 
     name: str
@@ -38,6 +44,27 @@ class Entry:
     in_channels: int = 3
     torchvision: bool = False
     about: str = ""
+    vocab: Callable[..., int] | None = field(default=None, repr=False, compare=False)
+    blocks: str = ""
+    frontend: str = "auto"
+    extra: str = ""
+
+    @property
+    def tokens(self) -> bool:
+        """Whether the model takes token ids (``input_ids``) rather than images."""
+        return self.vocab is not None
+
+    @property
+    def available(self) -> bool:
+        """Whether the optional dependencies it needs are installed (transformers for ``extra='hf'``)."""
+        if self.extra != "hf":
+            return True
+        import importlib.util
+
+        try:
+            return importlib.util.find_spec("transformers") is not None
+        except ValueError:  # a module in sys.modules without a spec (None: imports of it are blocked)
+            return False
 
 
 def _torchvision_builder(name: str) -> Callable[..., nn.Module]:
@@ -106,6 +133,21 @@ def _catalogue() -> dict[str, Entry]:
         "amoebanet_d", "AmoebaNet-D", "seqify.zoo.amoebanet", "classification", 224,
         ({"layers": 6, "filters": 16, "num_classes": 10}, 32), amoebanet,
         about="AmoebaNet-D(L=layers, F=filters), GPipe's model; sides divisible by 32",
+    )
+    out["llama"] = Entry(
+        "llama", "Llama", "transformers.LlamaForCausalLM", "language modelling", 128,
+        ({"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "vocab_size": 64}, 8),
+        llama, vocab=lambda **kw: vocab_size("llama", **kw), blocks=r"model_layers_(\d+)(?:_|$)",
+        frontend="export", extra="hf",
+        about="LlamaForCausalLM from a LlamaConfig: preset='tiny' (default), '0.89b' or '8b', or config fields",
+    )
+    out["gpt2"] = Entry(
+        "gpt2", "GPT-2", "transformers.GPT2LMHeadModel", "language modelling", 128,
+        ({"n_embd": 16, "n_layer": 2, "n_head": 2, "vocab_size": 64}, 8),
+        gpt2, vocab=lambda **kw: vocab_size("gpt2", **kw), blocks=r"transformer_h_(\d+)(?:_|$)",
+        frontend="export", extra="hf",
+        about="GPT2LMHeadModel from a GPT2Config: preset='tiny' (default), '124m', '355m', '774m' or '1.5b', or config fields",
     )
     return out
 
@@ -204,6 +246,7 @@ def get(
     *,
     example_inputs: Any = None,
     return_source: bool = False,
+    train: bool = True,
     **kwargs: Any,
 ) -> Any:
     """Zoo model ``name`` converted into a pipeline-ready :class:`seqify.Sequential`.
@@ -216,10 +259,18 @@ def get(
             which torchvision downloads; or, for any model, a state dict or a checkpoint file written
             for the source (``torch.save(model.state_dict(), path)``). Loaded with
             ``load_original_state_dict``: keys and shapes must match.
-        example_inputs: passed to :func:`seqify.convert` (for shape-dependent code).
+        example_inputs: passed to :func:`seqify.convert` (for shape-dependent code). Token models
+            (``llama``, ``gpt2``) are converted by the export frontend on ``{'input_ids': ids}`` of 2
+            sequences of the entry's default length (128) unless given: the sequence length is fixed at
+            conversion (``seq.guards``), the batch is not.
         return_source: return ``(seq, source)``; the two share every parameter and buffer.
+        train: convert the source in train mode (the default) or, if False, in eval mode (``seq`` and
+            ``source`` are then in eval mode). It matters only for forwards whose ops differ between the
+            modes (GPT-2 passes its attention dropout as a number): such a conversion refuses to run in
+            the other mode (``ModeError``).
         kwargs: passed to the builder, e.g. ``num_classes=10``, ``image_size=384`` (ViT),
-            ``depth=5, blocks=2, channels=64`` (U-Net), ``layers=18, filters=256`` (AmoebaNet-D).
+            ``depth=5, blocks=2, channels=64`` (U-Net), ``layers=18, filters=256`` (AmoebaNet-D),
+            ``preset='0.89b'`` or config fields such as ``num_hidden_layers=8`` (Llama, GPT-2).
     """
     import seqify
 
@@ -227,17 +278,28 @@ def get(
     enum = _weights_enum(name, weights) if weights is not None and e.torchvision else None
     if enum is not None:
         kwargs = _adapt(e, enum, kwargs)
-    source = build(name, **kwargs)
-    seq = seqify.convert(source, example_inputs)
+    source = build(name, **kwargs).train(train)
+    if e.tokens and example_inputs is None:
+        example_inputs = {"input_ids": _example_ids(e, **kwargs)}
+    seq = seqify.convert(source, example_inputs, frontend=e.frontend)
     if weights is not None:
         load_weights(seq, weights, enum)
     return (seq, source) if return_source else seq
 
 
+def _example_ids(e: Entry, **kwargs: Any) -> torch.Tensor:
+    """The token ids a token model is converted on: 2 x the default length, the same on every call."""
+    assert e.vocab is not None
+    return torch.randint(0, e.vocab(**kwargs), (2, e.size), generator=torch.Generator().manual_seed(0))
+
+
 def sample(name: str, batch: int = 1, size: int | None = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
     """A random input batch for ``name``: ``batch x in_channels x size x size`` (the entry's default side,
-    or the ``image_size`` a ViT was built with)."""
+    or the ``image_size`` a ViT was built with); for a token model (``llama``, ``gpt2``) token ids
+    (``input_ids``, int64) of ``batch x size`` below the vocabulary of the configuration ``kwargs`` build."""
     e = entry(name)
+    if e.vocab is not None:
+        return torch.randint(0, e.vocab(**kwargs), (batch, size or e.size), device=device)
     side = size or kwargs.get("image_size") or e.size
     channels = kwargs.get("in_channels", e.in_channels)
     return torch.randn(batch, channels, side, side, device=device)

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from seqify.verify import bit_equal as _bit_equal
 from seqify.progress import progress
 
-from .catalog import ENTRIES, entry, get
+from .catalog import ENTRIES, entry, get, sample
 
 __all__ = ["Check", "check", "check_all"]
 
@@ -42,10 +42,11 @@ def check(name: str) -> Check:
     e = entry(name)
     kwargs, side = e.small
     torch.manual_seed(0)
-    seq, source = get(name, return_source=True, **kwargs)
+    x = sample(name, 2, side, **kwargs) if e.tokens else torch.randn(2, e.in_channels, side, side)
+    example = {"input_ids": x} if e.tokens else None  # token models: convert for this sequence length
+    seq, source = get(name, return_source=True, example_inputs=example, train=False, **kwargs)
     source.eval()
     seq.eval()
-    x = torch.randn(2, e.in_channels, side, side)
     with torch.no_grad():
         expected = source(x)
         exact = _bit_equal(seq(x), expected)
@@ -57,6 +58,7 @@ def check(name: str) -> Check:
 
 
 def check_all(names: Sequence[str] | None = None, *, show: bool = True) -> list[Check]:
-    """:func:`check` every zoo model (or ``names``), with a progress bar on stderr."""
-    names = list(ENTRIES) if names is None else list(names)
+    """:func:`check` every zoo model whose optional dependencies are installed (or ``names``), with a
+    progress bar on stderr."""
+    names = [n for n, e in ENTRIES.items() if e.available] if names is None else list(names)
     return [check(n) for n in progress(names, len(names), desc="zoo: checking", enabled=show)]

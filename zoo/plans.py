@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from seqify.partition.walk import layers
 
 from .catalog import build, entry, sample
 
-__all__ = ["Facts", "facts", "plan", "hints", "signature", "HINTS_FILE", "GPUS", "cached_table", "versions"]
+__all__ = ["Facts", "facts", "plan", "hints", "block_cuts", "signature", "HINTS_FILE", "GPUS", "cached_table", "versions"]
 
 HINTS_FILE = Path(__file__).with_name("hints.json")
 #: The GPU counts whose plans ship in hints.json.
@@ -87,7 +88,11 @@ def _skeleton(name: str, kwargs: dict[str, Any]) -> torch.nn.Module:
 
 
 @functools.lru_cache(maxsize=8)
-def _converted(name: str, key: tuple[tuple[str, Any], ...], meta: bool = True) -> tuple[torch.nn.Module, Any]:
+def _converted(
+    name: str, key: tuple[tuple[str, Any], ...], meta: bool = True, length: int | None = None
+) -> tuple[torch.nn.Module, Any]:
+    """The source (meta or uninitialised) and its conversion; token models on ids of ``length`` (default:
+    the entry's), since export fixes the sequence length."""
     import seqify
 
     if meta:
@@ -95,7 +100,13 @@ def _converted(name: str, key: tuple[tuple[str, Any], ...], meta: bool = True) -
     else:
         with _no_init():
             source = build(name, **dict(key))
-    return source, seqify.convert(source)
+    e = entry(name)
+    if not e.tokens:
+        return source, seqify.convert(source)
+    # Token models convert through torch.export, which needs example ids (fake on meta: no compute).
+    device = next(iter(source.parameters())).device
+    ids = sample(name, 2, length, device=device, **dict(key))
+    return source, seqify.convert(source, {"input_ids": ids}, frontend=e.frontend, verify=False, check_modes=False)
 
 
 def _signature(seq: Any) -> str:
@@ -113,11 +124,12 @@ def signature(name: str, **kwargs: Any) -> str:
 @functools.lru_cache(maxsize=32)
 def _measure(name: str, by: str, size: int | None, key: tuple[tuple[str, Any], ...]) -> tuple[Facts, LayerCosts, Any]:
     kwargs = dict(key)
-    source, seq = _converted(name, key)
+    length = size if entry(name).tokens else None
+    source, seq = _converted(name, key, True, length)
     try:
         x, measured = _cost(name, seq, by, size, kwargs)
     except MetaDeviceError:  # FLOPs come from fake tensors, but should costing ever refuse meta weights
-        source, seq = _converted(name, key, meta=False)
+        source, seq = _converted(name, key, False, length)
         x, measured = _cost(name, seq, by, size, kwargs)
     lays = layers(seq)
     info = Facts(
@@ -150,14 +162,37 @@ def facts(name: str, **kwargs: Any) -> Facts:
     return _measure(name, "flops", None, _key(kwargs))[0]
 
 
+def block_cuts(names: list[str], pattern: str) -> list[int]:
+    """Cut positions at block boundaries: the index of the first layer of every block (layer names matching
+    ``pattern``, group 1 the block's index) after the first, and of the first layer after the last block."""
+    rx = re.compile(pattern)
+    seen: dict[str, int] = {}
+    last = -1
+    for i, layer in enumerate(names):
+        m = rx.match(layer)
+        if m:
+            seen.setdefault(m.group(1), i)
+            last = i
+    cuts = sorted(seen.values())[1:]
+    if 0 <= last < len(names) - 1:
+        cuts.append(last + 1)
+    return cuts
+
+
 def plan(name: str, gpus: int, by: str = "flops", size: int | None = None, **kwargs: Any) -> PartitionPlan:
     """The optimal ``gpus``-stage plan of zoo model ``name`` (``by='flops'`` or ``'params'``) for a batch-1
-    input of side ``size`` (default: the entry's). Feed ``plan.balance`` to ``seqify.pipeline``."""
+    input of side ``size`` (default: the entry's). Feed ``plan.balance`` to ``seqify.pipeline``.
+
+    For models with repeated blocks (``llama``, ``gpt2``: decoder layers), stages start only at block
+    boundaries (the way hand-cut pipelines split transformers), where the model has enough of them."""
     if by not in ("flops", "params"):
         raise ValueError(f"hints are static: by='flops' or by='params'; for by={by!r} call seqify.balance on your device")
-    entry(name)
+    e = entry(name)
     _, measured, lays = _measure(name, by, size, _key(kwargs))
-    return split(measured, gpus, lays.names, lays.routes, transfer_cost=default_transfer_cost(by))
+    cuts = block_cuts(list(lays.names), e.blocks) if e.blocks else None
+    if cuts is not None and len(cuts) < gpus - 1:
+        cuts = None  # fewer boundaries than cuts needed: any layer boundary
+    return split(measured, gpus, lays.names, lays.routes, transfer_cost=default_transfer_cost(by), cuts=cuts)
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,7 +30,7 @@ def rows(names: Sequence[str] | None = None, *, show: bool = True) -> list[dict[
                 "family": e.family,
                 "source": e.source,
                 "task": e.task,
-                "input": f"{f.batch}x{e.in_channels}x{f.size}x{f.size}",
+                "input": f"{f.batch}x{f.size} token ids" if e.tokens else f"{f.batch}x{e.in_channels}x{f.size}x{f.size}",
                 "params": f.params,
                 "layers": f.layers,
                 "skips": f.skips,
@@ -70,9 +70,11 @@ def write_hints(table: list[dict[str, Any]], path: Path = HINTS_FILE) -> None:
         **versions(),
         "by": "flops",
         "sample": "batch 1 (2 where BatchNorm needs it) of each model's default input",
+        # Models of optional extras (transformers) depend on their versions too: their hints are computed.
         "models": {
             r["name"]: {k: r[k] for k in ("layers", "skips", "params", "signature", "balance", "imbalance")}
             for r in table
+            if not ENTRIES[r["name"]].extra
         },
     }
     head = json.dumps({k: v for k, v in doc.items() if k != "models"})[:-1]

@@ -17,8 +17,9 @@ from torch import nn
 
 from ..errors import ConversionError, ExampleInputError, ExportError, HookError, SeqifyError
 from ..guard import Guard, check_equal
-from ..signature import EMPTY, InputSpec, Param
+from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
+from .regions import neutral_autocast, prepare_regions
 
 __all__ = ["export_trace"]
 
@@ -49,20 +50,7 @@ def _bind(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str,
     and dynamic shapes (dim 0 of every tensor is one shared batch dimension)."""
     name = type(model).__name__
     sig = inspect.signature(model.forward)
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    try:
-        if isinstance(example_inputs, dict):
-            given = dict(sig.bind_partial(**example_inputs).arguments)
-        elif isinstance(example_inputs, (tuple, list)):
-            given = dict(sig.bind_partial(*example_inputs).arguments)
-        else:
-            raise TypeError(f"example_inputs must be a tensor, a tuple or a dict, not {type(example_inputs).__name__}")
-    except TypeError as e:
-        raise ExampleInputError(
-            f"example_inputs do not fit {name}.forward{sig}: {e}; pass a tensor, a tuple of positional "
-            "arguments, or a dict by parameter name (e.g. {'input_ids': ids})"
-        ) from None
+    given = bind_examples(model.forward, name, example_inputs)
     batch = torch.export.Dim.AUTO  # export infers the batch range; a batch it cannot free stays fixed (guarded)
     params: list[Param] = []
     kwargs: dict[str, Any] = {}
@@ -197,7 +185,7 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
     for shapes in (dynamic, None):  # a batch dimension the model fixes falls back to static shapes (guarded)
         with preserved(model), torch.random.fork_rng(devices=[]), _writes(model) as seen:
             try:
-                with _quiet():
+                with _quiet(), neutral_autocast(model, kwargs):
                     ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
             except SeqifyError:
                 raise
@@ -395,8 +383,9 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
         raise ExportError(f"torch.export captured {name} but could not unlift it: {_first_line(e)}") from e
     graph = gm.graph
     constants, inputs = _clean(gm, model, kwargs)
-    _module_calls(graph, model)
     example = next((t for t in pytree.tree_leaves(kwargs) if isinstance(t, torch.Tensor)), None)
+    prepare_regions(graph, constants, example.device.type if example is not None else None)
+    _module_calls(graph, model)
     if example is not None:
         _devices(graph, example.device)
     input_names = [k for k, v in kwargs.items() for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]

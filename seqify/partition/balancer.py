@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -109,8 +109,10 @@ def split(
     transfer_cost: float = 0.0,
     prefer_clean: bool = True,
     device: str | None = None,
+    cuts: Collection[int] | None = None,
 ) -> PartitionPlan:
-    """The optimal plan for per-layer costs already measured (``balance`` without the measuring)."""
+    """The optimal plan for per-layer costs already measured (``balance`` without the measuring); with
+    ``cuts``, stages start only at those layer indices (and 0)."""
     n = len(measured)
     graph = dataflow(n, routes, measured.output_bytes, measured.skip_bytes)
     live = live_bytes(graph)
@@ -124,6 +126,7 @@ def split(
         clean=[prefer_clean and a in clean for a in range(n)],
         cut_bytes=live[:n],
         names=names,
+        cuts=cuts,
     )
     stages = []
     start = 0

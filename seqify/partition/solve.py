@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -42,11 +42,13 @@ def solve(
     clean: Sequence[bool] | None = None,
     cut_bytes: Sequence[float] | None = None,
     names: Sequence[str] | None = None,
+    cuts: Collection[int] | None = None,
 ) -> Solution:
     """Split layers ``0..n-1`` into ``partitions`` non-empty contiguous stages, minimising the bottleneck.
 
     A stage ``[a, b)`` costs ``sum(cost[a:b]) + cut_cost[a]`` (``cut_cost[a]``: moving what crosses cut
-    ``a`` into it; none for the first stage) and must hold ``sum(memory[a:b]) <= cap``.
+    ``a`` into it; none for the first stage) and must hold ``sum(memory[a:b]) <= cap``. With ``cuts``,
+    stages start only at layer 0 and at those indices (e.g. a transformer's block boundaries).
 
     Exact dynamic programming: ``f[k][b] = min_a max(f[k-1][a], cost(a, b))`` is the best bottleneck of
     ``k`` stages over layers ``0..b-1``; each step is one vectorised min-max over a matrix of candidate
@@ -60,8 +62,16 @@ def solve(
     n = len(cost)
     names = list(names) if names is not None else [str(i) for i in range(n)]
     _check(n, partitions, cost, cut_cost, memory, cap)
+    allowed = None
+    if cuts is not None:
+        allowed = sorted({c for c in cuts if 0 < c < n})
+        if len(allowed) < partitions - 1:
+            raise BalanceError(
+                f"cannot split {n} layers into {partitions} partitions at {len(allowed)} allowed cuts; "
+                f"use partitions <= {len(allowed) + 1}, or allow more cuts"
+            )
     with _one_thread():
-        return _solve(cost, partitions, cut_cost, memory, cap, clean, cut_bytes, names)
+        return _solve(cost, partitions, cut_cost, memory, cap, clean, cut_bytes, names, allowed)
 
 
 def _solve(
@@ -73,9 +83,10 @@ def _solve(
     clean: Sequence[bool] | None,
     cut_bytes: Sequence[float] | None,
     names: Sequence[str],
+    cuts: Sequence[int] | None = None,
 ) -> Solution:
     n = len(cost)
-    stages = _Stages(cost, cut_cost, memory if cap is not None else None, cap)
+    stages = _Stages(cost, cut_cost, memory if cap is not None else None, cap, cuts)
 
     # Phase 1: the optimal bottleneck f[P][n].
     f = _filled(n, _INF)
@@ -167,10 +178,17 @@ class _Stages:
     in blocks of columns; kept when it is small, recomputed per pass when it is not."""
 
     def __init__(
-        self, cost: Sequence[float], cut_cost: Sequence[float] | None, memory: Sequence[float] | None, cap: float | None
+        self, cost: Sequence[float], cut_cost: Sequence[float] | None, memory: Sequence[float] | None,
+        cap: float | None, cuts: Sequence[int] | None = None,
     ) -> None:
         n = len(cost)
         self.n = n
+        self.barred: torch.Tensor | None = None  # stage starts that are not allowed cuts
+        if cuts is not None:
+            barred = torch.ones(n + 1, 1, dtype=torch.bool)
+            barred[0] = False
+            barred[list(cuts)] = False
+            self.barred = barred
         self.prefix = _prefix(cost, n)
         self.incoming = _column(cut_cost, n)
         self.memory = _prefix(memory, n) if memory is not None else None
@@ -184,6 +202,8 @@ class _Stages:
         b = torch.arange(lo, hi).unsqueeze(0)
         c = self.prefix[lo:hi].unsqueeze(0) - self.prefix.unsqueeze(1) + self.incoming
         bad = a >= b
+        if self.barred is not None:
+            bad = bad | self.barred
         if self.memory is not None and self.cap is not None:
             bad |= (self.memory[lo:hi].unsqueeze(0) - self.memory.unsqueeze(1)) > self.cap
         return c.masked_fill(bad, _INF)

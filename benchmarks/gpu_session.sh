@@ -20,6 +20,9 @@ case "${1:-tests}" in
     timeout 330 python3 benchmarks/pipeline_bench.py --batch 128 --precision fp32 --chunks 8 --loops 1 2 \
       --schedule gpipe 1f1b zb-h1 --schedule-graphs both --inference --skip-seqify --steps 4 --warm 2 --out "$OUT" 2>&1 | tee "$OUT/graphs.log" | tail -40
     ;;
+  llama-bf16)
+    timeout 540 python3 benchmarks/llama_bench.py --precision bf16 --chunks 4 --steps 3 --warmup 1 --out "$OUT/llama-bf16.json" 2>&1 | tee "$OUT/llama-bf16.log" | tail -30
+    ;;
   llama)
     timeout 560 python3 benchmarks/llama_bench.py --precision fp32 --steps 3 --warmup 1 --out "$OUT/llama.json" 2>&1 | tee "$OUT/llama.log" | tail -40
     ;;

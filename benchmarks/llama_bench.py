@@ -49,6 +49,9 @@ def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def devices_of(args: argparse.Namespace) -> list[torch.device]:
     if args.device == "cpu":
         return [torch.device("cpu")] * 2
+    if torch.cuda.device_count() < 2:  # one GPU: both partitions share it (memory and exactness, not speed-up)
+        print("# one GPU: the pipeline rows put both partitions on cuda:0", flush=True)
+        return [torch.device("cuda:0")] * 2
     return [torch.device(f"cuda:{i}") for i in range(2)]
 
 

@@ -302,3 +302,29 @@ def test_self_check_leaves_the_source_alone() -> None:
     before = snapshot(model)
     seqify.convert(model, example_inputs=(x,), frontend="export")
     assert_unchanged(model, before)  # BatchNorm statistics and attributes as they were
+
+
+def _attention_calls(seq: seqify.Sequential) -> list[Any]:
+    return [op for layer in seq for op in getattr(layer, "ops", []) if "scaled_dot_product" in str(op.target)]
+
+
+def test_causal_attention_keeps_is_causal_like_the_source() -> None:
+    """Without attention_mask (and position ids the model makes), the source leaves causality to SDPA's
+    is_causal (the flash kernel on GPUs); the export frontend keeps it so instead of capturing the explicit
+    mask export would build, and stays bit-equal. A padding mask or given position ids keep the mask."""
+    model, kwargs = llama()
+    model.eval()
+    seq = seqify.convert(model, example_inputs=kwargs, frontend="export")
+    calls = _attention_calls(seq)
+    assert calls and all(op.args[3] is None and op.args[5] is True for op in calls), calls
+    padded = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
+    padded["attention_mask"][0, :2] = 0
+    positions = {**kwargs, "position_ids": torch.arange(kwargs["input_ids"].size(1)).expand_as(kwargs["input_ids"])}
+    for given in (padded, positions):
+        masked = seqify.convert(model, example_inputs=given, frontend="export")
+        assert all(op.args[3] is not None for op in _attention_calls(masked))
+        with torch.no_grad():
+            assert torch.equal(masked(**given).logits, model(**given).logits)
+    with torch.no_grad():
+        for batch in (kwargs, {"input_ids": ids(batch=5)}):
+            assert torch.equal(seq(**batch).logits, model(**batch).logits)

@@ -19,6 +19,7 @@ from ..errors import ConversionError, ExampleInputError, ExportError, HookError,
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
+from .hf_masks import causal_skip
 from .regions import neutral_autocast, prepare_regions
 
 __all__ = ["export_trace"]
@@ -185,7 +186,7 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
     for shapes in (dynamic, None):  # a batch dimension the model fixes falls back to static shapes (guarded)
         with preserved(model), torch.random.fork_rng(devices=[]), _writes(model) as seen:
             try:
-                with _quiet(), neutral_autocast(model, kwargs):
+                with _quiet(), neutral_autocast(model, kwargs), causal_skip(kwargs):
                     ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
             except SeqifyError:
                 raise

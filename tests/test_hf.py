@@ -328,3 +328,46 @@ def test_causal_attention_keeps_is_causal_like_the_source() -> None:
     with torch.no_grad():
         for batch in (kwargs, {"input_ids": ids(batch=5)}):
             assert torch.equal(seq(**batch).logits, model(**batch).logits)
+
+
+def test_size_skips_replay_and_data_never_does() -> None:
+    """A skip made from shapes alone (export's batch size, carried to a later reshape) is a size: the
+    replayed step (CUDA graphs' driver, eager programs on the CPU) keeps it per micro-batch, here over
+    uneven micro-batches (3 and 2 samples), bit-equal forward and source-equal gradients. A value read
+    from data is never a size."""
+    import operator
+
+    from seqify.layer import Layer, Op, Ref
+    from seqify.skip.namespace import Namespace
+    from seqify.skip.sizes import size_skips
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    example = {"input_ids": ids(batch=5)}
+    seq = seqify.convert(model, example_inputs=example, frontend="export")
+    sized = size_skips(seq)
+    assert sized and all(key[1].startswith("sym_size") for key in sized), sized
+    pipe = seqify.pipeline(seq, devices=["cpu"] * 2, chunks=2, checkpoint="never", example_inputs=example)
+    assert any(key in sized for key in pipe.skip_partitions if pipe.skip_partitions[key][0] != pipe.skip_partitions[key][1])
+    pipe._replay_eager = True
+    reference = copy.deepcopy(model)
+    x = ids(batch=5)
+    out = pipe(input_ids=x).logits
+    assert pipe.graph_error is None and pipe._graphed is not None, pipe.graph_error
+    want = torch.cat([reference(input_ids=c).logits for c in x.tensor_split(2)])
+    assert torch.equal(out, want)
+    out.float().pow(2).mean().backward()
+    want.float().pow(2).mean().backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    ns = Namespace()
+    ops = [Op("n", "call_function", torch.ops.aten.sym_size.int, (Ref("x"), 0)),
+           Op("half", "call_function", operator.floordiv, (Ref("n"), 2)),
+           Op("v", "call_function", torch.ops.aten._local_scalar_dense.default, (Ref("x"),)),
+           Op("mixed", "call_function", operator.mul, (Ref("n"), Ref("v")))]
+    layer = Layer(inputs=["x"], ops=ops, outputs=["x"],
+                  stashes=[((ns, "half"), "half"), ((ns, "v"), "v"), ((ns, "mixed"), "mixed")])
+    assert size_skips([layer]) == {(ns, "half")}

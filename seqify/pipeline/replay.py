@@ -11,6 +11,7 @@ from torch import nn
 
 from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
+from ..skip.sizes import size_skips
 from .microbatch import is_tensors
 from .schedule import Schedule, gpipe
 from .stage import Stage
@@ -24,27 +25,37 @@ class Unreplayable(Exception):
 
 
 class _Flat(nn.Module):
-    """A stage as a function of flat tensors: (carried..., popped...) -> (carried..., stashed...)."""
+    """A stage as a function of flat tensors: (carried..., popped...) -> (carried..., stashed...).
 
-    def __init__(self, stage: Stage, carried: int | None) -> None:
+    Skips that are sizes (``sized``: made from shapes alone, e.g. a batch size) are not tensors: they are
+    kept as this micro-batch's constants, ``kept`` for those it stashes and ``given`` for those it pops,
+    fixed like everything else in a program built for one input shape."""
+
+    def __init__(self, stage: Stage, carried: int | None, sized: frozenset[SkipKey] = frozenset()) -> None:
         super().__init__()
         self.layers = stage.layers
         object.__setattr__(self, "stage", stage)
         self.carried = carried  # None: one tensor; k: a tuple of k tensors
         self.returns: int | None = None  # the same, for the carried output
+        self.sized = sized
+        self.given: dict[SkipKey, Any] = {}
+        self.kept: dict[SkipKey, Any] = {}
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stage = self.stage
         k = 1 if self.carried is None else self.carried
         x: Any = tensors[0] if self.carried is None else tuple(tensors[:k])
+        popped = dict(zip([key for key in stage.pops if key not in self.given], tensors[k:]))
         # fresh(): copies of what a layer modifies in place (a program's inputs are leaves autograd guards)
-        y, out = stage.fresh(x, dict(zip(stage.pops, tensors[k:])))
-        if not is_tensors(y) or not all(isinstance(out[key], torch.Tensor) for key in stage.stashes):
-            what = type(y).__name__ if not is_tensors(y) else "a skip that is not a tensor"
+        y, out = stage.fresh(x, {**popped, **self.given})
+        kept = {key: out[key] for key in stage.stashes if not isinstance(out[key], torch.Tensor)}
+        if not is_tensors(y) or any(key not in self.sized for key in kept):
+            what = type(y).__name__ if not is_tensors(y) else "a skip that is not a tensor (nor a size)"
             raise Unreplayable(f"partition {stage.index} returns {what}; only tensors and tuples of tensors replay")
+        self.kept = kept
         ys = (y,) if isinstance(y, torch.Tensor) else tuple(y)
         self.returns = None if isinstance(y, torch.Tensor) else len(ys)
-        return ys + tuple(out[key] for key in stage.stashes)
+        return ys + tuple(out[key] for key in stage.stashes if key not in kept)
 
 
 class Program:
@@ -517,6 +528,8 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
         programs: list[list[Program]] = []
         routes: list[list[Route]] = []
         stashed: dict[SkipKey, tuple[int, int]] = {}
+        constant: dict[SkipKey, int] = {}  # a size skip -> the partition whose programs keep its values
+        sized = frozenset(size_skips(layer for stage in stages for layer in stage.layers))
         returns: int | None = carried
         for j, stage in enumerate(stages):
             device = stage.device
@@ -528,7 +541,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                 sources: list[tuple[torch.Tensor, ...]] = [tuple(b) for b in batches]
             else:
                 k = 1 if returns is None else returns
-                slots = [(j - 1, o) for o in range(k)] + [stashed.pop(key) for key in stage.pops]
+                slots = [(j - 1, o) for o in range(k)] + [stashed.pop(key) for key in stage.pops if key not in constant]
                 sources = [tuple(programs[a][i].outputs[o] for a, o in slots) for i in range(len(batches))]
                 if mutating:
                     for i, src in enumerate(sources):
@@ -546,8 +559,11 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                             # in-place op on a value that needs none saves nothing for backward)
                             made[id(t)] = t.detach().to(device, copy=True).requires_grad_(t.requires_grad)
                 inputs = tuple(made[id(t)] for t in src)
-                flat = _Flat(stage, returns)
+                flat = _Flat(stage, returns, sized)
+                flat.given = {key: programs[constant[key]][i].flat.kept[key] for key in stage.pops if key in constant}
                 row.append(Program(flat, inputs, params, acc))
+            for key in stage.pops:
+                constant.pop(key, None)
             for p in row:
                 p._outputs()  # real values for the next partition (and the output structure)
                 if streams is not None:
@@ -556,11 +572,14 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                     p.outputs = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs)
             returns = row[0].flat.returns
             k = 1 if returns is None else returns
-            for s, key in enumerate(stage.stashes):
+            kept = row[0].flat.kept
+            for s, key in enumerate([key for key in stage.stashes if key not in kept]):
                 stashed[key] = (j, k + s)
+            constant.update({key: j for key in kept})
             programs.append(row)
-        if stashed:
-            raise BoundaryError(f"skips {sorted(k[1] for k in stashed)} were stashed but no later partition popped them")
+        if stashed or constant:
+            left = sorted(k[1] for k in [*stashed, *constant])
+            raise BoundaryError(f"skips {left} were stashed but no later partition popped them")
         replay = Replay(stages, programs, routes, returns, transfer, schedule)
         _reach(replay, streams, warmup)
         return replay

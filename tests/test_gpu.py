@@ -10,20 +10,13 @@ import torchvision
 
 import seqify
 from exactness import loss_of
+from gpu_checks import relative, strict_fp32  # noqa: F401  (strict_fp32: autouse fixture)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
     pytest.mark.timeout(600),
 ]
-
-
-@pytest.fixture(autouse=True)
-def strict_fp32() -> None:
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last"])
@@ -90,14 +83,6 @@ def test_skip_tensors_cross_gpus_directly_and_autocast_holds() -> None:
     for kind, name, a, b, _ in seen:
         if kind == "skip":
             assert b > a
-
-
-def relative(tolerance: float):  # type: ignore[no-untyped-def]
-    def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        error = (got.float().to(want.device) - want.float()).norm() / want.float().norm().clamp_min(1e-12)
-        assert error <= tolerance, f"{what}: relative error {error:.2e} > {tolerance:.0e}"
-
-    return check
 
 
 @pytest.mark.parametrize("loops", [1, 2])

@@ -9,6 +9,7 @@ import torch
 import torchvision
 
 import seqify
+from gpu_checks import relative, strict_fp32  # noqa: F401  (strict_fp32: autouse fixture)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,17 +18,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def strict_fp32() -> None:
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-
-
-def close(got: torch.Tensor, want: torch.Tensor, what: str, tolerance: float = 1e-4) -> None:
-    error = (got.float().to(want.device) - want.float()).norm() / want.float().norm().clamp_min(1e-12)
-    assert error <= tolerance, f"{what}: relative error {error:.2e} > {tolerance:.0e}"
+close = relative(1e-4)
 
 
 def layouts() -> list[tuple[str, int]]:

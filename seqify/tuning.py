@@ -373,8 +373,6 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
         sched_set = ([fixed["schedule"]] if fixed["schedule"] in valid else []) if fixed.get("schedule") else list(valid)
         for bal, strategy in seen.items():
             for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graph_set, sched_set):
-                if graphs and ckpt != "never":
-                    continue  # captured graphs do not checkpoint (yet)
                 if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
                     continue  # one micro-batch, the last: the same run as checkpoint='never'
                 if m == 1 and sched != "gpipe" and not fixed.get("schedule"):

@@ -9,6 +9,7 @@ import torch
 import torchvision
 
 import seqify
+from seqify.pipeline.replayed import GraphWarning
 from gpu_checks import relative, strict_fp32  # noqa: F401  (strict_fp32: autouse fixture)
 
 pytestmark = [
@@ -88,3 +89,39 @@ def test_inference_replays_forward_graphs(loops: int) -> None:
     assert graphed.graph_error is None and graphed._graphed is not None
     replay = graphed._graphed[1]
     assert all(p.graphs is not None and not p.acc for row in replay.programs for p in row)
+
+
+@pytest.mark.parametrize("schedule,loops", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 2)])
+def test_checkpointed_graphs_recompute_inside_the_captured_backward(schedule: str, loops: int) -> None:
+    """checkpoint='always' with graphs=True: forward graphs keep only their inputs, backward graphs
+    recompute; gradients and BatchNorm statistics as the eager checkpointed step's. A partition with
+    dropout cannot replay its draws in a captured recomputation: that pipeline falls back to eager."""
+    torch.manual_seed(0)
+    source = torchvision.models.resnet18(num_classes=10).train()
+    twin = copy.deepcopy(source)
+    gpus = min(torch.cuda.device_count(), 2)
+    parts = gpus * loops
+    seq, seq2 = seqify.convert(source), seqify.convert(twin)
+    n = len(seq)
+    balance = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
+    options = dict(gpus=gpus, loops=loops, balance=balance, chunks=4, checkpoint="always", schedule=schedule)
+    eager = seqify.pipeline(seq, **options)
+    graphed = seqify.pipeline(seq2, **options, graphs=True)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step in range(2):
+        x = torch.randn(16, 3, 64, 64, device="cuda:0")
+        y = torch.randint(0, 10, (16,), device="cuda:0")
+        close(graphed.step(x, y, loss_fn), eager.step(x, y, loss_fn), f"step {step} loss")
+        for (name, p), q in zip(source.named_parameters(), twin.parameters()):
+            close(q.grad, p.grad, f"step {step} grad {name}")
+            p.grad = q.grad = None
+        for (name, p), q in zip(source.named_buffers(), twin.buffers()):
+            close(q.float(), p.float(), f"step {step} buffer {name}")
+    assert graphed.graph_error is None
+    assert all(p.flat.checkpoint is not None and p.graphs is not None for row in graphed._graphed[1].programs for p in row)
+
+    drop = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).cuda()
+    noisy = seqify.pipeline(seqify.convert(drop), gpus=1, balance=[3], chunks=2, checkpoint="always", graphs=True)
+    with pytest.warns(GraphWarning, match="random"):
+        noisy(torch.randn(4, 8, device="cuda:0")).sum().backward()
+    assert not noisy.graphs

@@ -166,3 +166,17 @@ def test_replayed_step_runs_every_schedule_in_its_own_order(schedule: str, parts
         torch.testing.assert_close(pipe(x), torch.cat([source(c) for c in x.tensor_split(pipe.chunks)]))
     pipe(x).sum().backward()
     assert pipe._graphed[1].drains and pipe._graphed[1] is not replay
+
+
+@pytest.mark.parametrize("schedule,parts,loops", [("gpipe", 2, 1), ("1f1b", 3, 1), ("zb-h1", 4, 2)])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_replayed_checkpointed_step_trains_like_one_device(schedule: str, parts: int, loops: int,
+                                                          checkpoint: str) -> None:
+    """Checkpointed programs (what graphs=True captures: the forward keeps only its inputs, the backward
+    recomputes it) train like one device, BatchNorm statistics updated once per micro-batch."""
+    source, pipe = setup(schedule, parts, loops, checkpoint=checkpoint)
+    pipe._replay_eager = True
+    compare(source, pipe, nn.CrossEntropyLoss())
+    key, replay = pipe._graphed
+    checkpointed = [p.flat.checkpoint is not None for p in replay.programs[0]]
+    assert checkpointed == [i < (4 if checkpoint == "always" else 3) for i in range(4)]

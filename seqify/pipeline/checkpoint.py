@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-__all__ = ["is_checkpointing", "is_recomputing", "checkpointed", "norms_of"]
+__all__ = ["is_checkpointing", "is_recomputing", "checkpointed", "norms_of", "draws_random"]
 
 _local = threading.local()
 
@@ -62,11 +62,14 @@ def _scratch_statistics(norms: Sequence[nn.modules.batchnorm._NormBase]) -> Iter
             m._buffers.update(buffers)
 
 
-def checkpointed(fn: Callable[..., Any], *args: Any, norms: Sequence[nn.modules.batchnorm._NormBase] = ()) -> Any:
+def checkpointed(fn: Callable[..., Any], *args: Any, norms: Sequence[nn.modules.batchnorm._NormBase] = (),
+                 preserve_rng: bool = True) -> Any:
     """``fn(*args)``, keeping no activations for backward: they are recomputed when needed.
 
     The recomputation sees the same RNG and autocast state as the forward pass (torch's
     non-reentrant checkpoint) and leaves BatchNorm statistics as the forward pass left them.
+    ``preserve_rng=False`` skips saving the RNG state (for code that draws no random numbers: CUDA-graph
+    capture cannot read the generator's state).
     """
     first = True
 
@@ -79,4 +82,21 @@ def checkpointed(fn: Callable[..., Any], *args: Any, norms: Sequence[nn.modules.
         with _flag("recomputing"), _scratch_statistics(norms):
             return fn(*inner)
 
-    return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+    return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng)
+
+
+_RANDOM = ("dropout", "bernoulli", "rand", "normal", "uniform", "multinomial", "exponential", "geometric", "cauchy",
+           "log_normal", "random_", "poisson")
+
+
+def draws_random(module: nn.Module) -> bool:
+    """Whether running ``module`` in its current mode may draw random numbers (dropout in training, or a
+    converted layer calling a random op): what a recomputation must replay with the same draws."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+            return True
+        for op in getattr(m, "ops", ()):
+            name = str(getattr(op, "target", "")).lower()
+            if any(word in name for word in _RANDOM):
+                return True
+    return False

@@ -70,10 +70,10 @@ class Pipeline(nn.Module):
         super().__init__()
         if checkpoint not in CHECKPOINT:
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
-        if graphs and (checkpoint != "never" or deferred_batch_norm):
+        if graphs and deferred_batch_norm:
             raise BalanceError(
-                "graphs=True replays captured CUDA graphs, which keep every micro-batch's activations and run "
-                "no Python per micro-batch: use it with checkpoint='never' and deferred_batch_norm=False"
+                "graphs=True replays captured CUDA graphs, which run no Python per micro-batch, and deferred "
+                "BatchNorm folds statistics in Python after the last micro-batch: use deferred_batch_norm=False"
             )
         if graphs and any(torch.device(d).type != "cuda" for d in devices):
             raise DeviceError("graphs=True needs every partition on a CUDA device")
@@ -192,7 +192,7 @@ class Pipeline(nn.Module):
             batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
         saved = self._save_statistics() if self._statistics else None
         try:
-            replay = self._replayer.programs(batches, self.training)
+            replay = self._replayer.programs(batches, self.training, stop=self._checkpoint_stop(len(batches)))
             if replay is not None:
                 out = run(replay, [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches])
             else:
@@ -242,7 +242,7 @@ class Pipeline(nn.Module):
         schedule = self.schedule_for(len(batches))
         saved = self._save_statistics() if self._statistics else None
         try:
-            replay = self._replayer.programs(batches, self.training, schedule)
+            replay = self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
             if replay is not None:
                 def loss(out: Any, i: int) -> torch.Tensor:
                     return scalar(loss_fn(unflatten(out), targets[i]) * weights[i])
@@ -511,9 +511,6 @@ def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipel
     if sample is None:
         raise MemoryCapError("memory_cap needs a sample mini-batch to measure activations: pass sample=x (or "
                              "example_inputs=x) shaped like a training batch")
-    if pipe.graphs:
-        raise MemoryCapError("memory_cap may turn on checkpointing, which graphs=True does not run; use graphs=False "
-                             "with memory_cap, or pick checkpoint and schedule yourself with pipe.plan_memory(x)")
     pipe.fit_memory(cap, sample)
     return pipe
 

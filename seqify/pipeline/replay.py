@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext
 from typing import Any
@@ -12,6 +13,7 @@ from torch import nn
 from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
 from ..skip.sizes import size_skips
+from .checkpoint import checkpointed, draws_random, norms_of
 from .microbatch import is_tensors
 from .schedule import Schedule, gpipe
 from .stage import Stage
@@ -31,8 +33,11 @@ class _Flat(nn.Module):
     kept as this micro-batch's constants, ``kept`` for those it stashes and ``given`` for those it pops,
     fixed like everything else in a program built for one input shape."""
 
-    def __init__(self, stage: Stage, carried: int | None, sized: frozenset[SkipKey] = frozenset()) -> None:
+    def __init__(self, stage: Stage, carried: int | None, sized: frozenset[SkipKey] = frozenset(),
+                 checkpoint: Callable[..., Any] | None = None) -> None:
         super().__init__()
+        # checkpoint: runs fresh() keeping no activations (recomputed inside the backward program)
+        self.checkpoint = checkpoint
         self.layers = stage.layers
         object.__setattr__(self, "stage", stage)
         self.carried = carried  # None: one tensor; k: a tuple of k tensors
@@ -47,7 +52,8 @@ class _Flat(nn.Module):
         x: Any = tensors[0] if self.carried is None else tuple(tensors[:k])
         popped = dict(zip([key for key in stage.pops if key not in self.given], tensors[k:]))
         # fresh(): copies of what a layer modifies in place (a program's inputs are leaves autograd guards)
-        y, out = stage.fresh(x, {**popped, **self.given})
+        skips = {**popped, **self.given}
+        y, out = self.checkpoint(stage.fresh, x, skips) if self.checkpoint else stage.fresh(x, skips)
         kept = {key: out[key] for key in stage.stashes if not isinstance(out[key], torch.Tensor)}
         if not is_tensors(y) or any(key not in self.sized for key in kept):
             what = type(y).__name__ if not is_tensors(y) else "a skip that is not a tensor (nor a size)"
@@ -482,7 +488,8 @@ def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None
 
 
 def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
-          graphs: bool, transfer: Transfer, warmup: int = 2, schedule: Schedule | None = None) -> Replay:
+          graphs: bool, transfer: Transfer, warmup: int = 2, schedule: Schedule | None = None,
+          stop: int = 0) -> Replay:
     """Programs for these micro-batches (shapes, dtypes, grad requirements), captured as CUDA graphs
     when ``graphs``. Building runs the step once eagerly on the real inputs (so what flows on is real
     data) and restores every buffer afterwards (running statistics, counters): it leaves no trace.
@@ -490,16 +497,26 @@ def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carr
     With graphs everything here runs on a side stream per device: autograd remembers the stream each
     node ran on, and a captured backward must never reach back to a device's default stream."""
     if not graphs:
-        return _build(stages, batches, carried, None, transfer, warmup, schedule)
+        return _build(stages, batches, carried, None, transfer, warmup, schedule, stop)
     streams = {d: torch.cuda.Stream(d) for d in dict.fromkeys(s.device for s in stages)}
     with ExitStack() as scope:
         for d, stream in streams.items():
             stream.wait_stream(torch.cuda.current_stream(d))
             scope.enter_context(torch.cuda.stream(stream))
-        replay = _build(stages, batches, carried, streams, transfer, warmup, schedule)
+        replay = _build(stages, batches, carried, streams, transfer, warmup, schedule, stop)
     for d, stream in streams.items():
         torch.cuda.current_stream(d).wait_stream(stream)
     return replay
+
+
+def _checkpoint(stage: Stage, j: int, capturing: bool) -> Callable[..., Any]:
+    """How partition ``j``'s checkpointed programs run: recomputed inside their backward program, with
+    BatchNorm statistics updated once. A captured recomputation cannot restore the generator's state,
+    so a partition that draws random numbers (dropout) is not captured checkpointed."""
+    if capturing and draws_random(stage.layers):
+        raise Unreplayable(f"partition {j} draws random numbers (dropout) and is checkpointed: a captured "
+                           "recomputation would draw different ones; use checkpoint='never' with graphs=True")
+    return functools.partial(checkpointed, norms=norms_of(stage.layers), preserve_rng=not capturing)
 
 
 def _check_aliasing(seen: dict[int, tuple[int, int]], values: Sequence[torch.Tensor], partition: int) -> None:
@@ -518,7 +535,7 @@ def _check_aliasing(seen: dict[int, tuple[int, int]], values: Sequence[torch.Ten
 
 def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
            streams: dict[torch.device, torch.cuda.Stream] | None, transfer: Transfer, warmup: int,
-           schedule: Schedule | None = None) -> Replay:
+           schedule: Schedule | None = None, stop: int = 0) -> Replay:
     saved = _buffers([s.layers for s in stages])
     # Where some partition changes what it receives in place, a value must reach it as the one tensor
     # (or view of one tensor) it is in the source; fixed buffers are copies, so such steps run eagerly.
@@ -559,7 +576,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                             # in-place op on a value that needs none saves nothing for backward)
                             made[id(t)] = t.detach().to(device, copy=True).requires_grad_(t.requires_grad)
                 inputs = tuple(made[id(t)] for t in src)
-                flat = _Flat(stage, returns, sized)
+                flat = _Flat(stage, returns, sized, _checkpoint(stage, j, streams is not None) if i < stop else None)
                 flat.given = {key: programs[constant[key]][i].flat.kept[key] for key in stage.pops if key in constant}
                 row.append(Program(flat, inputs, params, acc))
             for key in stage.pops:

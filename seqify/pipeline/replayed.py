@@ -62,17 +62,20 @@ class Replayer:
             tuple(tuple(map(id, v)).index(id(t)) for v in batches if not isinstance(v, torch.Tensor) for t in v),
         )
 
-    def programs(self, batches: list[Any], training: bool, schedule: Schedule | None = None) -> Replay | None:
+    def programs(self, batches: list[Any], training: bool, schedule: Schedule | None = None,
+                 stop: int = 0) -> Replay | None:
         """The step's programs for these micro-batches (built, and captured as CUDA graphs, on first
         use), or None when this forward runs eagerly. ``schedule`` (default fill-drain) is the order the
-        step will issue them in: graphs are captured in that order, so programs are kept per schedule."""
+        step will issue them in: graphs are captured in that order, so programs are kept per schedule.
+        Micro-batches below ``stop`` are checkpointed (recomputed inside their backward programs)."""
         if not self.wanted(training):
             return None
         autocast = torch.is_autocast_enabled("cuda")
         dtype = torch.get_autocast_dtype("cuda") if autocast else None
         schedule = schedule or gpipe(self.placement, len(batches))
+        stop = stop if torch.is_grad_enabled() else 0  # inference keeps no activations to recompute
         key = (self._key(batches, autocast, dtype), torch.is_grad_enabled(), schedule.name, schedule.placement,
-               schedule.microbatches)
+               schedule.microbatches, stop)
         if self.built is None or self.built[0] != key:
             self.built = None  # let the old graphs' memory go first
             carried = None if isinstance(batches[0], torch.Tensor) else len(batches[0])
@@ -81,7 +84,7 @@ class Replayer:
                 if tied.in_use(self.stages):
                     raise Unreplayable("weights tied across partitions are copied per call; the step runs eagerly")
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
-                    replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule)
+                    replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule, stop=stop)
             except SeqifyError:
                 raise
             except Exception as e:

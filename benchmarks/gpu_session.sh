@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device-tool call on nvidia-h200-x2: install seqify without dependencies (the image has torch,
-# torchvision, transformers, networkx), then run the step named by $1. Output goes to $OUT.
+# One device-tool call (nvidia-h200-x2 for the pipeline rows; one-GPU kinds put partitions on one GPU):
+# install seqify without dependencies (the image has torch, torchvision, transformers, networkx), then run
+# the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist). Output goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
@@ -19,6 +20,14 @@ case "${1:-tests}" in
     timeout 240 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests/test_gpu_graphs.py -x --timeout 200 2>&1 | tee "$OUT/gpu-graphs-tests.log" | tail -30
     timeout 330 python3 benchmarks/pipeline_bench.py --batch 128 --precision fp32 --chunks 8 --loops 1 2 \
       --schedule gpipe 1f1b zb-h1 --schedule-graphs both --inference --skip-seqify --steps 4 --warm 2 --out "$OUT" 2>&1 | tee "$OUT/graphs.log" | tail -40
+    ;;
+  resnet-graphs)
+    timeout 560 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 8 16 --loops 1 2 \
+      --schedule gpipe 1f1b zb-h1 --schedule-graphs graphs --inference --skip-seqify --steps 4 --warm 2 --out "$OUT" 2>&1 | tee "$OUT/resnet-graphs.log" | tail -60
+    ;;
+  unet)
+    timeout 280 python3 benchmarks/unet_graphs.py --batch 32 --res 512 --chunks 4 2>&1 | tee "$OUT/unet-graphs.log" | tail -20
+    timeout 280 python3 benchmarks/unet_memory.py 2>&1 | tee "$OUT/unet-memory.log" | tail -20
     ;;
   llama-bf16)
     timeout 540 python3 benchmarks/llama_bench.py --precision bf16 --chunks 4 --steps 3 --warmup 1 --out "$OUT/llama-bf16.json" 2>&1 | tee "$OUT/llama-bf16.log" | tail -30

@@ -1,14 +1,19 @@
-"""This rank's partition on each micro-batch as fixed programs, replayed from CUDA graphs on GPUs."""
+"""This rank's partitions on each micro-batch as fixed programs, replayed from CUDA graphs on GPUs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
-from .pipeline.replay import Program, _buffers, _Flat, _hand_over
+from .dist_schedule import RankRun
+from .pipeline.replay import (Program, Unreplayable, _buffers, _capture, _checkpoint, _Flat, _hand_over,
+                              _partition_order)
+from .pipeline.replayed import GraphWarning
 from .pipeline.stage import Stage
 from .sequential import Sequential
 from .skip.namespace import SkipKey
@@ -16,9 +21,7 @@ from .skip.namespace import SkipKey
 if TYPE_CHECKING:
     from .distributed import DistributedStage
 
-__all__ = ["RankPrograms", "program_step"]
-
-_OUT = -1  # where the last stage keeps the leaves its loss starts from
+__all__ = ["RankPrograms", "ProgramRun", "program_step"]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -26,12 +29,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 class RankPrograms:
-    """One :class:`~seqify.pipeline.replay.Program` per micro-batch of this rank's partition.
+    """One :class:`~seqify.pipeline.replay.Program` per micro-batch of one of this rank's partitions.
 
     The first step with given micro-batch sizes builds them and runs eagerly (autograd inside each
     program); on CUDA the programs are then captured as graphs and later steps only copy received
     values into their fixed inputs, replay, and send the fixed outputs: the sends and receives between
-    ranks stay outside the graphs. On the CPU they keep running eagerly, the same computation."""
+    ranks stay outside the graphs. On the CPU they keep running eagerly, the same computation.
+    Micro-batches below ``stop`` are checkpointed: their forward keeps only its inputs and their
+    backward recomputes it (:func:`~seqify.pipeline.replay._checkpoint`)."""
 
     def __init__(self, runner: Stage, device: torch.device, graphs: bool, warmup: int = 2) -> None:
         self.runner = runner
@@ -41,13 +46,29 @@ class RankPrograms:
         self.params = [p for p in runner.layers.parameters() if p.requires_grad]
         self.acc = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
         self.sizes: list[int] = []
+        self.stop = 0
         self.programs: list[Program | None] = []
         self.captured = False
 
-    def begin(self, sizes: list[int]) -> None:
-        """Start a step of these micro-batch sizes: new shapes build new programs."""
-        if sizes != self.sizes:
-            self.sizes, self.programs, self.captured = list(sizes), [None] * len(sizes), False
+    def begin(self, sizes: list[int], stop: int = 0) -> None:
+        """Start a step of these micro-batch sizes, checkpointing micro-batches below ``stop``: new shapes
+        (or a new ``stop``) build new programs."""
+        if sizes != self.sizes or stop != self.stop:
+            self.sizes, self.stop, self.captured = list(sizes), stop, False
+            self.programs = [None] * len(sizes)
+
+    def _recompute(self, i: int) -> Callable[..., Any] | None:
+        """How micro-batch ``i`` is checkpointed (None: it is not). A partition drawing random numbers
+        cannot be captured checkpointed: its programs then stay eager (with a warning, once)."""
+        if i >= self.stop:
+            return None
+        try:
+            return _checkpoint(self.runner, self.runner.index, self.graphs)
+        except Unreplayable as e:
+            self.graphs = False
+            warnings.warn(f"seqify.distributed(graphs=True): {e}; its programs run eagerly instead", GraphWarning,
+                          stacklevel=2)
+            return _checkpoint(self.runner, self.runner.index, False)
 
     def forward(self, i: int, x: Any, skips: dict[SkipKey, Any], needs_grad: bool) -> tuple[Any, dict[SkipKey, Any]]:
         """Micro-batch ``i`` through the partition: the carried output and the stashed skips (fixed
@@ -58,7 +79,8 @@ class RankPrograms:
             with torch.no_grad():
                 inputs = tuple(t.detach().clone().requires_grad_(needs_grad and t.is_floating_point()) for t in values)
             carried = None if isinstance(x, torch.Tensor) else len(x)
-            p = self.programs[i] = Program(_Flat(self.runner, carried), inputs, self.params, self.acc)
+            flat = _Flat(self.runner, carried, checkpoint=self._recompute(i))
+            p = self.programs[i] = Program(flat, inputs, self.params, self.acc)
         else:
             with torch.no_grad():
                 for buf, v in zip(p.inputs, values):
@@ -83,9 +105,10 @@ class RankPrograms:
         p.backward()
         return list(p.in_grads)
 
-    def finish(self, training: bool, order: list[tuple[str, int]]) -> None:
+    def finish(self, training: bool, order: Sequence[tuple[str, int]]) -> None:
         """End of a step: hand the summed gradients to ``.grad`` as autograd would, then capture the
-        programs as CUDA graphs after the step that built them."""
+        programs as CUDA graphs after the step that built them, in ``order`` (this partition's ('F' |
+        'B', micro-batch) as the schedule issues them)."""
         programs = [p for p in self.programs if p is not None]
         if training and programs:
             touched = [any(p.touched[k] for p in programs) for k in range(len(self.params))]
@@ -94,41 +117,18 @@ class RankPrograms:
             _hand_over(params, acc)
             if self.acc:
                 torch._foreach_zero_(self.acc)
-        if self.graphs and training and not self.captured and len(programs) == len(self.programs):
-            self._capture(order)
+        if self.graphs and training and not self.captured and programs and len(programs) == len(self.programs):
+            self._capture(programs, order)
 
-    def _capture(self, order: list[tuple[str, int]]) -> None:
-        """Capture every program on a side stream (a captured backward must not reach back to the default
-        stream), in one memory pool and in the order the schedule runs them, so memory a captured step
-        frees is reused only by steps that run after it."""
+    def _capture(self, programs: list[Program], order: Sequence[tuple[str, int]]) -> None:
+        """The in-process capture (:func:`~seqify.pipeline.replay._capture`: one memory pool, in the order
+        the schedule runs the programs) on a side stream (a captured backward must not reach back to the
+        default stream), leaving running statistics and gradient sums as they were."""
         saved = _buffers([self.runner.layers])  # warm-up runs the partition: leave running statistics alone
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        programs = [p for p in self.programs if p is not None]
         try:
-            pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                for p in programs:  # cuDNN/cuBLAS choose kernels and workspaces outside capture
-                    for _ in range(self.warmup):
-                        p._outputs()
-                        p._grads()
-                    p.outputs, p.in_grads = (), [None] * len(p.inputs)
-                if self.acc:
-                    torch._foreach_zero_(self.acc)
-                forwards: dict[int, torch.cuda.CUDAGraph] = {}
-                for kind, i in order:
-                    p = programs[i]
-                    if kind == "F":
-                        forwards[i] = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(forwards[i], pool=pool, stream=stream):
-                            p._outputs()
-                    else:
-                        backward = None
-                        if any(g is not None for g in p.out_grads):
-                            backward = torch.cuda.CUDAGraph()
-                            with torch.cuda.graph(backward, pool=pool, stream=stream):
-                                p._grads()
-                        p.graphs = (forwards[i], backward)
+            _capture(programs, self.device, self.warmup, stream, order)
         finally:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             with torch.no_grad():
@@ -139,76 +139,93 @@ class RankPrograms:
         self.captured = True
 
 
-def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any], sizes: list[int],
-                 loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[torch.Tensor]:
-    """One training step of a one-partition-per-rank ``stage`` as fixed programs, in its schedule's order
-    (a split schedule's W runs inside its B: a program's backward is one piece); the micro-batch losses
-    on the last stage."""
-    prog = stage._programs
-    assert prog is not None
-    p, last, batch = stage.index, stage.partitions - 1, sum(sizes)
-    routes = stage.routes
-    prog.begin(sizes)
-    saved: dict[int, tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], Any, dict[int, list[torch.Tensor]]]] = {}
-    losses: list[torch.Tensor] = []
-    order = stage.order(len(sizes))
+@dataclass
+class _Fixed:
+    """One (partition, micro-batch) between its forward and backward program."""
 
-    def forward(i: int) -> None:
-        x_in: list[torch.Tensor] = []
-        x = micro[i] if p == 0 else link.recv((ACTIVATION, p - 1, i), stage.rank_of(p - 1))
-        x_in = leaves(x) if p > 0 else []
-        skips_in: dict[Any, Any] = {}
-        received: dict[int, list[torch.Tensor]] = {}
-        for r in routes:
+    x: list[torch.Tensor] = field(default_factory=list)  # the carried input as received
+    popped: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> the popped skip as received
+    y: Any = None  # the carried output (fixed tensors), or the micro-batch's weighted loss on the last partition
+    out: list[torch.Tensor] = field(default_factory=list)  # last partition: the leaves the loss starts from
+    stashed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> the stashed skip's tensors
+
+
+class ProgramRun(RankRun):
+    """A training step of ``stage``'s partitions as their fixed programs, in the rank's schedule order
+    (the same actions :class:`~seqify.dist_schedule.RankRun` runs eagerly). Values between partitions of
+    this rank are handed over directly (copied into the reader's program inputs), values across ranks
+    cross the :class:`~seqify.dist_link.Link`. A split schedule's W is part of its B: a program's
+    backward computes input and weight gradients at once."""
+
+    def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any],
+                 sizes: list[int], loss_fn: Callable[[Any, Any], torch.Tensor] | None, stop: int) -> None:
+        super().__init__(stage, link, micro, targets, sizes, loss_fn, stop, False)
+        self.fixed: dict[tuple[int, int], _Fixed] = {}
+
+    def forward(self, p: int, i: int) -> None:
+        s, w = self.s, _Fixed()
+        x = self.micro[i] if p == 0 else self._get((ACTIVATION, p - 1, i), p - 1)
+        w.x = leaves(x) if p > 0 else []
+        skips: dict[Any, Any] = {}
+        for r in s.routes:
             if r.dst == p:
-                value = link.recv((SKIP, r.index, i), stage.rank_of(r.src))
-                skips_in[stage.skip_key(r)], received[r.index] = value, leaves(value)
-        y, skips_out = prog.forward(i, x, skips_in, needs_grad=p > 0)
-        sent: dict[int, list[torch.Tensor]] = {}
-        if p < last:
-            link.send((ACTIVATION, p, i), y, stage.rank_of(p + 1))
-        for r in routes:
+                skips[s.skip_key(r)] = self._get((SKIP, r.index, i), r.src)
+                w.popped[r.index] = leaves(skips[s.skip_key(r)])
+        y, stashed = s._programs[p].forward(i, x, skips, needs_grad=p > 0)
+        if p < self.last:
+            self._put((ACTIVATION, p, i), y, p + 1)
+        for r in s.routes:
             if r.src == p:
-                value = skips_out[stage.skip_key(r)]
-                link.send((SKIP, r.index, i), value, stage.rank_of(r.dst))
-                sent[r.index] = leaves(value)
-        if p == last:  # the loss on leaves: a program's outputs carry no autograd history
-            sent[_OUT] = [t.detach().requires_grad_(t.is_floating_point()) for t in leaves(y)]
-            y = sent[_OUT][0] if isinstance(y, torch.Tensor) else tuple(sent[_OUT])
-            out = stage.model.unflatten_outputs(y) if isinstance(stage.model, Sequential) else y
-            y = loss_fn(out, targets[i]) * (sizes[i] / batch)  # the mini-batch mean, piece by piece
-            losses.append(y.detach())
-        saved[i] = (x_in, received, y, sent)
+                value = stashed[s.skip_key(r)]
+                self._put((SKIP, r.index, i), value, r.dst)
+                w.stashed[r.index] = leaves(value)
+        if p == self.last:  # the loss on leaves: a program's outputs carry no autograd history
+            assert self.loss_fn is not None
+            w.out = [t.detach().requires_grad_(t.is_floating_point()) for t in leaves(y)]
+            y = w.out[0] if isinstance(y, torch.Tensor) else tuple(w.out)
+            out = s.model.unflatten_outputs(y) if isinstance(s.model, Sequential) else y
+            y = self.loss_fn(out, self.targets[i]) * (self.sizes[i] / self.batch)  # the mean, piece by piece
+            self.losses.append(y.detach())
+        w.y = y
+        self.fixed[(p, i)] = w
 
-    def backward(i: int) -> None:
-        x_in, received, y, sent = saved.pop(i)
-        if p == last:
-            y.backward()
-            grads: list[torch.Tensor | None] = [t.grad for t in sent.pop(_OUT)]
+    def backward(self, p: int, i: int) -> None:
+        s, w = self.s, self.fixed.pop((p, i))
+        if p == self.last:
+            w.y.backward()
+            grads: list[torch.Tensor | None] = [t.grad for t in w.out]
         else:
-            ys = leaves(y)
-            grads = grads_for(ys, link.recv((GRAD, p, i), stage.rank_of(p + 1)))
-        for r in routes:
+            grads = grads_for(leaves(w.y), self._get((GRAD, p, i), p + 1))
+        for r in s.routes:
             if r.src == p:
-                grads += grads_for(sent[r.index], link.recv((SKIP_GRAD, r.index, i), stage.rank_of(r.dst)))
-        in_grads = prog.backward(i, grads)
+                grads += grads_for(w.stashed[r.index], self._get((SKIP_GRAD, r.index, i), r.dst))
+        in_grads = s._programs[p].backward(i, grads)
         if p > 0:
-            link.send((GRAD, p - 1, i), like_grads(x_in, in_grads[:len(x_in)]), stage.rank_of(p - 1))
-        at = len(x_in)
-        for r in routes:
+            self._put((GRAD, p - 1, i), like_grads(w.x, in_grads[:len(w.x)]), p - 1)
+        at = len(w.x)
+        for r in s.routes:
             if r.dst == p:
-                n = len(received[r.index])
-                link.send((SKIP_GRAD, r.index, i), like_grads(received[r.index], in_grads[at:at + n]),
-                          stage.rank_of(r.src))
+                n = len(w.popped[r.index])
+                self._put((SKIP_GRAD, r.index, i), like_grads(w.popped[r.index], in_grads[at:at + n]), r.src)
                 at += n
 
+    def weights(self, p: int, i: int) -> None:
+        """Nothing: the backward program of (p, i) already added its weights' gradients."""
+
+
+def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any], sizes: list[int],
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, stop: int = 0) -> list[torch.Tensor]:
+    """One training step of ``stage``'s partitions as fixed programs, in its schedule's order, checkpointing
+    micro-batches below ``stop``; the micro-batch losses on the rank holding the last partition."""
+    plan = stage.plan(len(sizes))
+    for prog in stage._programs.values():
+        prog.begin(sizes, stop)
+    run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop)
     try:
-        for kind, i in order:
-            if kind == "F":
-                forward(i)
-            else:
-                backward(i)
-        prog.finish(True, order)
+        run.run(plan.per_device()[stage.index])
+        for p, prog in stage._programs.items():
+            prog.finish(True, _partition_order(plan, p))
     finally:
-        saved.clear()
-    return losses
+        run.fixed.clear()
+        run.local.clear()
+    return run.losses

@@ -104,8 +104,6 @@ class DistributedStage(nn.Module):
         loops: int = 1,
     ) -> None:
         super().__init__()
-        if graphs and checkpoint != "never":
-            raise BalanceError(f"graphs=True with checkpoint={checkpoint!r}: captured graphs need checkpoint='never'")
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
             raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
                                 "seqify.pipeline.schedule.Schedule")
@@ -174,11 +172,10 @@ class DistributedStage(nn.Module):
         self._dp_group: Any = None
         self._plans: dict[int, Schedule] = {}  # per micro-batch count: built once
         self.graphs = graphs
-        if graphs and len(self.owned) > 1:
-            raise BalanceError(f"graphs=True with {len(self.owned)} partitions per rank: fixed programs run one "
-                               "partition per rank; use loops=1 or graphs=False")
         self.runner = self.runners[self.owned[0]]
-        self._programs = RankPrograms(self.runner, device, graphs) if graphs else None
+        # graphs=True: each partition's micro-batches as fixed programs (dist_replay), one set per partition
+        self._programs: dict[int, RankPrograms] = (
+            {p: RankPrograms(r, device, graphs) for p, r in self.runners.items()} if graphs else {})
 
     @property
     def is_first(self) -> bool:
@@ -265,8 +262,8 @@ class DistributedStage(nn.Module):
         return self.plan(m).per_device()[self.index]
 
     def order(self, m: int) -> list[tuple[str, int]]:
-        """This rank's ('F', i) forwards and ('B', i) backwards (one partition per rank; a split
-        schedule's W is left out: fixed programs, ``graphs=True``, run it inside B)."""
+        """This rank's ('F', i) forwards and ('B', i) backwards, of all its partitions (a split schedule's
+        W is left out: fixed programs, ``graphs=True``, run it inside B)."""
         return [(a.kind, a.microbatch) for a in self.actions(m) if a.kind != "W"]
 
     def step(
@@ -287,11 +284,10 @@ class DistributedStage(nn.Module):
         grad = torch.is_grad_enabled()
         if not grad:
             return self._forward_only(micro, sizes, link, targets, loss_fn)
-        if self._programs is not None:
-            assert loss_fn is not None or not self.is_last
-            losses = program_step(self, link, micro, targets, sizes, loss_fn)  # type: ignore[arg-type]
+        stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        if self._programs:
+            losses = program_step(self, link, micro, targets, sizes, loss_fn, stop)
         else:
-            stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
             plan = self.plan(m)
             run = RankRun(self, link, micro, targets, sizes, loss_fn, stop, plan.split)
             run.run(plan.per_device()[self.index])
@@ -359,9 +355,10 @@ def stage(
     every partition (``ranks * loops`` entries), or a strategy name ('params', 'flops', 'time',
     'memory') splits the model into ``world_size * loops`` partitions. Rank 0 decides the balance and
     broadcasts it, so every rank agrees. Every rank must build the same model (seed it).
-    ``graphs=True`` (one partition per rank) runs each micro-batch's forward and backward as fixed
-    programs, captured as CUDA graphs after the first step (eager programs on the CPU); the sends and
-    receives stay between them.
+    ``graphs=True`` runs each partition's forward and backward of each micro-batch as fixed programs,
+    captured as CUDA graphs after the first step in the order the schedule issues them (eager programs
+    on the CPU); the sends and receives stay between them, and checkpointed micro-batches recompute
+    inside their backward programs.
     """
     if not dist.is_initialized():
         init()

@@ -175,14 +175,16 @@ def train(args: argparse.Namespace, model: nn.Module, stage: sd.DistributedStage
 
 
 def spawned(rank: int, world: int, port: int, out: str, name: str, balance: list[int], schedule: Any, loops: int,
-            chunks: int, batch: int, checkpoint: str, ckpt: str, fail_rank: int = -1) -> None:
+            chunks: int, batch: int, checkpoint: str, ckpt: str, fail_rank: int = -1, graphs: bool = False) -> None:
     """One rank started by ``torch.multiprocessing.spawn``: two SGD steps of ``name`` on its replica's shard,
     saving each step's loss and gradients (source names) to ``out/rank{rank}.pt``; with ``ckpt``, saves a
     checkpoint after the first step and loads it into a freshly built stage, whose parameters it reports.
-    ``fail_rank`` dies (``os._exit``) in its first step's loss; the others write the error they raise."""
+    ``fail_rank`` dies (``os._exit``) in its first step's loss; the others write the error they raise.
+    ``graphs`` trains through fixed programs per micro-batch (eager on the CPU)."""
     torch.set_num_threads(1)
     try:
-        _spawned(rank, world, port, out, name, balance, schedule, loops, chunks, batch, checkpoint, ckpt, fail_rank)
+        _spawned(rank, world, port, out, name, balance, schedule, loops, chunks, batch, checkpoint, ckpt, fail_rank,
+                 graphs)
     except seqify.SeqifyError as e:
         with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
             f.write(f"{type(e).__name__}: {e}")
@@ -190,13 +192,13 @@ def spawned(rank: int, world: int, port: int, out: str, name: str, balance: list
 
 
 def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: list[int], schedule: Any, loops: int,
-             chunks: int, batch: int, checkpoint: str, ckpt: str, fail_rank: int) -> None:
+             chunks: int, batch: int, checkpoint: str, ckpt: str, fail_rank: int, graphs: bool) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=60))
     try:
         model = build(name).train()
         stage = sd.stage(seqify.convert(model), balance=balance, chunks=chunks, checkpoint=checkpoint,
-                         schedule=schedule, loops=loops)
+                         schedule=schedule, loops=loops, graphs=graphs)
         names = {id(p): n for n, p in model.named_parameters()}
         opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
         sent: list[tuple[tuple[int, int, int], int]] = []  # (key, destination) of every message this rank sends
@@ -227,6 +229,9 @@ def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: lis
             opt.step()
             if step == 0 and ckpt:
                 sd.save(stage, ckpt, opt, extra=1)
+        # graphs=True: per partition, which of its micro-batch programs recompute (are checkpointed)
+        record["programs"] = {p: [q is not None and q.flat.checkpoint is not None for q in r.programs]
+                              for p, r in stage._programs.items()}
         with torch.no_grad():
             x, _ = data(name, batch, 0)
             record["output"] = stage(x[shard]) if stage.is_first else stage()

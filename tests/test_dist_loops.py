@@ -179,3 +179,24 @@ def test_a_dying_rank_ends_its_peer_with_a_peer_error(tmp_path: Path) -> None:
     error = (tmp_path / "error1.txt").read_text()
     assert error.startswith("PeerError: rank 1") and "lost rank 0" in error
     assert took < 60
+
+
+@pytest.mark.parametrize(("schedule", "checkpoint", "owned"), [
+    ("interleaved", "never", [[0, 2], [1, 3]]),
+    ("zb-h1", "never", [[0, 3], [1, 2]]),  # W runs inside each program's backward
+    ("interleaved", "always", [[0, 2], [1, 3]]),
+    ("zb-h1", "except_last", [[0, 3], [1, 2]]),
+])
+def test_fixed_programs_with_two_partitions_per_rank_equal_one_process(tmp_path: Path, schedule: str,
+                                                                       checkpoint: str, owned: list[list[int]]) -> None:
+    # graphs=True on the CPU: each (partition, micro-batch) a fixed program (eager here, CUDA graphs on
+    # GPUs) driven by the rank's schedule actions; a checkpointed program's backward recomputes its forward
+    tmp = tmp_path
+    mp.spawn(worker.spawned, args=(2, free_port(), str(tmp), "skippy", BALANCE, schedule, 2, 4, 8, checkpoint, "",
+                                   -1, True), nprocs=2, join=True)
+    results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["owned"] for r in results] == owned
+    stop = {"always": 4, "except_last": 3, "never": 0}[checkpoint]
+    for r in results:  # every partition of the rank ran as programs, checkpointed below stop
+        assert r["programs"] == {p: [i < stop for i in range(4)] for p in r["owned"]}
+    check(results, reference())

@@ -146,22 +146,32 @@ def test_placements_seqify_distributed_cannot_run_say_what_to_use(schedule: str,
         sd.DistributedStage(seq, balance, index=0, device=torch.device("cpu"), schedule=schedule, loops=loops)
 
 
-def test_fixed_programs_with_several_partitions_per_rank_are_refused() -> None:
+def test_fixed_programs_hold_one_set_of_programs_per_partition_of_the_rank() -> None:
     seq = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
-    with pytest.raises(seqify.BalanceError, match="loops=1 or graphs=False"):
-        sd.DistributedStage(seq, [1] * 4, index=0, device=torch.device("cpu"), schedule="interleaved", loops=2,
-                            graphs=True)
+    s = sd.DistributedStage(seq, [1] * 4, index=0, device=torch.device("cpu"), schedule="interleaved", loops=2,
+                            graphs=True, checkpoint="always")
+    assert sorted(s._programs) == s.owned == [0, 2]
+    assert [s._programs[p].runner is s.runners[p] for p in s.owned] == [True, True]
+
+
+def test_a_checkpointed_partition_drawing_random_numbers_is_not_captured() -> None:
+    # a captured recomputation cannot replay dropout's draws: that partition's programs stay eager (warned)
+    from seqify.dist_replay import RankPrograms
+    from seqify.pipeline.replayed import GraphWarning
+
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5), nn.Linear(2, 2), nn.Linear(2, 2))
+    s = sd.DistributedStage(seq, [2, 2], index=0, device=torch.device("cpu"), graphs=True, checkpoint="always")
+    programs = RankPrograms(s.runners[0], torch.device("cpu"), True)
+    programs.graphs = True  # as on CUDA
+    programs.begin([1, 1], stop=1)
+    with pytest.warns(GraphWarning, match="draws random numbers"):
+        assert programs._recompute(0) is not None
+    assert not programs.graphs and programs._recompute(1) is None
 
 
 def test_unknown_schedule_names_the_choices() -> None:
     with pytest.raises(ScheduleError, match="zb-h1"):
         stages("pipedream")
-
-
-def test_graphs_with_checkpointing_is_refused() -> None:
-    seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    with pytest.raises(seqify.BalanceError, match="checkpoint='never'"):
-        sd.DistributedStage(seq, [1, 1], index=0, device=torch.device("cpu"), graphs=True, checkpoint="always")
 
 
 def test_a_message_left_unread_at_the_end_of_a_step_says_the_ranks_disagree() -> None:

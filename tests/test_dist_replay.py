@@ -1,0 +1,81 @@
+"""seqify.distributed's fixed programs (graphs=True) in one process: one rank holding every partition, values
+handed over between its partitions directly; per-partition capture order; equal to the source's training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import dist_worker as worker
+import seqify
+import seqify.distributed as sd
+from seqify.dist_replay import RankPrograms
+from seqify.pipeline.replay import _partition_order
+
+BALANCE = [3, 3, 4, 4]  # Skippy's 14 layers, every skip between two partitions
+
+
+def one_rank(schedule: str, checkpoint: str, graphs: bool) -> tuple[torch.nn.Module, sd.DistributedStage]:
+    model = worker.build("skippy").train()
+    stage = sd.DistributedStage(seqify.convert(model), BALANCE, index=0, device=torch.device("cpu"), chunks=4,
+                                schedule=schedule, loops=4, checkpoint=checkpoint, graphs=graphs)
+    return model, stage
+
+
+def train(model: torch.nn.Module, stage: sd.DistributedStage | None,
+          steps: int = 2) -> list[tuple[float, dict[str, Any]]]:
+    """SGD steps of the stage (or, without one, of the source on the same micro-batches): loss and gradients."""
+    params = stage.parameters() if stage is not None else model.parameters()
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    history = []
+    for step in range(steps):
+        x, y = worker.data("skippy", 8, step)
+        opt.zero_grad()
+        if stage is not None:
+            loss = stage.step(x, y, loss_fn=worker.loss_fn("skippy"))
+        else:
+            loss = sum(worker.loss_fn("skippy")(model(a), b) * (len(a) / len(x))
+                       for a, b in zip(x.tensor_split(4), y.tensor_split(4)))
+            loss.backward()
+        history.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+    return history
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "gpipe"])
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+def test_one_rank_of_four_partitions_as_programs_trains_like_the_source(schedule: str, checkpoint: str) -> None:
+    model, stage = one_rank(schedule, checkpoint, graphs=True)
+    got = train(model, stage, steps=3)  # the first step builds the programs, the others copy into them
+    want = train(worker.build("skippy").train(), None, steps=3)
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, want):
+        assert loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+        assert set(grads) == set(ref_grads)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+    stop = {"always": 4, "except_last": 3, "never": 0}[checkpoint]
+    for prog in stage._programs.values():
+        assert [p is not None and p.flat.checkpoint is not None for p in prog.programs] == [i < stop for i in range(4)]
+
+
+def test_programs_are_captured_once_per_partition_in_the_order_the_schedule_issues_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # graph pools reuse memory in capture order: each partition's programs must be captured as the rank's
+    # schedule runs them (CUDA is not here: record what would be captured instead)
+    captured: list[tuple[int, list[tuple[str, int]], int]] = []
+
+    def record(self: RankPrograms, programs: list[Any], order: list[tuple[str, int]]) -> None:
+        captured.append((self.runner.index, list(order), len(programs)))
+        self.captured = True
+
+    monkeypatch.setattr(RankPrograms, "_capture", record)
+    model, stage = one_rank("interleaved", "always", graphs=True)
+    for prog in stage._programs.values():
+        prog.graphs = True  # as on CUDA
+    train(model, stage)
+    plan = stage.plan(4)
+    assert captured == [(p, _partition_order(plan, p), 4) for p in range(4)]
+    # the schedule's own interleaving of forwards and backwards, not every forward then every backward
+    assert captured[0][1] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]

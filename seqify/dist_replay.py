@@ -11,6 +11,7 @@ import torch
 
 from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
 from .dist_schedule import RankRun
+from .errors import GraphError
 from .pipeline.replay import (Program, Unreplayable, _buffers, _capture, _checkpoint, _Flat, _hand_over,
                               _partition_order)
 from .pipeline.replayed import GraphWarning
@@ -85,7 +86,11 @@ class RankPrograms:
             with torch.no_grad():
                 for buf, v in zip(p.inputs, values):
                     buf.copy_(v)
-        p.forward()
+        try:
+            p.forward()
+        except Unreplayable as e:
+            raise GraphError(f"{e}: seqify.distributed(graphs=True) runs each partition as fixed programs on "
+                             "tensors; move the cut so only tensors leave a partition, or use graphs=False") from e
         k = 1 if p.flat.returns is None else p.flat.returns
         y = p.outputs[0] if p.flat.returns is None else tuple(p.outputs[:k])
         return y, dict(zip(self.runner.stashes, p.outputs[k:]))

@@ -110,7 +110,7 @@ class StageError(SeqifyError):
 
 class GraphError(SeqifyError):
     """A pipeline step replayed from captured CUDA graphs was used out of order (the backward of an
-    older forward)."""
+    older forward), or a distributed partition cannot run as fixed programs (it returns non-tensors)."""
 
 
 class MetaDeviceError(SeqifyError):

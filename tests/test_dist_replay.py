@@ -79,3 +79,17 @@ def test_programs_are_captured_once_per_partition_in_the_order_the_schedule_issu
     assert captured == [(p, _partition_order(plan, p), 4) for p in range(4)]
     # the schedule's own interleaving of forwards and backwards, not every forward then every backward
     assert captured[0][1] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+
+
+class _Sizes(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return x, x.size(0)
+
+
+def test_a_partition_returning_a_python_value_says_to_use_graphs_false() -> None:
+    stage = sd.DistributedStage(torch.nn.Sequential(_Sizes(), torch.nn.Identity()), [1, 1], index=0,
+                                device=torch.device("cpu"), graphs=True, loops=2, schedule="interleaved")
+    programs = stage._programs[0]
+    programs.begin([2])
+    with pytest.raises(seqify.GraphError, match="graphs=False"):
+        programs.forward(0, torch.zeros(2, 3), {}, needs_grad=False)

@@ -93,3 +93,27 @@ def test_a_partition_returning_a_python_value_says_to_use_graphs_false() -> None
     programs.begin([2])
     with pytest.raises(seqify.GraphError, match="graphs=False"):
         programs.forward(0, torch.zeros(2, 3), {}, needs_grad=False)
+
+
+def test_checkpointed_programs_update_batch_norm_statistics_once() -> None:
+    # a checkpointed program's backward recomputes its forward: the running statistics must still move
+    # once per micro-batch, as in the source run over the same micro-batches
+    def net() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(),
+                                   torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2)).double()
+
+    source, piped = net(), net()
+    stage = sd.DistributedStage(piped, [2, 2, 2], index=0, device=torch.device("cpu"), chunks=2, graphs=True,
+                                loops=3, schedule="interleaved", checkpoint="always")
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        loss = stage.step(x, y, loss_fn=torch.nn.functional.cross_entropy)
+        ref = sum(torch.nn.functional.cross_entropy(source(a), b) * 0.5 for a, b in zip(x.chunk(2), y.chunk(2)))
+        ref.backward()
+        assert loss is not None and float(loss) == pytest.approx(float(ref.detach()), rel=1e-12)
+    for (n, b), want in zip(piped.named_buffers(), source.buffers()):
+        torch.testing.assert_close(b, want, rtol=1e-12, atol=1e-14, msg=n)
+    for (n, p), want in zip(piped.named_parameters(), source.parameters()):
+        torch.testing.assert_close(p.grad, want.grad, rtol=1e-10, atol=1e-12, msg=n)

@@ -161,11 +161,12 @@ def test_replicas_of_a_pipeline_with_two_partitions_per_rank(tmp_path: Path) -> 
     check(results, reference(replicas=2), replicas=2)
 
 
-def test_a_dying_rank_ends_its_peer_with_a_peer_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_dying_rank_ends_its_peer_with_a_peer_error(tmp_path: Path, graphs: bool) -> None:
     # rank 0 holds the V's last partition and dies computing the loss; rank 1, waiting for its
-    # gradients, must raise PeerError rather than hang
+    # gradients, must raise PeerError rather than hang (also when it runs fixed programs)
     port = free_port()
-    args = (2, port, str(tmp_path), "skippy", BALANCE, "zb-h1", 2, 4, 8, "never", "", 0)
+    args = (2, port, str(tmp_path), "skippy", BALANCE, "zb-h1", 2, 4, 8, "never", "", 0, graphs)
     start = time.monotonic()
     ctx = mp.start_processes(worker.spawned, args=args, nprocs=2, join=False, start_method="spawn")
     for p in ctx.processes:

@@ -125,3 +125,35 @@ def test_checkpointed_graphs_recompute_inside_the_captured_backward(schedule: st
     with pytest.warns(GraphWarning, match="random"):
         noisy(torch.randn(4, 8, device="cuda:0")).sum().backward()
     assert not noisy.graphs
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_distributed_rank_of_four_partitions_captures_and_trains_like_the_source(checkpoint: str) -> None:
+    """seqify.distributed's fixed programs on a GPU: one rank holding four partitions (interleaved), values
+    handed over between them directly, each partition captured in its schedule order (checkpointed ones
+    recompute inside their captured backward); three SGD steps agree with the source on the same GPU."""
+    import dist_worker as worker
+    import seqify.distributed as sd
+
+    device = torch.device("cuda:0")
+    torch.manual_seed(0)
+    model = worker.build("skippy").train().to(device)
+    reference = copy.deepcopy(model)
+    stage = sd.DistributedStage(seqify.convert(model), [3, 3, 4, 4], index=0, device=device, chunks=4,
+                                schedule="interleaved", loops=4, checkpoint=checkpoint, graphs=True)
+    loss_fn = worker.loss_fn("skippy")
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = (t.to(device) for t in worker.data("skippy", 8, step))
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        loss = stage.step(x, y, loss_fn=loss_fn)
+        want = sum(loss_fn(reference(a), b) * (len(a) / len(x)) for a, b in zip(x.tensor_split(4), y.tensor_split(4)))
+        want.backward()
+        close(loss.detach(), want.detach(), f"step {step} loss")
+        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+            close(q.grad, p.grad, f"step {step} grad {name}")
+        opt.step()
+        opt_ref.step()
+    assert all(prog.captured and all(p.graphs is not None for p in prog.programs) for prog in stage._programs.values())

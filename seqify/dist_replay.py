@@ -128,7 +128,7 @@ class RankPrograms:
                             backward = torch.cuda.CUDAGraph()
                             with torch.cuda.graph(backward, pool=pool, stream=stream):
                                 p._grads()
-                        p.graphs = (forwards[i], backward)
+                        p.graphs = (forwards[i], backward, None)
         finally:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             with torch.no_grad():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -180,3 +181,88 @@ def test_replayed_checkpointed_step_trains_like_one_device(schedule: str, parts:
     key, replay = pipe._graphed
     checkpointed = [p.flat.checkpoint is not None for p in replay.programs[0]]
     assert checkpointed == [i < (4 if checkpoint == "always" else 3) for i in range(4)]
+
+
+def spy_split(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, bool, bool, bool, bool]]:
+    """Record each B and W a replayed step runs eagerly: (kind, program, whether the program's input
+    gradients exist afterwards, whether its accumulators changed, whether W started from B's boundary,
+    whether the program keeps a graph for W afterwards)."""
+    from seqify.pipeline import replay as rp
+
+    seen: list[tuple[str, Any, bool, bool, bool, bool]] = []
+    boundary: list[bool] = []
+    real_values = rp.weight_values
+
+    def values(outs: Any, grads: Any, params: Any, groups: Any, **how: Any) -> Any:
+        boundary.append(groups is not None)
+        return real_values(outs, grads, params, groups, **how)
+
+    def spy(kind: str, real: Any) -> Any:
+        def run(self: Any) -> None:
+            before = [a.clone() for a in self.acc]
+            boundary.clear()
+            real(self)
+            wanted = [k for k, t in enumerate(self.inputs) if t.requires_grad]
+            has = bool(wanted) and all(self.in_grads[k] is not None for k in wanted)
+            changed = any(not torch.equal(a, b) for a, b in zip(self.acc, before))
+            seen.append((kind, self, has, changed, boundary == [True], self.kept is not None))
+        return run
+
+    monkeypatch.setattr(rp, "weight_values", values)
+    monkeypatch.setattr(rp.Program, "_grads_input", spy("B", rp.Program._grads_input))
+    monkeypatch.setattr(rp.Program, "_grads_weight", spy("W", rp.Program._grads_weight))
+    monkeypatch.setattr(rp.Program, "_grads", spy("BW", rp.Program._grads))
+    return seen
+
+
+@pytest.mark.parametrize("parts,loops", [(2, 1), (3, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_replayed_zero_bubble_runs_b_and_w_apart(monkeypatch: pytest.MonkeyPatch, parts: int, loops: int,
+                                                 checkpoint: str) -> None:
+    """Replayed zb-h1: B computes a program's input gradients and leaves its weight gradients for W,
+    which adds them into the partition's accumulators (not .grad) from what B kept at its boundary;
+    they run as the schedule's own B and W actions, and the step still trains like one device."""
+    source, pipe = setup("zb-h1", parts, loops, checkpoint=checkpoint)
+    pipe._replay_eager = True
+    compare(source, pipe, nn.CrossEntropyLoss())  # builds and trains like one device, split
+    seen = spy_split(monkeypatch)
+    x, y = data()
+    pipe.step(x, y, nn.CrossEntropyLoss())
+    replay = pipe._graphed[1]
+    where = {id(p): (j, i) for j, row in enumerate(replay.programs) for i, p in enumerate(row)}
+    ran = [(kind, *where[id(p)]) for kind, p, *_ in seen]
+    want = [(a.kind, a.partition, a.microbatch) for a in replay.schedule.actions if a.kind != "F"]
+    assert replay.schedule.split and ran == want  # no unsplit backward ("BW") anywhere
+    for kind, p, has, changed, from_boundary, kept in seen:
+        j, i = where[id(p)]
+        if kind == "B":
+            assert not changed, f"B of partition {j} micro-batch {i} wrote weight gradients"
+            assert has == (j > 0), f"B of partition {j} micro-batch {i}: input gradients {has}"
+            assert kept  # the graph and boundary, for W
+        else:
+            assert changed, f"W of partition {j} micro-batch {i} added no weight gradient"
+            assert from_boundary == (j > 0)  # partition 0's inputs need no gradient: its W is its backward
+            assert not kept  # released
+
+
+def test_replayed_zero_bubble_recomputes_a_checkpointed_program_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpointed and split: B recomputes the forward and W walks that same graph (torch's checkpoint
+    would recompute again for W's separate backward pass), one recomputation per program."""
+    from seqify.pipeline import checkpoint as ck
+
+    source, pipe = setup("zb-h1", 4, 2, checkpoint="always")
+    pipe._replay_eager = True
+    compare(source, pipe, nn.CrossEntropyLoss())
+    x, y = data()
+    real = ck._scratch_statistics
+    count = [0]
+
+    def counted(norms: Any) -> Any:
+        count[0] += 1
+        return real(norms)
+
+    monkeypatch.setattr(ck, "_scratch_statistics", counted)
+    pipe.step(x, y, nn.CrossEntropyLoss())
+    replay = pipe._graphed[1]
+    assert all(p.flat.checkpoint is not None for row in replay.programs for p in row)
+    assert count[0] == sum(len(row) for row in replay.programs)

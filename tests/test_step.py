@@ -266,3 +266,78 @@ def test_replayed_zero_bubble_recomputes_a_checkpointed_program_once(monkeypatch
     replay = pipe._graphed[1]
     assert all(p.flat.checkpoint is not None for row in replay.programs for p in row)
     assert count[0] == sum(len(row) for row in replay.programs)
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: remembers the program parts run while "capturing"
+    and runs them again on replay, so the captured bookkeeping (which graph is F, B, W) is what runs."""
+
+    capturing: FakeGraph | None = None
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+
+    def replay(self) -> None:
+        for part in self.parts:
+            part()
+
+
+def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_capture, with CUDA graphs faked on the CPU: each split program gets a forward, a B and a W graph,
+    captured in the partition's F/B/W order, and replaying them trains like one device."""
+    from contextlib import contextmanager, nullcontext
+
+    from seqify.pipeline import replay as rp
+
+    source, pipe = setup("zb-h1", 4, 2)
+    pipe._replay_eager = True
+    x, y = data()
+    expected = nn.CrossEntropyLoss()(torch.cat([source(c) for c in x.tensor_split(pipe.chunks)]), y)
+    expected.backward()
+    pipe.step(x, y, nn.CrossEntropyLoss())  # builds eager programs (and checks nothing yet)
+    replay = pipe._graphed[1]
+    captured: list[tuple[str, int, int]] = []
+    names = {"_outputs": "F", "_grads_input": "B", "_grads_weight": "W", "_grads": "BW"}
+
+    @contextmanager
+    def graph(g: FakeGraph, **_: Any) -> Any:
+        FakeGraph.capturing = g
+        try:
+            yield
+        finally:
+            FakeGraph.capturing = None
+
+    def spy(name: str) -> Any:
+        real = getattr(rp.Program, name)
+
+        def run(self: Any) -> None:
+            if FakeGraph.capturing is not None:
+                FakeGraph.capturing.parts.append(lambda: real(self))
+                j, i = where[id(self)]
+                captured.append((names[name], j, i))
+            real(self)
+        return run
+
+    where = {id(p): (j, i) for j, row in enumerate(replay.programs) for i, p in enumerate(row)}
+    for name in names:
+        monkeypatch.setattr(rp.Program, name, spy(name))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda _: nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda _: nullcontext())
+    for j, row in enumerate(replay.programs):
+        rp._capture(row, torch.device("cpu"), 1, None, rp._partition_order(replay.schedule, j))  # type: ignore[arg-type]
+    want = [(a.kind, a.partition, a.microbatch) for a in replay.schedule.actions]
+    assert sorted(captured, key=lambda c: c[1]) == sorted(want, key=lambda c: c[1])  # per partition, in order
+    assert all(p.graphs is not None and p.graphs[2] is not None for row in replay.programs for p in row)
+    for p in pipe.model.parameters():
+        p.grad = None
+    source.zero_grad(set_to_none=True)
+    x2 = x.flip(0)  # new values through the fixed buffers
+    expected = nn.CrossEntropyLoss()(torch.cat([source(c) for c in x2.tensor_split(pipe.chunks)]), y)
+    expected.backward()
+    got = pipe.step(x2, y, nn.CrossEntropyLoss())
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=1e-12)
+    for (name, a), b in zip(source.named_parameters(), pipe.model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12, msg=name)

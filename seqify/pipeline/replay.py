@@ -137,30 +137,37 @@ class Program:
             self.in_grads[k] = g
         self._add(grads[len(wrt_inputs):])
 
+    def _differentiated(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs a gradient flows back to, and those gradients; a checkpointed program's outputs
+        recomputed, with a graph of their own."""
+        outputs = self.flat.recompute(*self.inputs) if self.flat.checkpoint is not None else self.outputs
+        outs = [(o, g) for o, g in zip(outputs, self.out_grads) if g is not None]
+        return [o for o, _ in outs], [g for _, g in outs]
+
     def _grads_input(self) -> None:
         """B of a split backward: the inputs' gradients only (:func:`~seqify.dist_backward.input_grads`),
         keeping the graph and the boundary gradients for :meth:`_grads_weight`. A checkpointed program
-        recomputes its forward here, into a graph W walks again rather than recomputing twice."""
-        outputs = self.flat.recompute(*self.inputs) if self.flat.checkpoint is not None else self.outputs
-        outs = [(o, g) for o, g in zip(outputs, self.out_grads) if g is not None]
+        recomputes its forward here, into a graph W walks again rather than recomputing twice. Where no
+        input needs a gradient (the first partition) B does nothing and W is the whole backward."""
         self.kept = None
-        if not outs:
-            return
         wrt_inputs = self._wrt_inputs()
-        found: list[torch.Tensor | None] = []
-        groups = None
-        if wrt_inputs:
-            found, groups = input_grads([o for o, _ in outs], [g for _, g in outs],
-                                        [self.inputs[k] for k in wrt_inputs], self.params)
+        if not wrt_inputs or all(g is None for g in self.out_grads):
+            return
+        outs, grads = self._differentiated()
+        found, groups = input_grads(outs, grads, [self.inputs[k] for k in wrt_inputs], self.params)
         for k, g in zip(wrt_inputs, found):
             self.in_grads[k] = g
-        self.kept = ([o for o, _ in outs], [g for _, g in outs], groups)
+        self.kept = (outs, grads, groups)
 
     def _grads_weight(self) -> None:
         """W of a split backward: the parameters' gradients from what B kept, added into ``acc`` (never
         ``.grad``: a captured W must write only fixed tensors); then the graph is released."""
         kept, self.kept = self.kept, None
-        if kept is None:
+        flows = any(g is not None for g in self.out_grads)
+        if kept is None and flows and self.params and not self._wrt_inputs():  # B left everything to W
+            outs, grads = self._differentiated()
+            kept = (outs, grads, None)
+        if kept is None or not kept[0]:
             return
         outs, grads, groups = kept
         if self.params:
@@ -246,8 +253,11 @@ def _capture(programs: list[Program], device: torch.device, warmup: int, stream:
                 forwards[i] = captured(p._outputs)
             elif kind == "B" and not p.split:
                 p.graphs = (forwards[i], captured(p._grads) if flows else None, None)
-            elif kind == "B":
-                backwards[i] = captured(p._grads_input) if flows else None
+            elif kind == "B" and flows and p._wrt_inputs():
+                backwards[i] = captured(p._grads_input)
+            elif kind == "B":  # nothing to compute (no input needs a gradient): no empty graph
+                p._grads_input()
+                backwards[i] = None
             else:
                 p.graphs = (forwards[i], backwards.pop(i), captured(p._grads_weight) if flows else None)
 

@@ -258,8 +258,11 @@ def _capture(programs: list[Program], device: torch.device, warmup: int, stream:
             elif kind == "B":  # nothing to compute (no input needs a gradient): no empty graph
                 p._grads_input()
                 backwards[i] = None
-            else:
-                p.graphs = (forwards[i], backwards.pop(i), captured(p._grads_weight) if flows else None)
+            elif flows and p.params:
+                p.graphs = (forwards[i], backwards.pop(i), captured(p._grads_weight))
+            else:  # no weights: W only lets B's graph go (no empty graph)
+                p._grads_weight()
+                p.graphs = (forwards[i], backwards.pop(i), None)
 
 
 def _drains(order: Sequence[tuple[str, int]]) -> bool:

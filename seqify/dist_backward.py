@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 try:  # private helpers of torch.distributed.pipelining (torch >= 2.5): optional, checked below
     from torch.distributed.pipelining._backward import (
         _get_grad_fn_or_grad_acc,
         construct_reverse_graph,
         get_param_groups,
-        stage_backward_weight,
     )
 except ImportError:  # pragma: no cover - older or trimmed torch: W walks the whole graph again
     get_param_groups = None
 
-__all__ = ["input_grads", "weight_grads"]
+__all__ = ["input_grads", "weight_grads", "weight_values"]
+
+
+def _node(t: torch.Tensor) -> Any:
+    """``t``'s autograd node (a leaf's gradient accumulator), also where gradients are off (a replayed
+    step runs under ``torch.no_grad()``; finding a leaf's accumulator takes a view that records one)."""
+    with torch.enable_grad():
+        return _get_grad_fn_or_grad_acc(t)
 
 
 def _groups(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -26,11 +34,11 @@ def _groups(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
     None when some weight the outputs reach is in no group."""
     if get_param_groups is None or not inputs or not params:
         return None
-    roots = [n for n in map(_get_grad_fn_or_grad_acc, outs) if n is not None]
+    roots = [n for n in map(_node, outs) if n is not None]
     reverse = construct_reverse_graph(roots)
-    nodes = {p: _get_grad_fn_or_grad_acc(p) for p in params}
+    nodes = {p: _node(p) for p in params}
     reached = [n for n in nodes.values() if n in reverse or n in roots]  # weights some output depends on
-    groups = get_param_groups([n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None],
+    groups = get_param_groups([n for n in map(_node, inputs) if n is not None],
                               reached, reverse)
     covered = {n for g in groups for n in g["params"]}
     if covered != set(reached) or any(not g["intermediates"] for g in groups):
@@ -71,10 +79,66 @@ def input_grads(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | Non
     return list(got), groups
 
 
+def _from_boundary(params: Sequence[torch.Tensor], groups: list[dict[str, Any]]) -> list[torch.Tensor | None]:
+    """Each weight's gradient from the gradients B kept at its group's boundary nodes (the graph is
+    retained: groups may share nodes)."""
+    index = {_node(p): k for k, p in enumerate(params)}
+    got: list[torch.Tensor | None] = [None] * len(params)
+    for group in groups:
+        edges, seeds = [], []
+        for kept, node in zip(group["grads"], group["intermediates"]):
+            for k, g in enumerate(kept):
+                if g is not None:
+                    edges.append(GradientEdge(node, k))
+                    seeds.append(g)
+        if not edges:
+            continue
+        handles = []
+        try:
+            if len(group["intermediates"]) > 1:
+                # a boundary node below another gets what B saw there, not that plus what W sends it
+                for kept, node in zip(group["grads"], group["intermediates"]):
+                    handles.append(node.register_prehook(functools.partial(_clamp, kept)))
+            nodes = list(group["params"])
+            found = torch.autograd.grad(edges, [GradientEdge(n, 0) for n in nodes], seeds, retain_graph=True,
+                                        allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        for n, g in zip(nodes, found):
+            k = index[n]
+            if g is not None:
+                before = got[k]
+                got[k] = g if before is None else before + g
+    return got
+
+
+def _clamp(kept: tuple[torch.Tensor | None, ...], _: Any) -> tuple[torch.Tensor | None, ...]:
+    return kept
+
+
+def weight_values(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor],
+                  groups: list[dict[str, Any]] | None, retain_graph: bool = True) -> list[torch.Tensor | None]:
+    """W, returned rather than written: each of ``params``' gradient (None where none arrives), from
+    B's boundary (``groups``) or else from the outputs. Touches no ``.grad`` (what a captured W graph
+    needs: the caller adds these into its own accumulators). The graph stays unless ``retain_graph`` is
+    False and W walked it from the outputs; dropping ``outs`` and ``groups`` releases it."""
+    if groups is not None:
+        return _from_boundary(params, groups)
+    if not outs or not params:
+        return [None] * len(params)
+    return list(torch.autograd.grad(list(outs), list(params), list(grads), retain_graph=retain_graph,
+                                    allow_unused=True))
+
+
 def weight_grads(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor],
                  groups: list[dict[str, Any]] | None) -> None:
-    """W: add the weights' gradients into ``.grad``, from B's boundary or else from the outputs."""
-    if groups is not None:
-        stage_backward_weight(iter(params), groups, retain_graph=True)  # groups may share nodes
-    elif outs and params:
-        torch.autograd.backward(list(outs), list(grads), inputs=list(params))
+    """W: add the weights' gradients into ``.grad``, from B's boundary or else from the outputs
+    (:func:`weight_values`, releasing the graph when it walked from the outputs)."""
+    for p, g in zip(params, weight_values(outs, grads, params, groups, retain_graph=False)):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad += g

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from seqify.dist_backward import input_grads, weight_grads
+from seqify.dist_backward import input_grads, weight_grads, weight_values
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,3 +62,25 @@ def test_a_weight_the_inputs_never_meet_falls_back_to_the_outputs() -> None:
 
 def test_checkpointed_partition_recomputes_for_both_halves() -> None:
     assert split_vs_whole(lambda net, x: [checkpoint(lambda t: net(t, False)[0], x, use_reentrant=False)])
+
+
+@pytest.mark.parametrize("stray", [False, True])
+def test_weight_values_returns_w_without_touching_grad(stray: bool) -> None:
+    """What a captured W needs: the weights' gradients returned (from the boundary, or from the outputs
+    where it does not cover every weight), .grad left alone, under no_grad too (a replayed step)."""
+    torch.manual_seed(0)
+    net = Net().double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    outs = net(x, stray)
+    grads = [torch.randn_like(o) for o in outs]
+    params = list(net.parameters())
+    whole = torch.autograd.grad(outs, params, grads, retain_graph=True, allow_unused=True)
+    with torch.no_grad():
+        _, boundary = input_grads(outs, grads, [x], params)
+        got = weight_values(outs, grads, params, boundary)
+    assert (boundary is None) == stray
+    assert all(p.grad is None for p in params)
+    for g, want in zip(got, whole):
+        assert (g is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-14)

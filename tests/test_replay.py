@@ -154,3 +154,27 @@ def test_inference_under_no_grad_replays_forward_programs(train_mode: bool) -> N
     assert pipe._graphed[0][1] is True
     for (name, a), b in zip(reference.named_parameters(), source.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_split_backward_recomputes_with_the_forward_random_draws() -> None:
+    """A split, checkpointed program recomputes in B (seqify.pipeline.checkpoint.recomputed): dropout
+    draws what the forward drew, BatchNorm statistics are left alone, the caller's generator is untouched."""
+    from seqify.pipeline.checkpoint import is_recomputing, norms_of, recomputed, rng_state
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).double().train()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    state = rng_state(x)
+    first = net(x)
+    stats = [b.clone() for b in net.buffers()]
+    after = torch.get_rng_state()
+    seen: list[bool] = []
+    net.register_forward_hook(lambda *_: seen.append(is_recomputing()))
+    with torch.no_grad():  # a replayed step's context: the recomputation still builds a graph
+        again = recomputed(net, x, norms=norms_of(net), rng=state)
+    assert again.requires_grad and seen == [True]
+    assert torch.equal(again, first)
+    assert all(torch.equal(a, b) for a, b in zip(net.buffers(), stats))
+    assert torch.equal(torch.get_rng_state(), after)
+    other = recomputed(net, x, norms=norms_of(net))  # no state: other draws
+    assert not torch.equal(other, first)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -180,3 +181,192 @@ def test_replayed_checkpointed_step_trains_like_one_device(schedule: str, parts:
     key, replay = pipe._graphed
     checkpointed = [p.flat.checkpoint is not None for p in replay.programs[0]]
     assert checkpointed == [i < (4 if checkpoint == "always" else 3) for i in range(4)]
+
+
+def spy_split(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, bool, bool, bool, bool]]:
+    """Record each B and W a replayed step runs eagerly: (kind, program, whether the program's input
+    gradients exist afterwards, whether its accumulators changed, whether W started from B's boundary,
+    whether the program keeps a graph for W afterwards)."""
+    from seqify.pipeline import replay as rp
+
+    seen: list[tuple[str, Any, bool, bool, bool, bool]] = []
+    boundary: list[bool] = []
+    real_values = rp.weight_values
+
+    def values(outs: Any, grads: Any, params: Any, groups: Any, **how: Any) -> Any:
+        boundary.append(groups is not None)
+        return real_values(outs, grads, params, groups, **how)
+
+    def spy(kind: str, real: Any) -> Any:
+        def run(self: Any) -> None:
+            before = [a.clone() for a in self.acc]
+            boundary.clear()
+            real(self)
+            wanted = [k for k, t in enumerate(self.inputs) if t.requires_grad]
+            has = bool(wanted) and all(self.in_grads[k] is not None for k in wanted)
+            changed = any(not torch.equal(a, b) for a, b in zip(self.acc, before))
+            seen.append((kind, self, has, changed, boundary == [True], self.kept is not None))
+        return run
+
+    monkeypatch.setattr(rp, "weight_values", values)
+    monkeypatch.setattr(rp.Program, "_grads_input", spy("B", rp.Program._grads_input))
+    monkeypatch.setattr(rp.Program, "_grads_weight", spy("W", rp.Program._grads_weight))
+    monkeypatch.setattr(rp.Program, "_grads", spy("BW", rp.Program._grads))
+    return seen
+
+
+@pytest.mark.parametrize("parts,loops", [(2, 1), (3, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_replayed_zero_bubble_runs_b_and_w_apart(monkeypatch: pytest.MonkeyPatch, parts: int, loops: int,
+                                                 checkpoint: str) -> None:
+    """Replayed zb-h1: B computes a program's input gradients and leaves its weight gradients for W,
+    which adds them into the partition's accumulators (not .grad) from what B kept at its boundary;
+    they run as the schedule's own B and W actions, and the step still trains like one device."""
+    source, pipe = setup("zb-h1", parts, loops, checkpoint=checkpoint)
+    pipe._replay_eager = True
+    compare(source, pipe, nn.CrossEntropyLoss())  # builds and trains like one device, split
+    seen = spy_split(monkeypatch)
+    x, y = data()
+    pipe.step(x, y, nn.CrossEntropyLoss())
+    replay = pipe._graphed[1]
+    where = {id(p): (j, i) for j, row in enumerate(replay.programs) for i, p in enumerate(row)}
+    ran = [(kind, *where[id(p)]) for kind, p, *_ in seen]
+    want = [(a.kind, a.partition, a.microbatch) for a in replay.schedule.actions if a.kind != "F"]
+    assert replay.schedule.split and ran == want  # no unsplit backward ("BW") anywhere
+    for kind, p, has, changed, from_boundary, kept in seen:
+        j, i = where[id(p)]
+        if kind == "B":
+            assert not changed, f"B of partition {j} micro-batch {i} wrote weight gradients"
+            assert has == (j > 0), f"B of partition {j} micro-batch {i}: input gradients {has}"
+            assert kept == (j > 0)  # the graph and boundary, for W (partition 0: W does it all)
+        else:
+            assert changed, f"W of partition {j} micro-batch {i} added no weight gradient"
+            assert from_boundary == (j > 0)  # partition 0's inputs need no gradient: its W is its backward
+            assert not kept  # released
+
+
+def test_replayed_zero_bubble_recomputes_a_checkpointed_program_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpointed and split: B recomputes the forward and W walks that same graph (torch's checkpoint
+    would recompute again for W's separate backward pass), one recomputation per program."""
+    from seqify.pipeline import checkpoint as ck
+
+    source, pipe = setup("zb-h1", 4, 2, checkpoint="always")
+    pipe._replay_eager = True
+    compare(source, pipe, nn.CrossEntropyLoss())
+    x, y = data()
+    real = ck._scratch_statistics
+    count = [0]
+
+    def counted(norms: Any) -> Any:
+        count[0] += 1
+        return real(norms)
+
+    monkeypatch.setattr(ck, "_scratch_statistics", counted)
+    pipe.step(x, y, nn.CrossEntropyLoss())
+    replay = pipe._graphed[1]
+    assert all(p.flat.checkpoint is not None for row in replay.programs for p in row)
+    assert count[0] == sum(len(row) for row in replay.programs)
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: remembers the program parts run while "capturing"
+    and runs them again on replay, so the captured bookkeeping (which graph is F, B, W) is what runs."""
+
+    capturing: FakeGraph | None = None
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+
+    def replay(self) -> None:
+        for part in self.parts:
+            part()
+
+
+def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_capture, with CUDA graphs faked on the CPU: each split program gets a forward, a B and a W graph,
+    captured in the partition's F/B/W order, and replaying them trains like one device."""
+    from contextlib import contextmanager, nullcontext
+
+    from seqify.pipeline import replay as rp
+
+    source, pipe = setup("zb-h1", 4, 2)
+    pipe._replay_eager = True
+    x, y = data()
+    expected = nn.CrossEntropyLoss()(torch.cat([source(c) for c in x.tensor_split(pipe.chunks)]), y)
+    expected.backward()
+    pipe.step(x, y, nn.CrossEntropyLoss())  # builds eager programs (and checks nothing yet)
+    replay = pipe._graphed[1]
+    captured: list[tuple[str, int, int]] = []
+    names = {"_outputs": "F", "_grads_input": "B", "_grads_weight": "W", "_grads": "BW"}
+
+    @contextmanager
+    def graph(g: FakeGraph, **_: Any) -> Any:
+        FakeGraph.capturing = g
+        try:
+            yield
+        finally:
+            FakeGraph.capturing = None
+
+    def spy(name: str) -> Any:
+        real = getattr(rp.Program, name)
+
+        def run(self: Any) -> None:
+            if FakeGraph.capturing is not None:
+                FakeGraph.capturing.parts.append(lambda: real(self))
+                j, i = where[id(self)]
+                captured.append((names[name], j, i))
+            real(self)
+        return run
+
+    where = {id(p): (j, i) for j, row in enumerate(replay.programs) for i, p in enumerate(row)}
+    for name in names:
+        monkeypatch.setattr(rp.Program, name, spy(name))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda _: nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda _: nullcontext())
+    for j, row in enumerate(replay.programs):
+        rp._capture(row, torch.device("cpu"), 1, None, rp._partition_order(replay.schedule, j))  # type: ignore[arg-type]
+    # partition 0's inputs need no gradient: its B computes nothing (no graph), its W is its backward
+    want = [(a.kind, a.partition, a.microbatch) for a in replay.schedule.actions if (a.kind, a.partition) != ("B", 0)]
+    assert sorted(captured, key=lambda c: c[1]) == sorted(want, key=lambda c: c[1])  # per partition, in order
+    graphs = [(j, p.graphs) for j, row in enumerate(replay.programs) for p in row]
+    assert all(g is not None and (g[1] is None) == (j == 0) and g[2] is not None for j, g in graphs)
+    for p in pipe.model.parameters():
+        p.grad = None
+    source.zero_grad(set_to_none=True)
+    x2 = x.flip(0)  # new values through the fixed buffers
+    expected = nn.CrossEntropyLoss()(torch.cat([source(c) for c in x2.tensor_split(pipe.chunks)]), y)
+    expected.backward()
+    got = pipe.step(x2, y, nn.CrossEntropyLoss())
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=1e-12)
+    for (name, a), b in zip(source.named_parameters(), pipe.model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_replayed_zero_bubble_checkpointed_dropout_draws_what_the_forward_drew() -> None:
+    """A checkpointed, split program recomputes in B with the forward's random draws: with dropout, a
+    checkpointed zb-h1 replay computes what the same replay without checkpointing computes."""
+    results = []
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5),
+                              nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3)).double()
+        seq = seqify.convert(model)
+        pipe = seqify.pipeline(seq, devices=["cpu"] * 2, balance=even(len(seq), 2), chunks=4,
+                               checkpoint=checkpoint, schedule="zb-h1")
+        pipe._replay_eager = True
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+        losses = []
+        for _ in range(2):
+            torch.manual_seed(2)
+            losses.append(pipe.step(x, y, nn.CrossEntropyLoss()))
+        replay = pipe._graphed[1]
+        assert replay.schedule.split and all(p.split for row in replay.programs for p in row)
+        results.append((losses, [p.grad.clone() for p in pipe.model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)

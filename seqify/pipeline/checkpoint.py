@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import get_device_states, set_device_states
 
-__all__ = ["is_checkpointing", "is_recomputing", "checkpointed", "norms_of", "draws_random"]
+__all__ = ["is_checkpointing", "is_recomputing", "checkpointed", "recomputed", "rng_state", "norms_of",
+           "draws_random", "RngState"]
+
+# The CPU generator's state, and the devices (with their generators' states) some argument is on.
+RngState = tuple[torch.Tensor, list[int], list[torch.Tensor]]
 
 _local = threading.local()
 
@@ -83,6 +89,32 @@ def checkpointed(fn: Callable[..., Any], *args: Any, norms: Sequence[nn.modules.
             return fn(*inner)
 
     return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng)
+
+
+def rng_state(*args: Any) -> RngState:
+    """The random generators' state before a checkpointed forward, for :func:`recomputed` to draw
+    the same numbers again (not under CUDA-graph capture: it reads the generators)."""
+    devices, states = get_device_states(*args)
+    return torch.get_rng_state(), devices, states
+
+
+def recomputed(fn: Callable[..., Any], *args: Any, norms: Sequence[nn.modules.batchnorm._NormBase] = (),
+               rng: RngState | None = None) -> Any:
+    """``fn(*args)`` once more, as :func:`checkpointed`'s recomputation runs it (``is_recomputing()``
+    true, BatchNorm statistics left alone, the same random draws when given the ``rng`` state taken
+    before the first run), but as an ordinary autograd graph that lives as long as its outputs: what a
+    split backward needs, whose input-gradient part (B) recomputes and whose weight-gradient part (W)
+    must walk the same graph later rather than recompute again."""
+    with ExitStack() as scope:
+        if rng is not None:
+            cpu, devices, states = rng
+            scope.enter_context(torch.random.fork_rng(devices=devices))
+            torch.set_rng_state(cpu)
+            set_device_states(devices, states)
+        scope.enter_context(torch.enable_grad())
+        scope.enter_context(_flag("recomputing"))
+        scope.enter_context(_scratch_statistics(norms))
+        return fn(*args)
 
 
 _RANDOM = ("dropout", "bernoulli", "rand", "normal", "uniform", "multinomial", "exponential", "geometric", "cauchy",

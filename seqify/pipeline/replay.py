@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dist_backward import input_grads, weight_values
 from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
 from ..skip.sizes import size_skips
-from .checkpoint import checkpointed, draws_random, norms_of
+from .checkpoint import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
 from .microbatch import is_tensors
 from .schedule import Schedule, gpipe
 from .stage import Stage
@@ -45,15 +46,30 @@ class _Flat(nn.Module):
         self.sized = sized
         self.given: dict[SkipKey, Any] = {}
         self.kept: dict[SkipKey, Any] = {}
+        # A split backward (zero bubble's B and W) recomputes a checkpointed forward itself, in B, so that
+        # W walks the same graph (see recompute); the random draws it must repeat, taken per forward.
+        self.split = False
+        self.rng: RngState | None = None
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.checkpoint is not None and self.split:
+            self.rng = rng_state(*tensors) if draws_random(self.layers) else None  # eager only (see _checkpoint)
+        return self._run(tensors, self.checkpoint)
+
+    def recompute(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A checkpointed forward once more, with a graph that lives as long as its outputs (B and W of a
+        split backward both walk it; torch's checkpoint would recompute again for W)."""
+        again = functools.partial(recomputed, norms=norms_of(self.layers), rng=self.rng)
+        return self._run(tensors, again)
+
+    def _run(self, tensors: tuple[torch.Tensor, ...], wrap: Callable[..., Any] | None) -> tuple[torch.Tensor, ...]:
         stage = self.stage
         k = 1 if self.carried is None else self.carried
         x: Any = tensors[0] if self.carried is None else tuple(tensors[:k])
         popped = dict(zip([key for key in stage.pops if key not in self.given], tensors[k:]))
         # fresh(): copies of what a layer modifies in place (a program's inputs are leaves autograd guards)
         skips = {**popped, **self.given}
-        y, out = self.checkpoint(stage.fresh, x, skips) if self.checkpoint else stage.fresh(x, skips)
+        y, out = wrap(stage.fresh, x, skips) if wrap else stage.fresh(x, skips)
         kept = {key: out[key] for key in stage.stashes if not isinstance(out[key], torch.Tensor)}
         if not is_tensors(y) or any(key not in self.sized for key in kept):
             what = type(y).__name__ if not is_tensors(y) else "a skip that is not a tensor (nor a size)"
@@ -68,25 +84,48 @@ class Program:
     """One partition on one micro-batch, on fixed tensors: ``forward()`` reads ``inputs`` and writes
     ``outputs``; ``backward()`` reads ``out_grads`` and writes ``in_grads``, adding the parameters'
     gradients into the partition's accumulators. The driver only ever copies into ``inputs`` and
-    ``out_grads``; run eagerly (any device) or replayed from captured CUDA graphs, it behaves the same."""
+    ``out_grads``; run eagerly (any device) or replayed from captured CUDA graphs, it behaves the same.
+
+    ``split`` (zero-bubble schedules): ``backward()`` is B, the inputs' gradients only, keeping the
+    autograd graph and the gradients at the boundary where the weights' sub-graphs meet the inputs'
+    path; ``weights()`` is W, the parameters' gradients from there added into the accumulators, after
+    which the graph is released. Each is its own CUDA graph when captured."""
 
     def __init__(self, flat: _Flat, inputs: tuple[torch.Tensor, ...], params: list[nn.Parameter],
-                 acc: list[torch.Tensor]) -> None:
+                 acc: list[torch.Tensor], split: bool = False) -> None:
         self.flat = flat
+        self.split = flat.split = split
         self.inputs = inputs
         self.params = params
         self.acc = acc
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.out_grads: list[torch.Tensor | None] = []
         self.in_grads: list[torch.Tensor | None] = [None] * len(inputs)
-        self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None] | None = None  # (forward, backward)
+        # (forward, backward (B when split), weights (W; split only)), once captured
+        self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None, torch.cuda.CUDAGraph | None] | None = None
+        # What B keeps for W (split only): the outputs it differentiated, their gradients, the boundary
+        # (None: W walks from the outputs again). Set and used while running eagerly or capturing, never
+        # on a replay.
+        self.kept: tuple[list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]] | None] | None = None
         self.touched = [False] * len(params)  # which parameters some backward reached (the others keep .grad)
         self.grad = bool(params) or any(t.requires_grad for t in inputs)  # False: an inference program
 
+    def _wrt_inputs(self) -> list[int]:
+        """The input slots to differentiate by: those needing a gradient, once per tensor."""
+        first = {id(t): k for k, t in reversed(list(enumerate(self.inputs)))}
+        return [k for k, t in enumerate(self.inputs) if t.requires_grad and first[id(t)] == k]
+
+    def _add(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Add the parameters' gradients into ``acc`` (None: none reached that parameter)."""
+        for k, g in enumerate(grads):
+            self.touched[k] = self.touched[k] or g is not None
+        used = [(a, g) for a, g in zip(self.acc, grads) if g is not None]
+        if used:
+            torch._foreach_add_([a for a, _ in used], [g for _, g in used])
+
     def _grads(self) -> None:
         """Differentiate outputs by inputs and parameters; add the parameters' part into ``acc``."""
-        first = {id(t): k for k, t in reversed(list(enumerate(self.inputs)))}
-        wrt_inputs = [k for k, t in enumerate(self.inputs) if t.requires_grad and first[id(t)] == k]
+        wrt_inputs = self._wrt_inputs()
         outs = [(o, g) for o, g in zip(self.outputs, self.out_grads) if g is not None]
         if not outs or not (wrt_inputs or self.params):
             return
@@ -96,11 +135,45 @@ class Program:
         )
         for k, g in zip(wrt_inputs, grads):
             self.in_grads[k] = g
-        for k, g in enumerate(grads[len(wrt_inputs):]):
-            self.touched[k] = self.touched[k] or g is not None
-        used = [(a, g) for a, g in zip(self.acc, grads[len(wrt_inputs):]) if g is not None]
-        if used:
-            torch._foreach_add_([a for a, _ in used], [g for _, g in used])
+        self._add(grads[len(wrt_inputs):])
+
+    def _differentiated(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs a gradient flows back to, and those gradients; a checkpointed program's outputs
+        recomputed, with a graph of their own."""
+        outputs = self.flat.recompute(*self.inputs) if self.flat.checkpoint is not None else self.outputs
+        outs = [(o, g) for o, g in zip(outputs, self.out_grads) if g is not None]
+        return [o for o, _ in outs], [g for _, g in outs]
+
+    def _grads_input(self) -> None:
+        """B of a split backward: the inputs' gradients only (:func:`~seqify.dist_backward.input_grads`),
+        keeping the graph and the boundary gradients for :meth:`_grads_weight`. A checkpointed program
+        recomputes its forward here, into a graph W walks again rather than recomputing twice. Where no
+        input needs a gradient (the first partition) B does nothing and W is the whole backward."""
+        self.kept = None
+        wrt_inputs = self._wrt_inputs()
+        if not wrt_inputs or all(g is None for g in self.out_grads):
+            return
+        outs, grads = self._differentiated()
+        found, groups = input_grads(outs, grads, [self.inputs[k] for k in wrt_inputs], self.params)
+        for k, g in zip(wrt_inputs, found):
+            self.in_grads[k] = g
+        self.kept = (outs, grads, groups)
+
+    def _grads_weight(self) -> None:
+        """W of a split backward: the parameters' gradients from what B kept, added into ``acc`` (never
+        ``.grad``: a captured W must write only fixed tensors); then the graph is released."""
+        kept, self.kept = self.kept, None
+        flows = any(g is not None for g in self.out_grads)
+        if kept is None and flows and self.params and not self._wrt_inputs():  # B left everything to W
+            outs, grads = self._differentiated()
+            kept = (outs, grads, None)
+        if kept is None or not kept[0]:
+            return
+        outs, grads, groups = kept
+        if self.params:
+            self._add(weight_values(outs, grads, self.params, groups, retain_graph=False))
+        del outs, grads, groups, kept
+        self.outputs = tuple(o.detach() for o in self.outputs)  # the graph's last owner (same memory)
 
     def _outputs(self) -> None:
         with torch.set_grad_enabled(self.grad):
@@ -117,10 +190,27 @@ class Program:
             self.graphs[0].replay()
 
     def backward(self) -> None:
+        """The backward, or B of a split one."""
         if self.graphs is None:
-            self._grads()
+            self._grads_input() if self.split else self._grads()
         elif self.graphs[1] is not None:
             self.graphs[1].replay()
+
+    def weights(self) -> None:
+        """W of a split backward (nothing when unsplit: the backward did it)."""
+        if self.graphs is None:
+            if self.split:
+                self._grads_weight()
+        elif self.graphs[2] is not None:
+            self.graphs[2].replay()
+
+    def backward_whole(self) -> None:
+        """The whole backward, eagerly: B then W when split."""
+        if self.split:
+            self._grads_input()
+            self._grads_weight()
+        else:
+            self._grads()
 
 
 def _buffers(modules: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -132,45 +222,61 @@ def _buffers(modules: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Ten
 def _capture(programs: list[Program], device: torch.device, warmup: int, stream: torch.cuda.Stream,
              order: Sequence[tuple[str, int]]) -> None:
     """Turn one partition's programs into CUDA graphs sharing one memory pool, captured in the order
-    they will run (``order``: ("F" | "B", micro-batch) as the schedule issues them on this partition), so
-    memory is reused as eager execution would reuse it: a backward frees what its forward kept, and a
-    forward captured after it takes that memory again. Replaying in any other order would overwrite
-    activations still needed, so a step must issue this partition's programs in exactly this order."""
+    they will run (``order``: ("F" | "B" | "W", micro-batch) as the schedule issues them on this
+    partition), so memory is reused as eager execution would reuse it: a backward (a split one's W) frees
+    what its forward kept, and a forward captured after it takes that memory again; what a split B keeps
+    for its W (the graph's activations, the boundary gradients) stays allocated until W is captured.
+    Replaying in any other order would overwrite activations still needed, so a step must issue this
+    partition's programs in exactly this order."""
     pool = torch.cuda.graph_pool_handle()
+
+    def captured(part: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            part()
+        return graph
+
     with torch.cuda.device(device), torch.cuda.stream(stream):
         for p in programs:  # warm-up: cuDNN/cuBLAS choose kernels and workspaces outside capture
             for _ in range(warmup):
                 p._outputs()
-                p._grads()
+                p.backward_whole()
             p.outputs, p.in_grads = (), [None] * len(p.inputs)
         if programs[0].acc:
             torch._foreach_zero_(programs[0].acc)
         forwards: dict[int, torch.cuda.CUDAGraph] = {}
+        backwards: dict[int, torch.cuda.CUDAGraph | None] = {}
         for kind, i in order:
             p = programs[i]
-            if kind == "F":
-                graph = forwards[i] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    p._outputs()
+            flows = any(g is not None for g in p.out_grads)
+            if kind == "W" and not p.split:  # an unsplit program's W is part of its B
                 continue
-            backward = None
-            if any(g is not None for g in p.out_grads):
-                backward = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(backward, pool=pool, stream=stream):
-                    p._grads()
-            p.graphs = (forwards[i], backward)
+            if kind == "F":
+                forwards[i] = captured(p._outputs)
+            elif kind == "B" and not p.split:
+                p.graphs = (forwards[i], captured(p._grads) if flows else None, None)
+            elif kind == "B" and flows and p._wrt_inputs():
+                backwards[i] = captured(p._grads_input)
+            elif kind == "B":  # nothing to compute (no input needs a gradient): no empty graph
+                p._grads_input()
+                backwards[i] = None
+            elif flows and p.params:
+                p.graphs = (forwards[i], backwards.pop(i), captured(p._grads_weight))
+            else:  # no weights: W only lets B's graph go (no empty graph)
+                p._grads_weight()
+                p.graphs = (forwards[i], backwards.pop(i), None)
 
 
 def _drains(order: Sequence[tuple[str, int]]) -> bool:
-    """Whether every forward in ``order`` comes before every backward."""
-    backward = [k == "B" for k, _ in order]
+    """Whether every forward in ``order`` comes before every backward (B or W)."""
+    backward = [k != "F" for k, _ in order]
     return backward == sorted(backward)
 
 
 def _partition_order(schedule: Schedule, j: int) -> list[tuple[str, int]]:
-    """Partition ``j``'s forwards and backwards in the order ``schedule`` issues them (W steps are part
-    of a replayed backward)."""
-    return [(a.kind, a.microbatch) for a in schedule.actions if a.partition == j and a.kind != "W"]
+    """Partition ``j``'s forwards, backwards and (split schedules) weight-gradient steps in the order
+    ``schedule`` issues them."""
+    return [(a.kind, a.microbatch) for a in schedule.actions if a.partition == j]
 
 
 # Where a partition's input slot is filled from: (partition, output slot) of the same micro-batch.
@@ -235,8 +341,10 @@ class Replay:
         self._events: dict[tuple[int, int, bool], torch.cuda.Event] = {}
         self.step = 0
         # pipe(x) + loss.backward() replays every forward before any backward: only programs captured in
-        # such an order (fill-drain per partition) may run that way (see _capture).
-        self.drains = all(_drains(_partition_order(self.schedule, j)) for j in range(len(stages)))
+        # such an order (fill-drain per partition) may run that way (see _capture), and unsplit (its
+        # backward has no W steps to issue).
+        self.drains = not self.schedule.split and all(
+            _drains(_partition_order(self.schedule, j)) for j in range(len(stages)))
         self.acc: list[list[torch.Tensor]] = [programs[j][0].acc for j in range(len(stages))]
         # Per partition, the parameters some backward reaches and their sums (set once the first
         # backward has run: the others keep .grad as autograd would leave it).
@@ -370,9 +478,9 @@ class Replay:
               loss: Callable[[Any, int], torch.Tensor]) -> torch.Tensor:
         """One training step in the schedule's own order (1F1B, interleaved, zero-bubble): each forward,
         the micro-batch's loss as soon as the last partition has made its output (``loss(output, i)``, a
-        scalar already weighed, computed eagerly), each backward; ``.grad`` is set at the end. W steps are
-        part of the replayed backward (a captured backward computes input and weight gradients at once).
-        Returns the summed loss, detached."""
+        scalar already weighed, computed eagerly), each backward; ``.grad`` is set at the end. A split
+        schedule's B computes the input gradients only and its W the weight gradients, each its own
+        program part (its own CUDA graph when captured). Returns the summed loss, detached."""
         self.step += 1
         self._fence()
         n, total = len(self.stages), None
@@ -390,6 +498,9 @@ class Replay:
                     if j < n - 1:
                         self._feed_grads(i, j)
                     self._run(i, j, backward=True)
+                elif a.kind == "W":
+                    with _on(self.devices[j]):
+                        self.programs[j][i].weights()
             self._hand()
         assert total is not None
         return total
@@ -473,7 +584,7 @@ def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None
                         p.out_grads[o] = None
         if streams is None:
             for p in row:
-                p._grads()
+                p.backward_whole()
                 p.outputs = tuple(o.detach() for o in p.outputs)  # the build pass's graph is done with
         else:
             device = replay.devices[j]
@@ -541,6 +652,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
     # (or view of one tensor) it is in the source; fixed buffers are copies, so such steps run eagerly.
     mutating = any(st.mutates_input or st.mutated_skips for st in stages[1:])
     crossing: list[dict[int, tuple[int, int]]] = [{} for _ in batches]
+    split = schedule is not None and schedule.split and torch.is_grad_enabled()  # zero bubble: B and W apart
     try:
         programs: list[list[Program]] = []
         routes: list[list[Route]] = []
@@ -578,7 +690,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                 inputs = tuple(made[id(t)] for t in src)
                 flat = _Flat(stage, returns, sized, _checkpoint(stage, j, streams is not None) if i < stop else None)
                 flat.given = {key: programs[constant[key]][i].flat.kept[key] for key in stage.pops if key in constant}
-                row.append(Program(flat, inputs, params, acc))
+                row.append(Program(flat, inputs, params, acc, split))
             for key in stage.pops:
                 constant.pop(key, None)
             for p in row:

@@ -14,7 +14,7 @@ The model, per candidate (partitions on devices, ``m`` micro-batches of ``b`` sa
   the weight gradients, ``weight_share`` of it, plus what splitting costs the executor beyond one
   backward (``split_backward - 1`` of it, measured: autograd's W walks the graph from the outputs again),
   W a task of its own; the first partition has no input gradient to send: its B is empty and its W the
-  whole backward; replayed as CUDA graphs, B is the whole backward and W costs nothing;
+  whole backward;
 * the actions of the candidate's :class:`~seqify.pipeline.schedule.Schedule` (GPipe, 1F1B, interleaved,
   ZB-H1) run on their device in the schedule's order as soon as what they need is done: the fill-drain
   bubble, ``(m + p - 1) / m`` for GPipe, and the smaller ones of the looped, 1F1B and zero-bubble
@@ -164,7 +164,7 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
     p = len(c.balance)
     placement = c.slots()
     built = schedule_of(c.schedule, placement, m)
-    split = built.split and not c.graphs  # a replayed backward computes input and weight gradients at once
+    split = built.split  # replayed (graphs) or not, a zero-bubble schedule runs B and W apart
     stop_ckpt = {"always": m, "except_last": m - 1, "never": 0}[c.checkpoint]
     launch = 0.0 if c.graphs else cal.launch_s
     compute = [layers.seconds(a, z, b) for a, z in zip(starts, stops)]
@@ -186,8 +186,6 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
         host = issue[j] * (1 - 1 / TRAINING_FACTOR)
         recompute = fwd[j] if i < stop_ckpt else 0.0
         if not split:
-            if kind == "W":  # a split schedule replayed as graphs: W is part of its B
-                return 0.0
             return combine(bwd[j] + recompute, host)
         if kind == "B":  # input gradients only; the first partition has none to send
             return 0.0 if j == 0 else combine(bwd[j] * (1 - weight_share) + recompute, host)

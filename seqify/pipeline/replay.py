@@ -173,7 +173,9 @@ class Program:
         if self.params:
             self._add(weight_values(outs, grads, self.params, groups, retain_graph=False))
         del outs, grads, groups, kept
-        self.outputs = tuple(o.detach() for o in self.outputs)  # the graph's last owner (same memory)
+        # The graph's last owner goes (same memory); requires_grad stays: a replayed step's loss and the
+        # next partition's inputs read it to know what gets a gradient.
+        self.outputs = tuple(o.detach().requires_grad_(o.requires_grad) for o in self.outputs)
 
     def _outputs(self) -> None:
         with torch.set_grad_enabled(self.grad):

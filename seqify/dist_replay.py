@@ -177,13 +177,7 @@ class ProgramRun(RankRun):
                 skips[s.skip_key(r)] = self._get((SKIP, r.index, i), r.src)
                 w.popped[r.index] = leaves(skips[s.skip_key(r)])
         y, stashed = s._programs[p].forward(i, x, skips, needs_grad=p > 0)
-        if p < self.last:
-            self._put((ACTIVATION, p, i), y, p + 1)
-        for r in s.routes:
-            if r.src == p:
-                value = stashed[s.skip_key(r)]
-                self._put((SKIP, r.index, i), value, r.dst)
-                w.stashed[r.index] = leaves(value)
+        self._send(p, i, y, stashed, w)
         if p == self.last:  # the loss on leaves: a program's outputs carry no autograd history
             assert self.loss_fn is not None
             w.out = [t.detach().requires_grad_(t.is_floating_point()) for t in leaves(y)]

@@ -83,6 +83,17 @@ class RankRun:
         else:
             self.link.send(key, value, rank)
 
+    def _send(self, p: int, i: int, y: Any, stashed: dict[Any, Any], w: _Work) -> None:
+        """Hand partition ``p``'s outputs for micro-batch ``i`` on: the carried value to ``p + 1``, each
+        stashed skip to the partition that pops it (noting their leaves in ``w`` for the backward)."""
+        if p < self.last:
+            self._put((ACTIVATION, p, i), y, p + 1)
+        for r in self.s.routes:
+            if r.src == p:
+                value = stashed[self.s.skip_key(r)]
+                self._put((SKIP, r.index, i), value, r.dst)
+                w.stashed[r.index] = leaves(value)
+
     def _get(self, key: Key, partition: int) -> Any:
         rank = self.s.rank_of_partition(partition)
         if rank == self.s.global_rank:
@@ -120,13 +131,7 @@ class RankRun:
             y, stashed = checkpointed(runner.fresh, x, skips, norms=s.norms[p])
         else:
             y, stashed = runner(x, skips)
-        if p < self.last:
-            self._put((ACTIVATION, p, i), y, p + 1)
-        for r in s.routes:
-            if r.src == p:
-                value = stashed[s.skip_key(r)]
-                self._put((SKIP, r.index, i), value, r.dst)
-                w.stashed[r.index] = leaves(value)
+        self._send(p, i, y, stashed, w)
         if p == self.last:
             if self.loss_fn is None:
                 self.outputs[i] = y

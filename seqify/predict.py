@@ -164,7 +164,7 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
     p = len(c.balance)
     placement = c.slots()
     built = schedule_of(c.schedule, placement, m)
-    split = built.split and not c.graphs  # captured graphs run a zero-bubble W inside its B (for now)
+    split = built.split
     stop_ckpt = {"always": m, "except_last": m - 1, "never": 0}[c.checkpoint]
     launch = 0.0 if c.graphs else cal.launch_s
     compute = [layers.seconds(a, z, b) for a, z in zip(starts, stops)]
@@ -186,7 +186,7 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
         host = issue[j] * (1 - 1 / TRAINING_FACTOR)
         recompute = fwd[j] if i < stop_ckpt else 0.0
         if not split:
-            if kind == "W":  # a split schedule replayed as graphs: W is part of its B
+            if kind == "W":  # an unsplit schedule has no W: its B is the whole backward
                 return 0.0
             return combine(bwd[j] + recompute, host)
         if kind == "B":  # input gradients only; the first partition has none to send

@@ -65,6 +65,9 @@ def test_graphed_step_matches_eager_step(schedule: str, loops: int) -> None:
     assert graphed.graph_error is None and graphed._graphed is not None
     replay = graphed._graphed[1]
     assert replay.schedule.name == schedule and all(p.graphs is not None for row in replay.programs for p in row)
+    # zero bubble replays B and W as separate graphs (every partition has weights, so each W is captured)
+    split = replay.schedule.split
+    assert all(p.split == split and (p.graphs[2] is not None) == split for row in replay.programs for p in row)
 
 
 @pytest.mark.parametrize("loops", [1, 2])

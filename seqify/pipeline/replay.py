@@ -654,9 +654,8 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
     # (or view of one tensor) it is in the source; fixed buffers are copies, so such steps run eagerly.
     mutating = any(st.mutates_input or st.mutated_skips for st in stages[1:])
     crossing: list[dict[int, tuple[int, int]]] = [{} for _ in batches]
-    # Zero bubble: B and W apart. Not yet when capturing CUDA graphs: the first captured split gave zero
-    # weight gradients on an H200 (fixed since, not yet re-run on a GPU), so graphs keep W inside B.
-    split = schedule is not None and schedule.split and torch.is_grad_enabled() and streams is None
+    # Zero bubble: B and W apart (captured as separate graphs when replaying them).
+    split = schedule is not None and schedule.split and torch.is_grad_enabled()
     try:
         programs: list[list[Program]] = []
         routes: list[list[Route]] = []

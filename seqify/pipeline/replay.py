@@ -14,6 +14,7 @@ from ..dist_backward import input_grads, weight_values
 from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
 from ..skip.sizes import size_skips
+from .buffers import Buffers, places
 from .checkpoint import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
 from .microbatch import is_tensors
 from .schedule import Schedule, gpipe
@@ -348,6 +349,11 @@ class Replay:
         self.drains = not self.schedule.split and all(
             _drains(_partition_order(self.schedule, j)) for j in range(len(stages)))
         self.acc: list[list[torch.Tensor]] = [programs[j][0].acc for j in range(len(stages))]
+        # Buffers several micro-batches write in turn (see buffers.places): a micro-batch's last backward
+        # action frees them (an event per buffer), and a copy from another GPU into one waits for it.
+        self.shared: set[int] = set()
+        self.last = {(a.partition, a.microbatch): a.kind for a in self.schedule.actions}
+        self._freed: dict[int, torch.cuda.Event] = {}
         # Per partition, the parameters some backward reaches and their sums (set once the first
         # backward has run: the others keep .grad as autograd would leave it).
         self.handoff: list[tuple[list[nn.Parameter], list[torch.Tensor]]] = []
@@ -386,6 +392,9 @@ class Replay:
             else:
                 leave = self.transfer.stream(self.devices[j])
                 leave.wait_event(self._event(i, j, backward))
+                freed = self._freed.get(id(dst))
+                if freed is not None:  # an earlier micro-batch's backward on ``device`` is done with it
+                    leave.wait_event(freed)
                 with torch.cuda.stream(leave), torch.cuda.stream(self.transfer.stream(device)):
                     dst.copy_(src, non_blocking=True)
                 remote = True
@@ -422,6 +431,19 @@ class Replay:
             (b, s), = self.consumers[j][o]
             pairs.append((buf, self.programs[b][i].in_grads[s], (i, b)))
         self._pull(pairs, self.devices[j], backward=True)
+
+    def _free(self, i: int, j: int, kind: str) -> None:
+        """After program (i, j)'s ``kind`` action: if it was its last, its shared buffers are free."""
+        if not self.cuda or not self.shared or self.last[(j, i)] != kind:
+            return
+        program = self.programs[j][i]
+        stream = torch.cuda.current_stream(self.devices[j])
+        for t in [*program.inputs, *program.out_grads]:
+            if t is not None and id(t) in self.shared:
+                event = self._freed.get(id(t))
+                if event is None:
+                    event = self._freed[id(t)] = torch.cuda.Event()
+                event.record(stream)
 
     def _zero(self) -> None:
         for j, acc in enumerate(self.acc):
@@ -503,6 +525,7 @@ class Replay:
                 elif a.kind == "W":
                     with _on(self.devices[j]):
                         self.programs[j][i].weights()
+                self._free(i, j, a.kind)
             self._hand()
         assert total is not None
         return total
@@ -586,6 +609,8 @@ def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None
                         p.out_grads[o] = None
         if streams is None:
             for p in row:
+                if any(id(t) in replay.shared for t in p.inputs):  # a later micro-batch took its inputs
+                    p._outputs()
                 p.backward_whole()
                 p.outputs = tuple(o.detach() for o in p.outputs)  # the build pass's graph is done with
         else:
@@ -654,6 +679,10 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
     # (or view of one tensor) it is in the source; fixed buffers are copies, so such steps run eagerly.
     mutating = any(st.mutates_input or st.mutated_skips for st in stages[1:])
     crossing: list[dict[int, tuple[int, int]]] = [{} for _ in batches]
+    # Buffers shared by micro-batches need a schedule whose backwards free them, and values that reach a
+    # partition unchanged (a partition changing its inputs in place would change a later one's too).
+    share = schedule is not None and torch.is_grad_enabled() and not mutating
+    shared: set[int] = set()
     # Zero bubble: B and W apart (captured as separate graphs when replaying them).
     split = schedule is not None and schedule.split and torch.is_grad_enabled()
     try:
@@ -680,28 +709,33 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                         _check_aliasing(crossing[i], src, j)
             routes.append(slots)
             row: list[Program] = []
+            # Input and output-gradient buffers: one set per micro-batch the schedule keeps in flight on
+            # this partition (1F1B: a few), not one per micro-batch; fill-drain and inference keep all.
+            place = places(_partition_order(schedule, j)) if share else list(range(len(sources)))
+            ins, outs = Buffers(device), Buffers(device)
             for i, src in enumerate(sources):
                 # One tensor arriving through two slots (carried and popped, say) is one buffer, as it is
                 # one tensor in the source: an in-place change through one name shows through the other.
-                made: dict[int, torch.Tensor] = {}
-                with torch.no_grad():
-                    for t in src:
-                        if id(t) not in made:
-                            # needs a gradient exactly when the value it copies does (as in eager runs: an
-                            # in-place op on a value that needs none saves nothing for backward)
-                            made[id(t)] = t.detach().to(device, copy=True).requires_grad_(t.requires_grad)
+                # A buffer needs a gradient exactly when the value it copies does (as in eager runs: an
+                # in-place op on a value that needs none saves nothing for backward).
+                unique = list({id(t): t for t in src}.values())
+                made = dict(zip([id(t) for t in unique], ins.take(place[i], unique)))
                 inputs = tuple(made[id(t)] for t in src)
                 flat = _Flat(stage, returns, sized, _checkpoint(stage, j, streams is not None) if i < stop else None)
                 flat.given = {key: programs[constant[key]][i].flat.kept[key] for key in stage.pops if key in constant}
-                row.append(Program(flat, inputs, params, acc, split))
-            for key in stage.pops:
-                constant.pop(key, None)
-            for p in row:
+                p = Program(flat, inputs, params, acc, split)
                 p._outputs()  # real values for the next partition (and the output structure)
+                wanted = [o for o in p.outputs if o.requires_grad]
+                fixed = iter(outs.take(place[i], wanted, copy=False))
+                p.out_grads = [next(fixed) if o.requires_grad else None for o in p.outputs]
                 if streams is not None:
                     # Capturing runs every program again: keep only the values, so building holds one
                     # micro-batch's activations at a time, not every micro-batch's.
                     p.outputs = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs)
+                row.append(p)
+            shared |= ins.shared | outs.shared
+            for key in stage.pops:
+                constant.pop(key, None)
             returns = row[0].flat.returns
             k = 1 if returns is None else returns
             kept = row[0].flat.kept
@@ -713,6 +747,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
             left = sorted(k[1] for k in [*stashed, *constant])
             raise BoundaryError(f"skips {left} were stashed but no later partition popped them")
         replay = Replay(stages, programs, routes, returns, transfer, schedule)
+        replay.shared = shared
         _reach(replay, streams, warmup)
         return replay
     finally:

@@ -1,11 +1,12 @@
 """U-Net training with checkpointing: eager against CUDA graphs (graphs recompute inside captured backwards).
 
-    python benchmarks/unet_graphs.py [--batch 16] [--res 256] [--chunks 4] [--steps 4]
+    python benchmarks/unet_graphs.py [--batch 16] [--res 256] [--chunks 4] [--steps 4] [--loops 1]
 
 On every visible GPU (one GPU: the partitions share it, which measures the graph path's cost and memory,
 not pipeline speed-up): the source model on one GPU, then seqify.pipeline with checkpoint='always' eagerly
-and with graphs=True, under GPipe (pipe(x) + backward) and 1F1B (pipe.step). Prints samples/s, the ratio to
-the eager checkpointed row of the same schedule, and peak allocated / reserved GiB per GPU.
+and with graphs=True, under GPipe (pipe(x) + backward) and 1F1B (pipe.step; interleaved 1F1B with --loops > 1,
+``loops`` partitions per GPU, so skips cross partitions even on one GPU). Prints samples/s, the ratio to the
+eager checkpointed row of the same schedule, and peak allocated / reserved GiB per GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 import seqify
+from seqify.pipeline import replay
 
 
 def gpus() -> list[int]:
@@ -53,6 +55,9 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warm", type=int, default=2)
+    p.add_argument("--loops", type=int, default=1, help="partitions per GPU")
+    p.add_argument("--compare-buffers", action="store_true",
+                   help="also run graphs with a boundary buffer set per micro-batch (before buffers were shared)")
     args = p.parse_args()
     n = len(gpus())
     print(f"# {datetime.date.today()} {torch.cuda.get_device_name(0)} x{n}, torch {torch.__version__}")
@@ -77,15 +82,18 @@ def main() -> None:
     reset()
     record("one GPU, source", timed(plain, args.warm, args.steps))
     del source, opt
-    for schedule in ("gpipe", "1f1b"):
-        for graphs in (False, True):
+    variants = [(False, True), (True, True)] + ([(True, False)] if args.compare_buffers else [])
+    for schedule in ("gpipe", "1f1b" if args.loops == 1 else "interleaved"):
+        for graphs, share in variants if schedule != "gpipe" else variants[:2]:  # fill-drain shares none
+            replay.SHARE_BUFFERS = share
             name = f"{schedule}, checkpoint=always, {'graphs' if graphs else 'eager'}, {args.chunks} chunks"
+            name += ", a buffer set per micro-batch" if not share else ""
             torch.manual_seed(0)
             seq = seqify.convert(seqify.zoo.unet())
-            parts = n
+            parts = n * args.loops
             bal = seqify.balance(seq, parts, sample=x[: args.batch // args.chunks].cpu(), by="time", device=x.device,
                                  progress=False).balance if parts > 1 else [len(seq)]
-            pipe = seqify.pipeline(seq, gpus=n, balance=bal, chunks=args.chunks, checkpoint="always", graphs=graphs,
+            pipe = seqify.pipeline(seq, gpus=n, loops=args.loops, balance=bal, chunks=args.chunks, checkpoint="always", graphs=graphs,
                                    schedule=schedule)
             opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
             target = torch.zeros(1, device=pipe.devices[-1])

@@ -24,6 +24,11 @@ from .transfer import Transfer
 __all__ = ["Program", "Replay", "Unreplayable", "build", "order", "run", "slots"]
 
 
+#: Whether micro-batches share boundary buffers where the schedule lets them (see :mod:`.buffers`);
+#: False gives every micro-batch its own (for measuring what sharing saves).
+SHARE_BUFFERS = True
+
+
 class Unreplayable(Exception):
     """A partition takes or returns something other than tensors: the step cannot be fixed programs."""
 
@@ -681,7 +686,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
     crossing: list[dict[int, tuple[int, int]]] = [{} for _ in batches]
     # Buffers shared by micro-batches need a schedule whose backwards free them, and values that reach a
     # partition unchanged (a partition changing its inputs in place would change a later one's too).
-    share = schedule is not None and torch.is_grad_enabled() and not mutating
+    share = SHARE_BUFFERS and schedule is not None and torch.is_grad_enabled() and not mutating
     shared: set[int] = set()
     # Zero bubble: B and W apart (captured as separate graphs when replaying them).
     split = schedule is not None and schedule.split and torch.is_grad_enabled()

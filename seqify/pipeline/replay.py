@@ -227,15 +227,38 @@ def _buffers(modules: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Ten
     return [(b, b.clone()) for part in modules for b in part.buffers()]
 
 
+def _warm(programs: list[Program], device: torch.device, warmup: int, stream: torch.cuda.Stream) -> None:
+    """Run each program forward and backward ``warmup`` times outside capture (cuDNN/cuBLAS choose
+    kernels and workspaces), leaving its input gradients (which inputs a gradient reaches) and its
+    outputs' values from the last run; the accumulators are zeroed after."""
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        for p in programs:
+            for _ in range(warmup):
+                p._outputs()
+                p.backward_whole()
+        if programs and programs[0].acc:
+            torch._foreach_zero_(programs[0].acc)
+
+
 def _capture(programs: list[Program], device: torch.device, warmup: int, stream: torch.cuda.Stream,
              order: Sequence[tuple[str, int]]) -> None:
     """Turn one partition's programs into CUDA graphs sharing one memory pool, captured in the order
     they will run (``order``: ("F" | "B" | "W", micro-batch) as the schedule issues them on this
-    partition), so memory is reused as eager execution would reuse it: a backward (a split one's W) frees
-    what its forward kept, and a forward captured after it takes that memory again; what a split B keeps
-    for its W (the graph's activations, the boundary gradients) stays allocated until W is captured.
-    Replaying in any other order would overwrite activations still needed, so a step must issue this
-    partition's programs in exactly this order."""
+    partition), after ``warmup`` eager runs of each."""
+    _warm(programs, device, warmup, stream)
+    for p in programs:
+        p.outputs, p.in_grads = (), [None] * len(p.inputs)
+    _capture_in_order([(kind, programs[i]) for kind, i in order], device, stream)
+
+
+def _capture_in_order(order: Sequence[tuple[str, Program]], device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Capture ``order``'s programs (("F" | "B" | "W", program), everything one device runs, in the
+    order it runs it: one partition's programs or several partitions') as CUDA graphs sharing one
+    memory pool, so memory is reused as eager execution would reuse it: a backward (a split one's W)
+    frees what its forward kept, and a forward captured after it takes that memory again, whichever
+    partition it belongs to; what a split B keeps for its W (the graph's activations, the boundary
+    gradients) stays allocated until W is captured. Replaying in any other order would overwrite
+    activations still needed, so a step must issue this device's programs in exactly this order."""
     pool = torch.cuda.graph_pool_handle()
 
     def captured(part: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -245,34 +268,27 @@ def _capture(programs: list[Program], device: torch.device, warmup: int, stream:
         return graph
 
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        for p in programs:  # warm-up: cuDNN/cuBLAS choose kernels and workspaces outside capture
-            for _ in range(warmup):
-                p._outputs()
-                p.backward_whole()
-            p.outputs, p.in_grads = (), [None] * len(p.inputs)
-        if programs[0].acc:
-            torch._foreach_zero_(programs[0].acc)
         forwards: dict[int, torch.cuda.CUDAGraph] = {}
         backwards: dict[int, torch.cuda.CUDAGraph | None] = {}
-        for kind, i in order:
-            p = programs[i]
+        for kind, p in order:
+            key = id(p)
             flows = any(g is not None for g in p.out_grads)
             if kind == "W" and not p.split:  # an unsplit program's W is part of its B
                 continue
             if kind == "F":
-                forwards[i] = captured(p._outputs)
+                forwards[key] = captured(p._outputs)
             elif kind == "B" and not p.split:
-                p.graphs = (forwards[i], captured(p._grads) if flows else None, None)
+                p.graphs = (forwards[key], captured(p._grads) if flows else None, None)
             elif kind == "B" and flows and p._wrt_inputs():
-                backwards[i] = captured(p._grads_input)
+                backwards[key] = captured(p._grads_input)
             elif kind == "B":  # nothing to compute (no input needs a gradient): no empty graph
                 p._grads_input()
-                backwards[i] = None
+                backwards[key] = None
             elif flows and p.params:
-                p.graphs = (forwards[i], backwards.pop(i), captured(p._grads_weight))
+                p.graphs = (forwards[key], backwards.pop(key), captured(p._grads_weight))
             else:  # no weights: W only lets B's graph go (no empty graph)
                 p._grads_weight()
-                p.graphs = (forwards[i], backwards.pop(i), None)
+                p.graphs = (forwards[key], backwards.pop(key), None)
 
 
 def _drains(order: Sequence[tuple[str, int]]) -> bool:
@@ -349,10 +365,10 @@ class Replay:
         self._events: dict[tuple[int, int, bool], torch.cuda.Event] = {}
         self.step = 0
         # pipe(x) + loss.backward() replays every forward before any backward: only programs captured in
-        # such an order (fill-drain per partition) may run that way (see _capture), and unsplit (its
+        # such an order (fill-drain on every device) may run that way (see _capture_in_order), and unsplit (its
         # backward has no W steps to issue).
         self.drains = not self.schedule.split and all(
-            _drains(_partition_order(self.schedule, j)) for j in range(len(stages)))
+            _drains([(kind, i) for kind, _, i in order]) for order in self.device_orders().values())
         self.acc: list[list[torch.Tensor]] = [programs[j][0].acc for j in range(len(stages))]
         # Buffers several micro-batches write in turn (see buffers.places): a micro-batch's last backward
         # action frees them (an event per buffer), and a copy from another GPU into one waits for it.
@@ -365,6 +381,14 @@ class Replay:
         # The step's node in the caller's autograd graph needs an input that requires grad, even when
         # the pipeline's inputs do not (the parameters reach .grad without autograd seeing them).
         self.anchor = torch.empty(0, device=self.devices[-1], requires_grad=True)
+
+    def device_orders(self) -> dict[torch.device, list[tuple[str, int, int]]]:
+        """Each device's (kind, partition, micro-batch) actions in the order a step issues them there:
+        the schedule's actions of the partitions on that device (the order their graphs are captured in)."""
+        out: dict[torch.device, list[tuple[str, int, int]]] = {d: [] for d in self.devices}
+        for a in self.schedule.actions:
+            out[self.devices[a.partition]].append((a.kind, a.partition, a.microbatch))
+        return out
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _event(self, i: int, j: int, backward: bool) -> torch.cuda.Event:
@@ -599,10 +623,12 @@ def run(replay: Replay, batches: list[tuple[torch.Tensor, ...]]) -> Any:
 
 
 def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None, warmup: int) -> None:
-    """Run each partition's backward once, last partition first (captured, with ``streams``), and learn
-    which outputs a gradient reaches: an output whose consumer gets no gradient for it (autograd's
-    unused input) gets no gradient buffer, so parameters that only feed it keep ``.grad`` as autograd
-    would (None), not zeros."""
+    """Run each partition's backward once, last partition first, and learn which outputs a gradient
+    reaches: an output whose consumer gets no gradient for it (autograd's unused input) gets no
+    gradient buffer, so parameters that only feed it keep ``.grad`` as autograd would (None), not zeros.
+    With ``streams``, then capture each device's programs as CUDA graphs, in one memory pool per device
+    and in the order the schedule runs them there (its partitions interleaved as the schedule interleaves
+    them), so partitions sharing a GPU reuse each other's freed memory as eager execution would."""
     programs = replay.programs
     for j in reversed(range(len(programs))):
         row = programs[j]
@@ -620,7 +646,13 @@ def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None
                 p.outputs = tuple(o.detach() for o in p.outputs)  # the build pass's graph is done with
         else:
             device = replay.devices[j]
-            _capture(row, device, warmup, streams[device], _partition_order(replay.schedule, j))
+            _warm(row, device, warmup, streams[device])
+    if streams is not None:
+        for row in programs:
+            for p in row:
+                p.outputs, p.in_grads = (), [None] * len(p.inputs)
+        for device, order in replay.device_orders().items():
+            _capture_in_order([(kind, programs[j][i]) for kind, j, i in order], device, streams[device])
     for acc in replay.acc:
         if acc:
             torch._foreach_zero_(acc)

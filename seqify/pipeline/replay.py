@@ -762,13 +762,13 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                 flat.given = {key: programs[constant[key]][i].flat.kept[key] for key in stage.pops if key in constant}
                 p = Program(flat, inputs, params, acc, split)
                 p._outputs()  # real values for the next partition (and the output structure)
-                wanted = [o for o in p.outputs if o.requires_grad]
-                fixed = iter(outs.take(place[i], wanted, copy=False))
-                p.out_grads = [next(fixed) if o.requires_grad else None for o in p.outputs]
                 if streams is not None:
                     # Capturing runs every program again: keep only the values, so building holds one
-                    # micro-batch's activations at a time, not every micro-batch's.
+                    # micro-batch's activations at a time, not every micro-batch's (nothing else here
+                    # may hold an output of the forward: it would keep the whole graph alive).
                     p.outputs = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs)
+                fixed = iter(outs.take(place[i], [o for o in p.outputs if o.requires_grad], copy=False))
+                p.out_grads = [next(fixed) if o.requires_grad else None for o in p.outputs]
                 row.append(p)
             shared |= ins.shared | outs.shared
             for key in stage.pops:

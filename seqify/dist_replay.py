@@ -37,7 +37,9 @@ class RankPrograms:
     values into their fixed inputs, replay, and send the fixed outputs: the sends and receives between
     ranks stay outside the graphs. On the CPU they keep running eagerly, the same computation.
     Micro-batches below ``stop`` are checkpointed: their forward keeps only its inputs and their
-    backward recomputes it (:func:`~seqify.pipeline.replay._checkpoint`)."""
+    backward recomputes it (:func:`~seqify.pipeline.replay._checkpoint`). Under a split schedule (zero
+    bubble) each program's backward is B, the inputs' gradients only, and :meth:`weights` is W, the
+    weights' gradients added later (``Program(split=True)``; their own graphs once captured)."""
 
     def __init__(self, runner: Stage, device: torch.device, graphs: bool, warmup: int = 2) -> None:
         self.runner = runner
@@ -48,14 +50,15 @@ class RankPrograms:
         self.acc = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
         self.sizes: list[int] = []
         self.stop = 0
+        self.split = False
         self.programs: list[Program | None] = []
         self.captured = False
 
-    def begin(self, sizes: list[int], stop: int = 0) -> None:
-        """Start a step of these micro-batch sizes, checkpointing micro-batches below ``stop``: new shapes
-        (or a new ``stop``) build new programs."""
-        if sizes != self.sizes or stop != self.stop:
-            self.sizes, self.stop, self.captured = list(sizes), stop, False
+    def begin(self, sizes: list[int], stop: int = 0, split: bool = False) -> None:
+        """Start a step of these micro-batch sizes, checkpointing micro-batches below ``stop``, with B and W
+        apart when ``split``: new shapes (or a new ``stop`` or ``split``) build new programs."""
+        if sizes != self.sizes or stop != self.stop or split != self.split:
+            self.sizes, self.stop, self.split, self.captured = list(sizes), stop, split, False
             self.programs = [None] * len(sizes)
 
     def _recompute(self, i: int) -> Callable[..., Any] | None:
@@ -81,7 +84,7 @@ class RankPrograms:
                 inputs = tuple(t.detach().clone().requires_grad_(needs_grad and t.is_floating_point()) for t in values)
             carried = None if isinstance(x, torch.Tensor) else len(x)
             flat = _Flat(self.runner, carried, checkpoint=self._recompute(i))
-            p = self.programs[i] = Program(flat, inputs, self.params, self.acc)
+            p = self.programs[i] = Program(flat, inputs, self.params, self.acc, self.split)
         else:
             with torch.no_grad():
                 for buf, v in zip(p.inputs, values):
@@ -96,8 +99,9 @@ class RankPrograms:
         return y, dict(zip(self.runner.stashes, p.outputs[k:]))
 
     def backward(self, i: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Micro-batch ``i``'s backward from the gradients of its outputs (carried, then stashed); the
-        gradients of its inputs (carried, then popped); parameter gradients add up inside."""
+        """Micro-batch ``i``'s backward (B when split) from the gradients of its outputs (carried, then
+        stashed); the gradients of its inputs (carried, then popped); unsplit, the parameters' gradients
+        add up inside."""
         p = self.programs[i]
         assert p is not None
         with torch.no_grad():
@@ -110,10 +114,16 @@ class RankPrograms:
         p.backward()
         return list(p.in_grads)
 
+    def weights(self, i: int) -> None:
+        """W of micro-batch ``i`` (split only): its weights' gradients added into the accumulators."""
+        p = self.programs[i]
+        assert p is not None
+        p.weights()
+
     def finish(self, training: bool, order: Sequence[tuple[str, int]]) -> None:
         """End of a step: hand the summed gradients to ``.grad`` as autograd would, then capture the
         programs as CUDA graphs after the step that built them, in ``order`` (this partition's ('F' |
-        'B', micro-batch) as the schedule issues them)."""
+        'B' | 'W', micro-batch) as the schedule issues them)."""
         programs = [p for p in self.programs if p is not None]
         if training and programs:
             touched = [any(p.touched[k] for p in programs) for k in range(len(self.params))]
@@ -159,12 +169,13 @@ class ProgramRun(RankRun):
     """A training step of ``stage``'s partitions as their fixed programs, in the rank's schedule order
     (the same actions :class:`~seqify.dist_schedule.RankRun` runs eagerly). Values between partitions of
     this rank are handed over directly (copied into the reader's program inputs), values across ranks
-    cross the :class:`~seqify.dist_link.Link`. A split schedule's W is part of its B: a program's
-    backward computes input and weight gradients at once."""
+    cross the :class:`~seqify.dist_link.Link`. Under a split schedule a program's backward is B, whose
+    input gradients are sent on at once, and its W runs when the schedule says."""
 
     def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any],
-                 sizes: list[int], loss_fn: Callable[[Any, Any], torch.Tensor] | None, stop: int) -> None:
-        super().__init__(stage, link, micro, targets, sizes, loss_fn, stop, False)
+                 sizes: list[int], loss_fn: Callable[[Any, Any], torch.Tensor] | None, stop: int,
+                 split: bool = False) -> None:
+        super().__init__(stage, link, micro, targets, sizes, loss_fn, stop, split)
         self.fixed: dict[tuple[int, int], _Fixed] = {}
 
     def forward(self, p: int, i: int) -> None:
@@ -209,7 +220,9 @@ class ProgramRun(RankRun):
                 at += n
 
     def weights(self, p: int, i: int) -> None:
-        """Nothing: the backward program of (p, i) already added its weights' gradients."""
+        """W of (p, i): its program adds the weights' gradients from what its B kept."""
+        self._split_only()
+        self.s._programs[p].weights(i)
 
 
 def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any], sizes: list[int],
@@ -218,8 +231,8 @@ def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets:
     micro-batches below ``stop``; the micro-batch losses on the rank holding the last partition."""
     plan = stage.plan(len(sizes))
     for prog in stage._programs.values():
-        prog.begin(sizes, stop)
-    run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop)
+        prog.begin(sizes, stop, plan.split)
+    run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop, plan.split)
     try:
         run.run(plan.per_device()[stage.index])
         for p, prog in stage._programs.items():

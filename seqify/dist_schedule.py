@@ -184,11 +184,14 @@ class RankRun:
                 popped = w.popped[r.index]
                 self._put((SKIP_GRAD, r.index, i), like_grads(popped, [got.get(id(t)) for t in popped]), r.src)
 
-    def weights(self, p: int, i: int) -> None:
-        """W of a split schedule: the weights' gradients of (p, i), from the gradients B kept."""
+    def _split_only(self) -> None:
         if not self.split:
             raise ScheduleError(f"{self.s.me}: a W action in a schedule whose backward is not split; build the "
                                 "Schedule with split=True or drop its W actions")
+
+    def weights(self, p: int, i: int) -> None:
+        """W of a split schedule: the weights' gradients of (p, i), from the gradients B kept."""
+        self._split_only()
         w = self.work.pop((p, i))
         if w.outs:
             weight_grads(w.outs, w.grads, self.s.params[p], w.boundary)

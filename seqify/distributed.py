@@ -263,7 +263,7 @@ class DistributedStage(nn.Module):
 
     def order(self, m: int) -> list[tuple[str, int]]:
         """This rank's ('F', i) forwards and ('B', i) backwards, of all its partitions (a split schedule's
-        W is left out: fixed programs, ``graphs=True``, run it inside B)."""
+        W steps left out)."""
         return [(a.kind, a.microbatch) for a in self.actions(m) if a.kind != "W"]
 
     def step(

@@ -15,6 +15,7 @@ from torch import nn
 import seqify
 import seqify.distributed as sd
 from seqify.dist_link import Link
+from seqify.pipeline.schedule import Action, Schedule, zb_h1
 
 
 class Tiny(nn.Module):
@@ -75,6 +76,14 @@ def data(name: str, batch: int, step: int = 0) -> tuple[torch.Tensor, torch.Tens
     if name == "resnet18":
         return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
     return torch.randn(batch, 3, 16, 16, generator=g), torch.randn(batch, 2, 16, 16, generator=g)
+
+
+def one_rank_zb(partitions: int, chunks: int) -> Schedule:
+    """Zero bubble (ZB-H1, split B and W) for ``partitions`` partitions all held by one rank: the
+    one-partition-per-device schedule's actions in its order, every one on device 0."""
+    plan = zb_h1(tuple(range(partitions)), chunks)
+    actions = tuple(Action(0, a.partition, a.microbatch, a.kind) for a in plan.actions)
+    return Schedule("zb-h1", (0,) * partitions, chunks, actions, split=True)
 
 
 def loss_fn(name: str):  # type: ignore[no-untyped-def]
@@ -232,6 +241,8 @@ def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: lis
         # graphs=True: per partition, which of its micro-batch programs recompute (are checkpointed)
         record["programs"] = {p: [q is not None and q.flat.checkpoint is not None for q in r.programs]
                               for p, r in stage._programs.items()}
+        # ... and which of them run B and W apart (a split schedule's programs)
+        record["split"] = {p: [q is not None and q.split for q in r.programs] for p, r in stage._programs.items()}
         with torch.no_grad():
             x, _ = data(name, batch, 0)
             record["output"] = stage(x[shard]) if stage.is_first else stage()

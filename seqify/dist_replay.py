@@ -39,10 +39,15 @@ class RankPrograms:
     Micro-batches below ``stop`` are checkpointed: their forward keeps only its inputs and their
     backward recomputes it (:func:`~seqify.pipeline.replay._checkpoint`). Under a split schedule (zero
     bubble) each program's backward is B, the inputs' gradients only, and :meth:`weights` is W, the
-    weights' gradients added later (``Program(split=True)``; their own graphs once captured)."""
+    weights' gradients added later (``Program(split=True)``; their own graphs once captured). Skips that
+    are sizes (``sized``: ints made from shapes, :func:`~seqify.skip.sizes.size_skips`) are no program
+    inputs or outputs: each program keeps those it pops and stashes as constants of its micro-batch, as
+    in-process replay does (``_Flat.given`` and ``kept``)."""
 
-    def __init__(self, runner: Stage, device: torch.device, graphs: bool, warmup: int = 2) -> None:
+    def __init__(self, runner: Stage, device: torch.device, graphs: bool, warmup: int = 2,
+                 sized: frozenset[SkipKey] = frozenset()) -> None:
         self.runner = runner
+        self.sized = sized  # the skips that are sizes: each program holds them as its micro-batch's constants
         self.device = device
         self.graphs = graphs and device.type == "cuda"
         self.warmup = warmup
@@ -77,15 +82,23 @@ class RankPrograms:
     def forward(self, i: int, x: Any, skips: dict[SkipKey, Any], needs_grad: bool) -> tuple[Any, dict[SkipKey, Any]]:
         """Micro-batch ``i`` through the partition: the carried output and the stashed skips (fixed
         tensors, valid until this micro-batch's next forward)."""
-        values = _tensors(x) + [skips[k] for k in self.runner.pops]
+        given = {k: skips[k] for k in self.runner.pops if k in self.sized}
+        values = _tensors(x) + [skips[k] for k in self.runner.pops if k not in given]
         p = self.programs[i]
         if p is None:
             with torch.no_grad():
                 inputs = tuple(t.detach().clone().requires_grad_(needs_grad and t.is_floating_point()) for t in values)
             carried = None if isinstance(x, torch.Tensor) else len(x)
-            flat = _Flat(self.runner, carried, checkpoint=self._recompute(i))
+            flat = _Flat(self.runner, carried, self.sized, checkpoint=self._recompute(i))
+            flat.given = given
             p = self.programs[i] = Program(flat, inputs, self.params, self.acc, self.split)
         else:
+            if given != p.flat.given:
+                raise GraphError(
+                    f"partition {self.runner.index}, micro-batch {i}: its programs were built with sizes "
+                    f"{_named(p.flat.given)} and now receive {_named(given)}: the input shapes changed. "
+                    "seqify.distributed(graphs=True) keeps one set of shapes per micro-batch sizes; keep the other "
+                    "dimensions (sequence length, image size) fixed, or use graphs=False")
             with torch.no_grad():
                 for buf, v in zip(p.inputs, values):
                     buf.copy_(v)
@@ -96,7 +109,8 @@ class RankPrograms:
                              "tensors; move the cut so only tensors leave a partition, or use graphs=False") from e
         k = 1 if p.flat.returns is None else p.flat.returns
         y = p.outputs[0] if p.flat.returns is None else tuple(p.outputs[:k])
-        return y, dict(zip(self.runner.stashes, p.outputs[k:]))
+        tensors = [key for key in self.runner.stashes if key not in p.flat.kept]
+        return y, {**dict(zip(tensors, p.outputs[k:])), **p.flat.kept}
 
     def backward(self, i: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Micro-batch ``i``'s backward (B when split) from the gradients of its outputs (carried, then
@@ -154,6 +168,11 @@ class RankPrograms:
         self.captured = True
 
 
+def _named(sizes: dict[SkipKey, Any]) -> dict[str, Any]:
+    """Size skips by their names, for messages."""
+    return {key[1]: value for key, value in sizes.items()}
+
+
 @dataclass
 class _Fixed:
     """One (partition, micro-batch) between its forward and backward program."""
@@ -207,14 +226,14 @@ class ProgramRun(RankRun):
         else:
             grads = grads_for(leaves(w.y), self._get((GRAD, p, i), p + 1))
         for r in s.routes:
-            if r.src == p:
+            if r.src == p and w.stashed[r.index]:  # a size skip: held by the programs, no gradient
                 grads += grads_for(w.stashed[r.index], self._get((SKIP_GRAD, r.index, i), r.dst))
         in_grads = s._programs[p].backward(i, grads)
         if p > 0:
             self._put((GRAD, p - 1, i), like_grads(w.x, in_grads[:len(w.x)]), p - 1)
         at = len(w.x)
         for r in s.routes:
-            if r.dst == p:
+            if r.dst == p and w.popped[r.index]:
                 n = len(w.popped[r.index])
                 self._put((SKIP_GRAD, r.index, i), like_grads(w.popped[r.index], in_grads[at:at + n]), r.src)
                 at += n

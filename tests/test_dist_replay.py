@@ -73,7 +73,16 @@ def test_zero_bubble_programs_run_b_and_w_apart_and_train_like_the_source(checkp
             _run(self)
 
         monkeypatch.setattr(Program, name, counted)
+    captured: dict[int, list[tuple[str, int]]] = {}
+
+    def record(self: RankPrograms, programs: list[Any], order: list[tuple[str, int]]) -> None:
+        captured[self.runner.index] = list(order)  # CUDA is not here: what would be captured, in which order
+        self.captured = True
+
+    monkeypatch.setattr(RankPrograms, "_capture", record)
     model, stage = one_rank(worker.one_rank_zb(4, 4), checkpoint, graphs=True)
+    for prog in stage._programs.values():
+        prog.graphs = True  # as on CUDA
     got = train(model, stage, steps=3)
     want = train(worker.build("skippy").train(), None, steps=3)
     for (loss, grads), (ref_loss, ref_grads) in zip(got, want):
@@ -83,6 +92,9 @@ def test_zero_bubble_programs_run_b_and_w_apart_and_train_like_the_source(checkp
             torch.testing.assert_close(g, ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
     assert all(p is not None and p.split for prog in stage._programs.values() for p in prog.programs)
     assert walks == ["_grads_weight"] * (3 * 4 * 4)  # one W per (step, partition, micro-batch), no whole backward
+    plan = stage.plan(4)
+    assert captured == {p: _partition_order(plan, p) for p in range(4)}  # each partition's W steps in place
+    assert all(sorted(i for kind, i in order if kind == "W") == [0, 1, 2, 3] for order in captured.values())
 
 
 def test_programs_are_captured_once_per_partition_in_the_order_the_schedule_issues_them(

@@ -82,7 +82,8 @@ class RankPrograms:
     def forward(self, i: int, x: Any, skips: dict[SkipKey, Any], needs_grad: bool) -> tuple[Any, dict[SkipKey, Any]]:
         """Micro-batch ``i`` through the partition: the carried output and the stashed skips (fixed
         tensors, valid until this micro-batch's next forward)."""
-        given = {k: skips[k] for k in self.runner.pops if k in self.sized}
+        # as the stashing program keeps them: the sizes that are not tensors
+        given = {k: skips[k] for k in self.runner.pops if k in self.sized and not isinstance(skips[k], torch.Tensor)}
         values = _tensors(x) + [skips[k] for k in self.runner.pops if k not in given]
         p = self.programs[i]
         if p is None:

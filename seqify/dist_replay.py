@@ -207,7 +207,10 @@ class ProgramRun(RankRun):
             if r.dst == p:
                 skips[s.skip_key(r)] = self._get((SKIP, r.index, i), r.src)
                 w.popped[r.index] = leaves(skips[s.skip_key(r)])
-        y, stashed = s._programs[p].forward(i, x, skips, needs_grad=p > 0)
+        try:
+            y, stashed = s._programs[p].forward(i, x, skips, needs_grad=p > 0)
+        except GraphError as e:  # say which rank, too
+            raise GraphError(f"{s.me}: {e}") from e
         self._send(p, i, y, stashed, w)
         if p == self.last:  # the loss on leaves: a program's outputs carry no autograd history
             assert self.loss_fn is not None

@@ -130,6 +130,8 @@ def test_a_partition_returning_a_python_value_says_to_use_graphs_false() -> None
     programs.begin([2])
     with pytest.raises(seqify.GraphError, match="graphs=False"):
         programs.forward(0, torch.zeros(2, 3), {}, needs_grad=False)
+    with pytest.raises(seqify.GraphError, match=r"^rank 0 \(stage 1/1, partitions \[0, 1\].*graphs=False"):
+        stage.step(torch.zeros(2, 3), torch.zeros(2, 3), loss_fn=torch.nn.functional.mse_loss)  # names the rank
 
 
 def test_checkpointed_programs_update_batch_norm_statistics_once() -> None:

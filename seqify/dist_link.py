@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .dist_sizes import KINDS, decode, encode, is_size
 from .errors import BoundaryError, PeerError, SeqifyError
 
 __all__ = ["Link", "Key", "ACTIVATION", "SKIP", "GRAD", "SKIP_GRAD", "peer", "leaves", "grads_for", "like_grads"]
@@ -48,8 +49,9 @@ def peer(me: str, who: int | list[int], what: str) -> Iterator[None]:
 
 
 def leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors of a value that crosses a boundary (a tensor, a tuple of tensors, or None)."""
-    if value is None:
+    """The tensors of a value that crosses a boundary (a tensor, a tuple of tensors, None, or a size:
+    none)."""
+    if value is None or is_size(value):
         return []
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
@@ -72,8 +74,9 @@ def _describe(key: Key) -> str:
 
 
 class Link:
-    """Sends values (a tensor, a tuple of tensors or None) to other ranks under a key, with a header
-    giving the key, dtypes and shapes, so receivers need no shapes in advance.
+    """Sends values (a tensor, a tuple of tensors, None, or a size: a Python int, float or bool or a
+    ``torch.Size``, as a size skip holds) to other ranks under a key, with a header giving the key,
+    dtypes and shapes, so receivers need no shapes in advance; a size travels in the header alone.
 
     Between two ranks messages arrive in the order they were sent; :meth:`recv` of a key reads the
     sender's messages in that order, keeping those that are not yet wanted for a later :meth:`recv`.
@@ -87,9 +90,13 @@ class Link:
         self.inbox: dict[tuple[int, Key], Any] = {}
 
     def send(self, key: Key, value: Any, dst: int) -> None:
+        words: list[int] = []
         if value is None:
             tensors: tuple[torch.Tensor, ...] = ()
             kind = 2
+        elif is_size(value):
+            tensors = ()
+            kind, words = encode(value)
         elif isinstance(value, torch.Tensor):
             tensors, kind = (value,), 0
         elif type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value):
@@ -97,14 +104,20 @@ class Link:
         else:
             raise BoundaryError(
                 f"a {type(value).__name__} must cross to rank {dst} ({_describe(key)}); only tensors, tuples of "
-                "tensors and None travel between processes (move the cut so Python values stay inside one stage)"
+                "tensors, None and sizes (ints, floats, torch.Size) travel between processes (move the cut so other "
+                "Python values stay inside one stage)"
             )
+        if len(words) > _HEADER - _KEY - 2:
+            raise BoundaryError(f"a torch.Size of {len(words)} dims must cross to rank {dst} ({_describe(key)}); at "
+                                f"most {_HEADER - _KEY - 2} travel: move the cut")
         if len(tensors) > _MAX_TENSORS or any(t.dim() > _MAX_DIMS for t in tensors):
             raise BoundaryError(f"at most {_MAX_TENSORS} tensors of at most {_MAX_DIMS} dims cross ranks at once "
                                 f"({_describe(key)} has {len(tensors)}): move the cut")
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[:_KEY] = torch.tensor(key, dtype=torch.int64)
-        header[_KEY], header[_KEY + 1] = kind, len(tensors)
+        header[_KEY], header[_KEY + 1] = kind, len(words) if kind in KINDS else len(tensors)
+        if words:
+            header[_KEY + 2:_KEY + 2 + len(words)] = torch.tensor(words, dtype=torch.int64)
         for k, t in enumerate(tensors):
             base = _KEY + 2 + k * _SLOT
             header[base] = _DTYPES.index(t.dtype)
@@ -127,6 +140,8 @@ class Link:
         header = header.cpu()
         key = (int(header[0]), int(header[1]), int(header[2]))
         kind, n = int(header[_KEY]), int(header[_KEY + 1])
+        if kind in KINDS:
+            return key, decode(kind, [int(v) for v in header[_KEY + 2:_KEY + 2 + n]])
         tensors = []
         for k in range(n):
             base = _KEY + 2 + k * _SLOT

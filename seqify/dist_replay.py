@@ -37,10 +37,17 @@ class RankPrograms:
     values into their fixed inputs, replay, and send the fixed outputs: the sends and receives between
     ranks stay outside the graphs. On the CPU they keep running eagerly, the same computation.
     Micro-batches below ``stop`` are checkpointed: their forward keeps only its inputs and their
-    backward recomputes it (:func:`~seqify.pipeline.replay._checkpoint`)."""
+    backward recomputes it (:func:`~seqify.pipeline.replay._checkpoint`). Under a split schedule (zero
+    bubble) each program's backward is B, the inputs' gradients only, and :meth:`weights` is W, the
+    weights' gradients added later (``Program(split=True)``; their own graphs once captured). Skips that
+    are sizes (``sized``: ints made from shapes, :func:`~seqify.skip.sizes.size_skips`) are no program
+    inputs or outputs: each program keeps those it pops and stashes as constants of its micro-batch, as
+    in-process replay does (``_Flat.given`` and ``kept``)."""
 
-    def __init__(self, runner: Stage, device: torch.device, graphs: bool, warmup: int = 2) -> None:
+    def __init__(self, runner: Stage, device: torch.device, graphs: bool, warmup: int = 2,
+                 sized: frozenset[SkipKey] = frozenset()) -> None:
         self.runner = runner
+        self.sized = sized  # the skips that are sizes: each program holds them as its micro-batch's constants
         self.device = device
         self.graphs = graphs and device.type == "cuda"
         self.warmup = warmup
@@ -48,14 +55,15 @@ class RankPrograms:
         self.acc = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
         self.sizes: list[int] = []
         self.stop = 0
+        self.split = False
         self.programs: list[Program | None] = []
         self.captured = False
 
-    def begin(self, sizes: list[int], stop: int = 0) -> None:
-        """Start a step of these micro-batch sizes, checkpointing micro-batches below ``stop``: new shapes
-        (or a new ``stop``) build new programs."""
-        if sizes != self.sizes or stop != self.stop:
-            self.sizes, self.stop, self.captured = list(sizes), stop, False
+    def begin(self, sizes: list[int], stop: int = 0, split: bool = False) -> None:
+        """Start a step of these micro-batch sizes, checkpointing micro-batches below ``stop``, with B and W
+        apart when ``split``: new shapes (or a new ``stop`` or ``split``) build new programs."""
+        if sizes != self.sizes or stop != self.stop or split != self.split:
+            self.sizes, self.stop, self.split, self.captured = list(sizes), stop, split, False
             self.programs = [None] * len(sizes)
 
     def _recompute(self, i: int) -> Callable[..., Any] | None:
@@ -74,15 +82,24 @@ class RankPrograms:
     def forward(self, i: int, x: Any, skips: dict[SkipKey, Any], needs_grad: bool) -> tuple[Any, dict[SkipKey, Any]]:
         """Micro-batch ``i`` through the partition: the carried output and the stashed skips (fixed
         tensors, valid until this micro-batch's next forward)."""
-        values = _tensors(x) + [skips[k] for k in self.runner.pops]
+        # as the stashing program keeps them: the sizes that are not tensors
+        given = {k: skips[k] for k in self.runner.pops if k in self.sized and not isinstance(skips[k], torch.Tensor)}
+        values = _tensors(x) + [skips[k] for k in self.runner.pops if k not in given]
         p = self.programs[i]
         if p is None:
             with torch.no_grad():
                 inputs = tuple(t.detach().clone().requires_grad_(needs_grad and t.is_floating_point()) for t in values)
             carried = None if isinstance(x, torch.Tensor) else len(x)
-            flat = _Flat(self.runner, carried, checkpoint=self._recompute(i))
-            p = self.programs[i] = Program(flat, inputs, self.params, self.acc)
+            flat = _Flat(self.runner, carried, self.sized, checkpoint=self._recompute(i))
+            flat.given = given
+            p = self.programs[i] = Program(flat, inputs, self.params, self.acc, self.split)
         else:
+            if given != p.flat.given:
+                raise GraphError(
+                    f"partition {self.runner.index}, micro-batch {i}: its programs were built with sizes "
+                    f"{_named(p.flat.given)} and now receive {_named(given)}: the input shapes changed. "
+                    "seqify.distributed(graphs=True) keeps one set of shapes per micro-batch sizes; keep the other "
+                    "dimensions (sequence length, image size) fixed, or use graphs=False")
             with torch.no_grad():
                 for buf, v in zip(p.inputs, values):
                     buf.copy_(v)
@@ -93,11 +110,13 @@ class RankPrograms:
                              "tensors; move the cut so only tensors leave a partition, or use graphs=False") from e
         k = 1 if p.flat.returns is None else p.flat.returns
         y = p.outputs[0] if p.flat.returns is None else tuple(p.outputs[:k])
-        return y, dict(zip(self.runner.stashes, p.outputs[k:]))
+        tensors = [key for key in self.runner.stashes if key not in p.flat.kept]
+        return y, {**dict(zip(tensors, p.outputs[k:])), **p.flat.kept}
 
     def backward(self, i: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Micro-batch ``i``'s backward from the gradients of its outputs (carried, then stashed); the
-        gradients of its inputs (carried, then popped); parameter gradients add up inside."""
+        """Micro-batch ``i``'s backward (B when split) from the gradients of its outputs (carried, then
+        stashed); the gradients of its inputs (carried, then popped); unsplit, the parameters' gradients
+        add up inside."""
         p = self.programs[i]
         assert p is not None
         with torch.no_grad():
@@ -110,10 +129,16 @@ class RankPrograms:
         p.backward()
         return list(p.in_grads)
 
+    def weights(self, i: int) -> None:
+        """W of micro-batch ``i`` (split only): its weights' gradients added into the accumulators."""
+        p = self.programs[i]
+        assert p is not None
+        p.weights()
+
     def finish(self, training: bool, order: Sequence[tuple[str, int]]) -> None:
         """End of a step: hand the summed gradients to ``.grad`` as autograd would, then capture the
         programs as CUDA graphs after the step that built them, in ``order`` (this partition's ('F' |
-        'B', micro-batch) as the schedule issues them)."""
+        'B' | 'W', micro-batch) as the schedule issues them)."""
         programs = [p for p in self.programs if p is not None]
         if training and programs:
             touched = [any(p.touched[k] for p in programs) for k in range(len(self.params))]
@@ -144,6 +169,11 @@ class RankPrograms:
         self.captured = True
 
 
+def _named(sizes: dict[SkipKey, Any]) -> dict[str, Any]:
+    """Size skips by their names, for messages."""
+    return {key[1]: value for key, value in sizes.items()}
+
+
 @dataclass
 class _Fixed:
     """One (partition, micro-batch) between its forward and backward program."""
@@ -159,12 +189,13 @@ class ProgramRun(RankRun):
     """A training step of ``stage``'s partitions as their fixed programs, in the rank's schedule order
     (the same actions :class:`~seqify.dist_schedule.RankRun` runs eagerly). Values between partitions of
     this rank are handed over directly (copied into the reader's program inputs), values across ranks
-    cross the :class:`~seqify.dist_link.Link`. A split schedule's W is part of its B: a program's
-    backward computes input and weight gradients at once."""
+    cross the :class:`~seqify.dist_link.Link`. Under a split schedule a program's backward is B, whose
+    input gradients are sent on at once, and its W runs when the schedule says."""
 
     def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any],
-                 sizes: list[int], loss_fn: Callable[[Any, Any], torch.Tensor] | None, stop: int) -> None:
-        super().__init__(stage, link, micro, targets, sizes, loss_fn, stop, False)
+                 sizes: list[int], loss_fn: Callable[[Any, Any], torch.Tensor] | None, stop: int,
+                 split: bool = False) -> None:
+        super().__init__(stage, link, micro, targets, sizes, loss_fn, stop, split)
         self.fixed: dict[tuple[int, int], _Fixed] = {}
 
     def forward(self, p: int, i: int) -> None:
@@ -176,7 +207,10 @@ class ProgramRun(RankRun):
             if r.dst == p:
                 skips[s.skip_key(r)] = self._get((SKIP, r.index, i), r.src)
                 w.popped[r.index] = leaves(skips[s.skip_key(r)])
-        y, stashed = s._programs[p].forward(i, x, skips, needs_grad=p > 0)
+        try:
+            y, stashed = s._programs[p].forward(i, x, skips, needs_grad=p > 0)
+        except GraphError as e:  # say which rank, too
+            raise GraphError(f"{s.me}: {e}") from e
         self._send(p, i, y, stashed, w)
         if p == self.last:  # the loss on leaves: a program's outputs carry no autograd history
             assert self.loss_fn is not None
@@ -196,20 +230,22 @@ class ProgramRun(RankRun):
         else:
             grads = grads_for(leaves(w.y), self._get((GRAD, p, i), p + 1))
         for r in s.routes:
-            if r.src == p:
+            if r.src == p and w.stashed[r.index]:  # a size skip: held by the programs, no gradient
                 grads += grads_for(w.stashed[r.index], self._get((SKIP_GRAD, r.index, i), r.dst))
         in_grads = s._programs[p].backward(i, grads)
         if p > 0:
             self._put((GRAD, p - 1, i), like_grads(w.x, in_grads[:len(w.x)]), p - 1)
         at = len(w.x)
         for r in s.routes:
-            if r.dst == p:
+            if r.dst == p and w.popped[r.index]:
                 n = len(w.popped[r.index])
                 self._put((SKIP_GRAD, r.index, i), like_grads(w.popped[r.index], in_grads[at:at + n]), r.src)
                 at += n
 
     def weights(self, p: int, i: int) -> None:
-        """Nothing: the backward program of (p, i) already added its weights' gradients."""
+        """W of (p, i): its program adds the weights' gradients from what its B kept."""
+        self._split_only()
+        self.s._programs[p].weights(i)
 
 
 def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any], sizes: list[int],
@@ -218,8 +254,8 @@ def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets:
     micro-batches below ``stop``; the micro-batch losses on the rank holding the last partition."""
     plan = stage.plan(len(sizes))
     for prog in stage._programs.values():
-        prog.begin(sizes, stop)
-    run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop)
+        prog.begin(sizes, stop, plan.split)
+    run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop, plan.split)
     try:
         run.run(plan.per_device()[stage.index])
         for p, prog in stage._programs.items():

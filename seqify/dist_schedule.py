@@ -10,6 +10,7 @@ import torch
 
 from .dist_backward import input_grads, weight_grads
 from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Key, Link, grads_for, leaves, like_grads
+from .dist_sizes import is_size
 from .errors import ScheduleError
 from .pipeline.checkpoint import checkpointed
 from .pipeline.schedule import Action
@@ -25,9 +26,10 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
     """Received tensors as leaves that collect gradients, and clones of them for the partition to use (a
-    first layer may work in place, which autograd forbids on a leaf)."""
-    if value is None:
-        return None, []
+    first layer may work in place, which autograd forbids on a leaf); a size (an int made from shapes) as
+    it is, with no leaves."""
+    if value is None or is_size(value):
+        return value, []
     tensors = leaves(value)
     made = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
     used = [t.clone() if t.requires_grad else t for t in made]
@@ -53,7 +55,9 @@ class RankRun:
     Each (partition, micro-batch) forward runs on *leaves*, detached copies of what it reads (the
     previous partition's output, popped skips), so its backward runs on its own whenever the schedule
     says. A value for a partition on another rank is sent (:class:`~seqify.dist_link.Link`); one for a
-    partition on this rank is handed over directly. B of a split schedule (zero bubble) computes only
+    partition on this rank is handed over directly; a skip that holds a size (an int made from shapes, as
+    export-converted transformers models carry the batch size) crosses as that value and gets no gradient
+    message back (nor does any skip without tensors). B of a split schedule (zero bubble) computes only
     the gradients of its leaves and sends them on at once; W later adds the weights' gradients
     (:mod:`seqify.dist_backward`). Unsplit, B does both in one ``torch.autograd.backward``."""
 
@@ -155,7 +159,7 @@ class RankRun:
             outs += ys
             grads += grads_for(ys, self._get((GRAD, p, i), p + 1))
         for r in self.s.routes:
-            if r.src == p:
+            if r.src == p and w.stashed[r.index]:  # a skip without tensors (a size) gets no gradient back
                 outs += w.stashed[r.index]
                 grads += grads_for(w.stashed[r.index], self._get((SKIP_GRAD, r.index, i), r.dst))
         keep = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and (g is not None or p == self.last)]
@@ -180,15 +184,18 @@ class RankRun:
         if p > 0:
             self._put((GRAD, p - 1, i), like_grads(w.x, [got.get(id(t)) for t in w.x]), p - 1)
         for r in self.s.routes:
-            if r.dst == p:
+            if r.dst == p and w.popped[r.index]:
                 popped = w.popped[r.index]
                 self._put((SKIP_GRAD, r.index, i), like_grads(popped, [got.get(id(t)) for t in popped]), r.src)
 
-    def weights(self, p: int, i: int) -> None:
-        """W of a split schedule: the weights' gradients of (p, i), from the gradients B kept."""
+    def _split_only(self) -> None:
         if not self.split:
             raise ScheduleError(f"{self.s.me}: a W action in a schedule whose backward is not split; build the "
                                 "Schedule with split=True or drop its W actions")
+
+    def weights(self, p: int, i: int) -> None:
+        """W of a split schedule: the weights' gradients of (p, i), from the gradients B kept."""
+        self._split_only()
         w = self.work.pop((p, i))
         if w.outs:
             weight_grads(w.outs, w.grads, self.s.params[p], w.boundary)

@@ -27,6 +27,7 @@ from .pipeline import tied
 from .sequential import Sequential
 from .skip.layout import routes
 from .skip.namespace import SkipKey
+from .skip.sizes import size_skips
 
 __all__ = ["DistributedStage", "stage", "init", "save", "load", "merge", "SCHEDULES", "placement_for"]
 
@@ -148,6 +149,8 @@ class DistributedStage(nn.Module):
             if part_of[r.stash] != part_of[r.pop]
         ]
         self._key: dict[int, SkipKey] = {rt.index: found[rt.index].key for rt in self.routes}
+        # skips whose values are sizes (ints made from shapes): fixed programs hold them per micro-batch
+        self.sized = frozenset(size_skips(layers))
         object.__setattr__(self, "model", model)
         self.balance = list(balance)
         self.index = index
@@ -175,7 +178,7 @@ class DistributedStage(nn.Module):
         self.runner = self.runners[self.owned[0]]
         # graphs=True: each partition's micro-batches as fixed programs (dist_replay), one set per partition
         self._programs: dict[int, RankPrograms] = (
-            {p: RankPrograms(r, device, graphs) for p, r in self.runners.items()} if graphs else {})
+            {p: RankPrograms(r, device, graphs, sized=self.sized) for p, r in self.runners.items()} if graphs else {})
 
     @property
     def is_first(self) -> bool:
@@ -263,7 +266,7 @@ class DistributedStage(nn.Module):
 
     def order(self, m: int) -> list[tuple[str, int]]:
         """This rank's ('F', i) forwards and ('B', i) backwards, of all its partitions (a split schedule's
-        W is left out: fixed programs, ``graphs=True``, run it inside B)."""
+        W steps left out)."""
         return [(a.kind, a.microbatch) for a in self.actions(m) if a.kind != "W"]
 
     def step(

@@ -15,6 +15,7 @@ from torch import nn
 import seqify
 import seqify.distributed as sd
 from seqify.dist_link import Link
+from seqify.pipeline.schedule import Action, Schedule, zb_h1
 
 
 class Tiny(nn.Module):
@@ -63,6 +64,12 @@ def build(name: str) -> torch.nn.Module:
         import torchvision
 
         return torchvision.models.resnet18(num_classes=10)
+    if name == "llama":  # export-converted: the batch size skips across layers as a size (an int)
+        import transformers
+
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+        return transformers.LlamaForCausalLM(cfg).double()
     return seqify.zoo.unet(depth=3, blocks=1, channels=4, out_channels=2)
 
 
@@ -74,10 +81,34 @@ def data(name: str, batch: int, step: int = 0) -> tuple[torch.Tensor, torch.Tens
         return torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g)
     if name == "resnet18":
         return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    if name == "llama":
+        return torch.randint(0, 64, (batch, 8), generator=g), torch.randint(0, 64, (batch, 8), generator=g)
     return torch.randn(batch, 3, 16, 16, generator=g), torch.randn(batch, 2, 16, 16, generator=g)
 
 
+def one_rank_zb(partitions: int, chunks: int) -> Schedule:
+    """Zero bubble (ZB-H1, split B and W) for ``partitions`` partitions all held by one rank: the
+    one-partition-per-device schedule's actions in its order, every one on device 0."""
+    plan = zb_h1(tuple(range(partitions)), chunks)
+    actions = tuple(Action(0, a.partition, a.microbatch, a.kind) for a in plan.actions)
+    return Schedule("zb-h1", (0,) * partitions, chunks, actions, split=True)
+
+
+def converted(name: str, model: nn.Module) -> nn.Module:
+    """``model`` as seqify layers: the export frontend for the transformers model, fx for the others."""
+    if name == "llama":
+        return seqify.convert(model, example_inputs={"input_ids": data(name, 4)[0]}, frontend="export")
+    return seqify.convert(model)
+
+
+def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """A causal language model's loss on its logits (every position's next token given as ``target``)."""
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
 def loss_fn(name: str):  # type: ignore[no-untyped-def]
+    if name == "llama":
+        return lm_loss
     return F.mse_loss if name == "unet" else F.cross_entropy
 
 
@@ -197,7 +228,7 @@ def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: lis
                                          timeout=datetime.timedelta(seconds=60))
     try:
         model = build(name).train()
-        stage = sd.stage(seqify.convert(model), balance=balance, chunks=chunks, checkpoint=checkpoint,
+        stage = sd.stage(converted(name, model), balance=balance, chunks=chunks, checkpoint=checkpoint,
                          schedule=schedule, loops=loops, graphs=graphs)
         names = {id(p): n for n, p in model.named_parameters()}
         opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
@@ -232,6 +263,11 @@ def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: lis
         # graphs=True: per partition, which of its micro-batch programs recompute (are checkpointed)
         record["programs"] = {p: [q is not None and q.flat.checkpoint is not None for q in r.programs]
                               for p, r in stage._programs.items()}
+        # ... and which of them run B and W apart (a split schedule's programs)
+        record["split"] = {p: [q is not None and q.split for q in r.programs] for p, r in stage._programs.items()}
+        # ... and the size skips each holds as its micro-batch's constants: popped (given) and stashed (kept)
+        record["sizes"] = {p: [(q.flat.given, q.flat.kept) if q is not None else None for q in r.programs]
+                           for p, r in stage._programs.items()}
         with torch.no_grad():
             x, _ = data(name, batch, 0)
             record["output"] = stage(x[shard]) if stage.is_first else stage()

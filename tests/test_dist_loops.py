@@ -184,7 +184,7 @@ def test_a_dying_rank_ends_its_peer_with_a_peer_error(tmp_path: Path, graphs: bo
 
 @pytest.mark.parametrize(("schedule", "checkpoint", "owned"), [
     ("interleaved", "never", [[0, 2], [1, 3]]),
-    ("zb-h1", "never", [[0, 3], [1, 2]]),  # W runs inside each program's backward
+    ("zb-h1", "never", [[0, 3], [1, 2]]),  # each program's B and W apart
     ("interleaved", "always", [[0, 2], [1, 3]]),
     ("zb-h1", "except_last", [[0, 3], [1, 2]]),
 ])
@@ -200,4 +200,5 @@ def test_fixed_programs_with_two_partitions_per_rank_equal_one_process(tmp_path:
     stop = {"always": 4, "except_last": 3, "never": 0}[checkpoint]
     for r in results:  # every partition of the rank ran as programs, checkpointed below stop
         assert r["programs"] == {p: [i < stop for i in range(4)] for p in r["owned"]}
+        assert r["split"] == {p: [schedule == "zb-h1"] * 4 for p in r["owned"]}
     check(results, reference())

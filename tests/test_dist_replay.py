@@ -12,12 +12,13 @@ import dist_worker as worker
 import seqify
 import seqify.distributed as sd
 from seqify.dist_replay import RankPrograms
+from seqify.pipeline.replay import Program
 from seqify.pipeline.replay import _partition_order
 
 BALANCE = [3, 3, 4, 4]  # Skippy's 14 layers, every skip between two partitions
 
 
-def one_rank(schedule: str, checkpoint: str, graphs: bool) -> tuple[torch.nn.Module, sd.DistributedStage]:
+def one_rank(schedule: Any, checkpoint: str, graphs: bool) -> tuple[torch.nn.Module, sd.DistributedStage]:
     model = worker.build("skippy").train()
     stage = sd.DistributedStage(seqify.convert(model), BALANCE, index=0, device=torch.device("cpu"), chunks=4,
                                 schedule=schedule, loops=4, checkpoint=checkpoint, graphs=graphs)
@@ -60,6 +61,42 @@ def test_one_rank_of_four_partitions_as_programs_trains_like_the_source(schedule
         assert [p is not None and p.flat.checkpoint is not None for p in prog.programs] == [i < stop for i in range(4)]
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_zero_bubble_programs_run_b_and_w_apart_and_train_like_the_source(checkpoint: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # a split schedule's programs: B sends input gradients on, W adds the weights' gradients when the
+    # schedule says (not inside B), each its own graph once captured
+    walks: list[str] = []
+    for name in ("_grads", "_grads_weight"):
+        def counted(self: Program, _run: Any = getattr(Program, name), _name: str = name) -> None:
+            walks.append(_name)
+            _run(self)
+
+        monkeypatch.setattr(Program, name, counted)
+    captured: dict[int, list[tuple[str, int]]] = {}
+
+    def record(self: RankPrograms, programs: list[Any], order: list[tuple[str, int]]) -> None:
+        captured[self.runner.index] = list(order)  # CUDA is not here: what would be captured, in which order
+        self.captured = True
+
+    monkeypatch.setattr(RankPrograms, "_capture", record)
+    model, stage = one_rank(worker.one_rank_zb(4, 4), checkpoint, graphs=True)
+    for prog in stage._programs.values():
+        prog.graphs = True  # as on CUDA
+    got = train(model, stage, steps=3)
+    want = train(worker.build("skippy").train(), None, steps=3)
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, want):
+        assert loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+        assert set(grads) == set(ref_grads)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+    assert all(p is not None and p.split for prog in stage._programs.values() for p in prog.programs)
+    assert walks == ["_grads_weight"] * (3 * 4 * 4)  # one W per (step, partition, micro-batch), no whole backward
+    plan = stage.plan(4)
+    assert captured == {p: _partition_order(plan, p) for p in range(4)}  # each partition's W steps in place
+    assert all(sorted(i for kind, i in order if kind == "W") == [0, 1, 2, 3] for order in captured.values())
+
+
 def test_programs_are_captured_once_per_partition_in_the_order_the_schedule_issues_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # graph pools reuse memory in capture order: each partition's programs must be captured as the rank's
@@ -93,6 +130,8 @@ def test_a_partition_returning_a_python_value_says_to_use_graphs_false() -> None
     programs.begin([2])
     with pytest.raises(seqify.GraphError, match="graphs=False"):
         programs.forward(0, torch.zeros(2, 3), {}, needs_grad=False)
+    with pytest.raises(seqify.GraphError, match=r"^rank 0 \(stage 1/1, partitions \[0, 1\].*graphs=False"):
+        stage.step(torch.zeros(2, 3), torch.zeros(2, 3), loss_fn=torch.nn.functional.mse_loss)  # names the rank
 
 
 def test_checkpointed_programs_update_batch_norm_statistics_once() -> None:

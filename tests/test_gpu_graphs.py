@@ -130,11 +130,13 @@ def test_checkpointed_graphs_recompute_inside_the_captured_backward(schedule: st
     assert not noisy.graphs
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1"])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_distributed_rank_of_four_partitions_captures_and_trains_like_the_source(checkpoint: str) -> None:
-    """seqify.distributed's fixed programs on a GPU: one rank holding four partitions (interleaved), values
-    handed over between them directly, each partition captured in its schedule order (checkpointed ones
-    recompute inside their captured backward); three SGD steps agree with the source on the same GPU."""
+def test_distributed_rank_of_four_partitions_captures_and_trains_like_the_source(checkpoint: str, schedule: str) -> None:
+    """seqify.distributed's fixed programs on a GPU: one rank holding four partitions (interleaved, or
+    ZB-H1's split B and W on one rank: each B and each W its own graph), values handed over between them
+    directly, each partition captured in its schedule order (checkpointed ones recompute inside their
+    captured backward); three SGD steps agree with the source on the same GPU."""
     import dist_worker as worker
     import seqify.distributed as sd
 
@@ -142,8 +144,9 @@ def test_distributed_rank_of_four_partitions_captures_and_trains_like_the_source
     torch.manual_seed(0)
     model = worker.build("skippy").train().to(device)
     reference = copy.deepcopy(model)
+    plan = worker.one_rank_zb(4, 4) if schedule == "zb-h1" else schedule
     stage = sd.DistributedStage(seqify.convert(model), [3, 3, 4, 4], index=0, device=device, chunks=4,
-                                schedule="interleaved", loops=4, checkpoint=checkpoint, graphs=True)
+                                schedule=plan, loops=4, checkpoint=checkpoint, graphs=True)
     loss_fn = worker.loss_fn("skippy")
     opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -160,3 +163,8 @@ def test_distributed_rank_of_four_partitions_captures_and_trains_like_the_source
         opt.step()
         opt_ref.step()
     assert all(prog.captured and all(p.graphs is not None for p in prog.programs) for prog in stage._programs.values())
+    split = schedule == "zb-h1"
+    for j, prog in stage._programs.items():
+        # every program split exactly under zero bubble; each W captured where its partition has weights
+        # and a gradient reaches it (all of Skippy's partitions do)
+        assert all(p.split == split and (p.graphs[2] is not None) == split for p in prog.programs), j

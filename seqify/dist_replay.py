@@ -100,6 +100,14 @@ class RankPrograms:
                     f"{_named(p.flat.given)} and now receive {_named(given)}: the input shapes changed. "
                     "seqify.distributed(graphs=True) keeps one set of shapes per micro-batch sizes; keep the other "
                     "dimensions (sequence length, image size) fixed, or use graphs=False")
+            built = [(tuple(b.shape), b.dtype) for b in p.inputs]
+            now = [(tuple(v.shape), v.dtype) for v in values]
+            if built != now:  # a copy would fail, or broadcast into the fixed buffer: silently wrong
+                raise GraphError(
+                    f"partition {self.runner.index}, micro-batch {i}: its programs were built for inputs "
+                    f"{_shapes(built)} and now receive {_shapes(now)}. seqify.distributed(graphs=True) keeps one "
+                    "set of shapes per micro-batch sizes; keep the other dimensions (sequence length, image size) "
+                    "fixed, or use graphs=False")
             with torch.no_grad():
                 for buf, v in zip(p.inputs, values):
                     buf.copy_(v)
@@ -167,6 +175,11 @@ class RankPrograms:
             if self.acc:
                 torch._foreach_zero_(self.acc)
         self.captured = True
+
+
+def _shapes(inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
+    """Input shapes and dtypes, for messages."""
+    return ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in inputs)
 
 
 def _named(sizes: dict[SkipKey, Any]) -> dict[str, Any]:

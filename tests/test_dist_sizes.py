@@ -91,6 +91,13 @@ def test_one_rank_of_programs_holds_each_size_per_micro_batch_and_refuses_anothe
     skips = {**dict(zip(tensor_keys, prog.inputs[k:])), **{key: v + 1 for key, v in prog.flat.given.items()}}
     with pytest.raises(seqify.GraphError, match=r"partition 1, micro-batch 0.*sym_size.*graphs=False"):
         programs.forward(0, x_in, skips, needs_grad=True)
+    # the same sizes but a tensor of another shape that would broadcast into the fixed input: refused too
+    first = prog.inputs[0]
+    narrow = first[..., :1].clone()  # [b, s, 1] copies into [b, s, h] without complaint
+    x_narrow = narrow if prog.flat.carried is None else (narrow, *prog.inputs[1:k])
+    skips = {**dict(zip(tensor_keys, prog.inputs[k:])), **prog.flat.given}
+    with pytest.raises(seqify.GraphError, match=r"partition 1, micro-batch 0: its programs were built for inputs"):
+        programs.forward(0, x_narrow, skips, needs_grad=True)
 
 
 @pytest.mark.parametrize(("schedule", "loops", "balance", "graphs"), [

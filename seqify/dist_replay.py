@@ -12,8 +12,8 @@ import torch
 from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
 from .dist_schedule import RankRun
 from .errors import GraphError
-from .pipeline.replay import (Program, Unreplayable, _buffers, _capture, _checkpoint, _Flat, _hand_over,
-                              _partition_order)
+from .pipeline.replay import (Program, Unreplayable, _buffers, _capture_in_order, _checkpoint, _Flat, _hand_over,
+                              _warm)
 from .pipeline.replayed import GraphWarning
 from .pipeline.stage import Stage
 from .sequential import Sequential
@@ -143,10 +143,8 @@ class RankPrograms:
         assert p is not None
         p.weights()
 
-    def finish(self, training: bool, order: Sequence[tuple[str, int]]) -> None:
-        """End of a step: hand the summed gradients to ``.grad`` as autograd would, then capture the
-        programs as CUDA graphs after the step that built them, in ``order`` (this partition's ('F' |
-        'B' | 'W', micro-batch) as the schedule issues them)."""
+    def finish(self, training: bool) -> None:
+        """End of a step: hand the summed gradients to ``.grad`` as autograd would."""
         programs = [p for p in self.programs if p is not None]
         if training and programs:
             touched = [any(p.touched[k] for p in programs) for k in range(len(self.params))]
@@ -155,26 +153,41 @@ class RankPrograms:
             _hand_over(params, acc)
             if self.acc:
                 torch._foreach_zero_(self.acc)
-        if self.graphs and training and not self.captured and programs and len(programs) == len(self.programs):
-            self._capture(programs, order)
 
-    def _capture(self, programs: list[Program], order: Sequence[tuple[str, int]]) -> None:
-        """The in-process capture (:func:`~seqify.pipeline.replay._capture`: one memory pool, in the order
-        the schedule runs the programs) on a side stream (a captured backward must not reach back to the
-        default stream), leaving running statistics and gradient sums as they were."""
-        saved = _buffers([self.runner.layers])  # warm-up runs the partition: leave running statistics alone
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            _capture(programs, self.device, self.warmup, stream, order)
-        finally:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            with torch.no_grad():
-                for b, copy in saved:
-                    b.copy_(copy)
-            if self.acc:
-                torch._foreach_zero_(self.acc)
-        self.captured = True
+    def ready(self) -> bool:
+        """Whether these programs are built (a training step ran them all) and wait to be captured."""
+        return self.graphs and not self.captured and bool(self.programs) and all(p is not None for p in self.programs)
+
+
+def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, int]]) -> None:
+    """Capture a rank's partitions' programs (``programs``: partition -> its programs, all on one GPU) as
+    CUDA graphs after the step that built them: in one memory pool, in ``order`` (the rank's ('F' | 'B' |
+    'W', partition, micro-batch) actions as its schedule issues them, partitions interleaved), so the
+    rank's partitions reuse each other's freed memory as eager execution would (the in-process
+    :func:`~seqify.pipeline.replay._capture_in_order`). On a side stream (a captured backward must not
+    reach back to the default stream); running statistics and gradient sums are left as they were."""
+    device = next(iter(programs.values())).device
+    built = {j: [p for p in prog.programs if p is not None] for j, prog in programs.items()}
+    saved = _buffers([prog.runner.layers for prog in programs.values()])  # warm-up runs the partitions
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        for j, prog in programs.items():
+            _warm(built[j], device, prog.warmup, stream)
+        for row in built.values():
+            for p in row:
+                p.outputs, p.in_grads = (), [None] * len(p.inputs)
+        _capture_in_order([(kind, built[j][i]) for kind, j, i in order if j in programs], device, stream)
+    finally:
+        torch.cuda.current_stream(device).wait_stream(stream)
+        with torch.no_grad():
+            for b, copy in saved:
+                b.copy_(copy)
+        for prog in programs.values():
+            if prog.acc:
+                torch._foreach_zero_(prog.acc)
+    for prog in programs.values():
+        prog.captured = True
 
 
 def _shapes(inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
@@ -270,9 +283,13 @@ def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets:
         prog.begin(sizes, stop, plan.split)
     run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop, plan.split)
     try:
-        run.run(plan.per_device()[stage.index])
-        for p, prog in stage._programs.items():
-            prog.finish(True, _partition_order(plan, p))
+        actions = plan.per_device()[stage.index]
+        run.run(actions)
+        for prog in stage._programs.values():
+            prog.finish(True)
+        ready = {p: prog for p, prog in stage._programs.items() if prog.ready()}
+        if ready:
+            capture(ready, [(a.kind, a.partition, a.microbatch) for a in actions])
     finally:
         run.fixed.clear()
         run.local.clear()

@@ -11,6 +11,7 @@ import torch
 import dist_worker as worker
 import seqify
 import seqify.distributed as sd
+from seqify import dist_replay
 from seqify.dist_replay import RankPrograms
 from seqify.pipeline.replay import Program
 from seqify.pipeline.replay import _partition_order
@@ -75,11 +76,12 @@ def test_zero_bubble_programs_run_b_and_w_apart_and_train_like_the_source(checkp
         monkeypatch.setattr(Program, name, counted)
     captured: dict[int, list[tuple[str, int]]] = {}
 
-    def record(self: RankPrograms, programs: list[Any], order: list[tuple[str, int]]) -> None:
-        captured[self.runner.index] = list(order)  # CUDA is not here: what would be captured, in which order
-        self.captured = True
+    def record(programs: dict[int, RankPrograms], order: list[tuple[str, int, int]]) -> None:
+        for j, prog in programs.items():  # CUDA is not here: what would be captured, in which order
+            captured[j] = [(kind, i) for kind, p, i in order if p == j]
+            prog.captured = True
 
-    monkeypatch.setattr(RankPrograms, "_capture", record)
+    monkeypatch.setattr(dist_replay, "capture", record)
     model, stage = one_rank(worker.one_rank_zb(4, 4), checkpoint, graphs=True)
     for prog in stage._programs.values():
         prog.graphs = True  # as on CUDA
@@ -97,22 +99,27 @@ def test_zero_bubble_programs_run_b_and_w_apart_and_train_like_the_source(checkp
     assert all(sorted(i for kind, i in order if kind == "W") == [0, 1, 2, 3] for order in captured.values())
 
 
-def test_programs_are_captured_once_per_partition_in_the_order_the_schedule_issues_them(
+def test_programs_are_captured_once_per_rank_in_the_order_the_schedule_issues_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # graph pools reuse memory in capture order: each partition's programs must be captured as the rank's
-    # schedule runs them (CUDA is not here: record what would be captured instead)
-    captured: list[tuple[int, list[tuple[str, int]], int]] = []
+    # a graph pool reuses memory in capture order: a rank's programs, all its partitions' in one pool, must
+    # be captured as the rank's schedule runs them (CUDA is not here: record what would be captured instead)
+    calls: list[tuple[list[int], list[tuple[str, int, int]]]] = []
 
-    def record(self: RankPrograms, programs: list[Any], order: list[tuple[str, int]]) -> None:
-        captured.append((self.runner.index, list(order), len(programs)))
-        self.captured = True
+    def record(programs: dict[int, RankPrograms], order: list[tuple[str, int, int]]) -> None:
+        calls.append((sorted(programs), list(order)))
+        for prog in programs.values():
+            prog.captured = True
 
-    monkeypatch.setattr(RankPrograms, "_capture", record)
+    monkeypatch.setattr(dist_replay, "capture", record)
     model, stage = one_rank("interleaved", "always", graphs=True)
     for prog in stage._programs.values():
         prog.graphs = True  # as on CUDA
     train(model, stage)
     plan = stage.plan(4)
+    # once, all four partitions in one pool, in the rank's own order (partitions interleaved)
+    assert len(calls) == 1 and calls[0][0] == [0, 1, 2, 3]
+    assert calls[0][1] == [(a.kind, a.partition, a.microbatch) for a in plan.per_device()[0]]
+    captured = [(p, [(k, i) for k, j, i in calls[0][1] if j == p], 4) for p in range(4)]
     assert captured == [(p, _partition_order(plan, p), 4) for p in range(4)]
     # the schedule's own interleaving of forwards and backwards, not every forward then every backward
     assert captured[0][1] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]

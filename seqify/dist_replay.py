@@ -171,6 +171,9 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
     saved = _buffers([prog.runner.layers for prog in programs.values()])  # warm-up runs the partitions
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    for row in built.values():  # let the eager step's graphs go: their nodes belong to the default stream
+        for p in row:
+            p.outputs, p.kept = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs), None
     try:
         for j, prog in programs.items():
             _warm(built[j], device, prog.warmup, stream)
@@ -282,15 +285,15 @@ def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets:
     for prog in stage._programs.values():
         prog.begin(sizes, stop, plan.split)
     run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop, plan.split)
+    actions = plan.per_device()[stage.index]
     try:
-        actions = plan.per_device()[stage.index]
         run.run(actions)
         for prog in stage._programs.values():
             prog.finish(True)
-        ready = {p: prog for p, prog in stage._programs.items() if prog.ready()}
-        if ready:
-            capture(ready, [(a.kind, a.partition, a.microbatch) for a in actions])
     finally:
         run.fixed.clear()
         run.local.clear()
+    ready = {p: prog for p, prog in stage._programs.items() if prog.ready()}
+    if ready:  # after the step's values are let go (the eager step's graphs with them)
+        capture(ready, [(a.kind, a.partition, a.microbatch) for a in actions])
     return run.losses

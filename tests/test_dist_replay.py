@@ -46,17 +46,23 @@ def train(model: torch.nn.Module, stage: sd.DistributedStage | None,
     return history
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "gpipe"])
-@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
-def test_one_rank_of_four_partitions_as_programs_trains_like_the_source(schedule: str, checkpoint: str) -> None:
-    model, stage = one_rank(schedule, checkpoint, graphs=True)
-    got = train(model, stage, steps=3)  # the first step builds the programs, the others copy into them
-    want = train(worker.build("skippy").train(), None, steps=3)
+def trains_like_the_source(model: torch.nn.Module, stage: sd.DistributedStage, steps: int = 3) -> None:
+    """``steps`` SGD steps of ``stage`` (the first builds its programs, the others copy into them) give the
+    losses and gradients of the source on the same micro-batches."""
+    got = train(model, stage, steps=steps)
+    want = train(worker.build("skippy").train(), None, steps=steps)
     for (loss, grads), (ref_loss, ref_grads) in zip(got, want):
         assert loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
         assert set(grads) == set(ref_grads)
         for n, g in grads.items():
             torch.testing.assert_close(g, ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "gpipe"])
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+def test_one_rank_of_four_partitions_as_programs_trains_like_the_source(schedule: str, checkpoint: str) -> None:
+    model, stage = one_rank(schedule, checkpoint, graphs=True)
+    trains_like_the_source(model, stage)
     stop = {"always": 4, "except_last": 3, "never": 0}[checkpoint]
     for prog in stage._programs.values():
         assert [p is not None and p.flat.checkpoint is not None for p in prog.programs] == [i < stop for i in range(4)]
@@ -85,13 +91,7 @@ def test_zero_bubble_programs_run_b_and_w_apart_and_train_like_the_source(checkp
     model, stage = one_rank(worker.one_rank_zb(4, 4), checkpoint, graphs=True)
     for prog in stage._programs.values():
         prog.graphs = True  # as on CUDA
-    got = train(model, stage, steps=3)
-    want = train(worker.build("skippy").train(), None, steps=3)
-    for (loss, grads), (ref_loss, ref_grads) in zip(got, want):
-        assert loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
-        assert set(grads) == set(ref_grads)
-        for n, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+    trains_like_the_source(model, stage)
     assert all(p is not None and p.split for prog in stage._programs.values() for p in prog.programs)
     assert walks == ["_grads_weight"] * (3 * 4 * 4)  # one W per (step, partition, micro-batch), no whole backward
     plan = stage.plan(4)

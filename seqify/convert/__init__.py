@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,41 +9,15 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import ConversionError, DecoratedForwardError, OptionError, SeqifyError, UntraceableError, VerifyError
-from ..sequential import Sequential
+from ..sequential import ExportedInfo, Sequential
 from ..trace import Opaque, Traced, preserved, trace
+from ..verify import check
 from .build import RESERVED, build
 from .linearize import Plan, linearize
+from .modes import mode_differences
+from .splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
 
 __all__ = ["convert", "Plan", "linearize", "build"]
-
-
-def _signature(node: fx.Node) -> tuple[Any, ...]:
-    def constant(a: Any) -> Any:
-        return "<node>" if isinstance(a, fx.Node) else repr(a)
-
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
-    return (node.op, target, repr(fx.node.map_aggregate(node.args, constant)), repr(fx.node.map_aggregate(node.kwargs, constant)))
-
-
-def _scope(node: fx.Node) -> str:
-    if node.op in ("placeholder", "output"):
-        return ""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [path for path, _ in stack.values()]
-    if node.op == "call_module" and paths and paths[-1] == node.target:
-        paths = paths[:-1]
-    return paths[-1] if paths else ""
-
-
-def _mode_differences(a: fx.Graph, b: fx.Graph) -> set[str]:
-    """Module paths whose own traced ops differ between two graphs of one model."""
-    seqs: list[dict[str, list[tuple[Any, ...]]]] = []
-    for graph in (a, b):
-        by_scope: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
-        for node in graph.nodes:
-            by_scope[_scope(node)].append(_signature(node))
-        seqs.append(by_scope)
-    return {p for p in set(seqs[0]) | set(seqs[1]) if seqs[0].get(p) != seqs[1].get(p)}
 
 
 def _check_options(
@@ -122,10 +95,14 @@ def convert(
             )
         return _via_export(model, example_inputs, check_modes=check_modes, verify=verify)
     try:
-        seq = _via_fx(model, example_inputs, leaf_types, leaf_paths, depth, check_modes)
+        traced, mode_dependent = _trace_fx(model, example_inputs, leaf_types, leaf_paths, depth, check_modes)
+        if frontend == "auto" and example_inputs is not None:
+            mixed = _via_splice(traced, example_inputs, mode_dependent, leaf_types, leaf_paths, depth,
+                                check_modes=check_modes, verify=verify)
+            if mixed is not None:
+                return mixed
+        seq = _assemble(traced, mode_dependent=mode_dependent)
         if verify and example_inputs is not None:
-            from ..verify import check
-
             check(model, seq, example_inputs, frontend="fx")
         return seq
     except SeqifyError as e:
@@ -160,11 +137,16 @@ def _scope_key(node: fx.Node) -> Any:
     return next(reversed(stack)) if stack else None
 
 
-def _assemble(traced: Traced, *, mode_dependent: bool, group: Any = None) -> Sequential:
+def _spliced_key(node: fx.Node) -> Any:
+    """In an fx graph with export graphs spliced in: export's ops grouped by module call, fx's one a layer."""
+    return _scope_key(node) if node.meta.get(FRONTEND) == EXPORT else None
+
+
+def _assemble(traced: Traced, *, mode_dependent: bool, group: Any = None, frontend: str = "fx") -> Sequential:
     """linearize + build; a crash inside them becomes a ConversionError naming the model."""
     try:
         plan = linearize(traced, reserved=RESERVED, group=group)
-        return build(traced, plan, mode_dependent=mode_dependent)
+        return build(traced, plan, mode_dependent=mode_dependent, frontend=frontend)
     except SeqifyError:
         raise
     except Exception as e:
@@ -188,20 +170,19 @@ def _via_export(model: nn.Module, example_inputs: Any, *, check_modes: bool, ver
         with preserved(model):
             model.train(not traced.training)
             other = export_trace(model, example_inputs)
-        mode_dependent = bool(_mode_differences(traced.graph, other.graph))
-    seq = _assemble(traced, mode_dependent=mode_dependent, group=_scope_key)
-    seq.frontend = "export"
+        mode_dependent = bool(mode_differences(traced.graph, other.graph))
+    seq = _assemble(traced, mode_dependent=mode_dependent, group=_scope_key, frontend="export")
     if verify:
-        from ..verify import check
-
         check(model, seq, example_inputs, frontend="export")
     return seq
 
 
-def _via_fx(
+def _trace_fx(
     model: nn.Module, example_inputs: Any, leaf_types: tuple[type, ...], leaf_paths: tuple[str, ...],
     depth: int | None, check_modes: bool,
-) -> Sequential:
+) -> tuple[Traced, bool]:
+    """The fx trace, with submodules whose ops depend on self.training kept whole; and whether the model's
+    own forward does (the conversion then runs only in the mode it was made in)."""
     paths = set(leaf_paths)
     traced = trace(model, example_inputs, leaf_types=leaf_types, leaf_paths=sorted(paths), depth=depth)
     mode_dependent = False
@@ -214,7 +195,7 @@ def _via_fx(
             except Exception:
                 mode_dependent = True
                 break
-        differ = _mode_differences(traced.graph, other.graph)
+        differ = mode_differences(traced.graph, other.graph)
         if not differ:
             break
         if "" in differ:
@@ -228,6 +209,46 @@ def _via_fx(
         if path not in {o.path for o in traced.opaque}:
             module = model.get_submodule(path)
             traced.opaque.append(Opaque(path, type(module).__name__, "its forward depends on self.training; kept whole so it follows train()/eval()"))
-    seq = _assemble(traced, mode_dependent=mode_dependent)
-    seq.frontend = "fx"
+    return traced, mode_dependent
+
+
+def _via_splice(
+    traced: Traced, example_inputs: Any, mode_dependent: bool, leaf_types: tuple[type, ...],
+    leaf_paths: tuple[str, ...], depth: int | None, *, check_modes: bool, verify: bool,
+) -> Sequential | None:
+    """The fx conversion with each submodule fx could not trace made by the export frontend; None where there
+    is none, or export captures none of them, or the result fails the self-check (the caller then keeps
+    them opaque). ``traced`` itself is left as it was, except that its opaque entries say why export failed."""
+    nodes = candidates(traced, leaf_types, leaf_paths, depth)
+    if not nodes:
+        return None
+    mixed = copied(traced)  # node names are kept: the candidates' copies are found by name
+    names = {n.name for n in nodes}
+    done, failed = splice(mixed, example_inputs, [n for n in mixed.graph.nodes if n.name in names], check_modes=check_modes)
+    traced.opaque = opaque_with(traced.opaque, failed)
+    if not done:
+        return None
+    mixed.opaque = opaque_with(mixed.opaque, failed)
+    seq = _assemble(mixed, mode_dependent=mode_dependent or any(d.mode_dependent for d in done),
+                    group=_spliced_key, frontend="fx")
+    seq.exported = _exported(seq, done)
+    if verify:
+        try:
+            check(traced.model, seq, example_inputs, frontend=seq.frontend)
+        except VerifyError as e:
+            note = f"its export graph spliced into the fx conversion fails the self-check ({str(e).splitlines()[0]})"
+            traced.opaque = opaque_with(traced.opaque, {d.path: note for d in done})
+            return None
     return seq
+
+
+def _exported(seq: Sequential, done: list[Spliced]) -> list[ExportedInfo]:
+    """For each spliced submodule, the export-made layers that run its code."""
+    out = []
+    for d in done:
+        layers = tuple(
+            name for name, paths in seq.layer_paths.items()
+            if seq.layer_frontends.get(name) == EXPORT and any(p == d.path or p.startswith(f"{d.path}.") for p in paths)
+        )
+        out.append(ExportedInfo(d.path, d.type, d.reason, layers))
+    return out

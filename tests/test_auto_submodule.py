@@ -73,6 +73,8 @@ def test_transformers_body_is_made_by_export_inside_fx_layers(body: Any) -> None
     args = example()
     seq = assert_exact(model, args, train=False, convert=lambda m: seqify.convert(m, example_inputs=args))
     layers = dict(seq.named_children())
+    # the body is not one opaque layer (as it was before frontend='auto' worked per submodule)
+    assert [o.path for o in seq.opaque] == [] and sum(n.startswith("body") for n in layers) > 5, seq.summary()
     # fx made the stem and head: the source's own modules, named as in the source
     assert layers["stem"] is model.stem and layers["head"] is model.head
     assert any(m is model.norm for m in layers["norm"].modules())  # with the body's input checks beside it

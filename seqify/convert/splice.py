@@ -109,7 +109,8 @@ def _uses(node: fx.Node, structure: Any, output: bool) -> list[tuple[fx.Node, An
     return found
 
 
-def _arguments(module: nn.Module, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _arguments(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by parameter name, in signature order."""
     try:
         bound = inspect.signature(module.forward).bind(*args, **kwargs)
     except TypeError as e:
@@ -232,8 +233,8 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
             call = real.get((path, int(node.meta["seqify_call"])))
             if call is None:
                 raise _Refused("the source did not make this call when run on the example")
-            arguments = _arguments(module, path, *call)
-            feeds = _inputs(arguments, _arguments(module, path, tuple(node.args), dict(node.kwargs)))
+            arguments = _arguments(module, *call)
+            feeds = _inputs(arguments, _arguments(module, tuple(node.args), dict(node.kwargs)))
             exported = export_trace(module, arguments)
             mode_dependent = False
             if check_modes:
@@ -243,7 +244,8 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
                 mode_dependent = bool(mode_differences(exported.graph, other.graph))
             _splice_one(traced, node, exported, feeds, index)
         except Exception as e:  # the call stays opaque; the reason goes into the summary
-            failed[path] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            first = str(e).splitlines()[0] if str(e) else ""
+            failed[path] = first if isinstance(e, _Refused) else f"{type(e).__name__}: {first}"
             continue
         done.append(Spliced(path, why[path].type, why[path].reason, mode_dependent))
     called = {str(n.target) for n in traced.graph.nodes if n.op == "call_module"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -112,6 +113,12 @@ def test_summary_names_both_frontends() -> None:
     assert "made by the fx and export frontends" in text and "fx: 7 layers, export: " in text, text
     assert "body (LlamaModel) ->" in text and "fx could not trace it" in text and "torch.finfo" in text
     assert "body: inputs_embeds.size(2) == 16" in text  # export's shape guards name the submodule
+    buffer = io.BytesIO()
+    torch.save(seq, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert loaded.frontend == "fx+export" and loaded.layer_frontends == seq.layer_frontends
+    with torch.no_grad():
+        assert bit_equal(loaded(*example()), model(*example()))
 
 
 class Picky(nn.Module):

@@ -75,7 +75,9 @@ def convert(
             ``self.training``; such conversions refuse to run in the other mode.
         frontend: ``"fx"`` (torch.fx: module-level layers, works without example inputs), ``"export"``
             (non-strict torch.export on ``example_inputs``: transformers, diffusers and other forwards fx
-            cannot trace) or ``"auto"``: fx, and export where fx fails or its result fails the self-check.
+            cannot trace) or ``"auto"``: fx, and export where fx fails or its result fails the self-check;
+            with ``example_inputs``, also per submodule: one fx would keep whole because it cannot trace
+            inside it becomes export-made layers among fx's (``seq.layer_frontends``, ``seq.exported``).
         verify: with ``example_inputs``, run the source and the result once and raise
             :class:`seqify.VerifyError` naming the first layer whose value differs.
 
@@ -222,24 +224,29 @@ def _via_splice(
     nodes = candidates(traced, leaf_types, leaf_paths, depth)
     if not nodes:
         return None
-    mixed = copied(traced)  # node names are kept: the candidates' copies are found by name
     names = {n.name for n in nodes}
-    done, failed = splice(mixed, example_inputs, [n for n in mixed.graph.nodes if n.name in names], check_modes=check_modes)
-    traced.opaque = opaque_with(traced.opaque, failed)
-    if not done:
-        return None
-    mixed.opaque = opaque_with(mixed.opaque, failed)
-    seq = _assemble(mixed, mode_dependent=mode_dependent or any(d.mode_dependent for d in done),
-                    group=_spliced_key, frontend="fx")
-    seq.exported = _exported(seq, done)
-    if verify:
-        try:
-            check(traced.model, seq, example_inputs, frontend=seq.frontend)
-        except VerifyError as e:
-            note = f"its export graph spliced into the fx conversion fails the self-check ({str(e).splitlines()[0]})"
-            traced.opaque = opaque_with(traced.opaque, {d.path: note for d in done})
+    done: list[Spliced] = []
+    try:
+        mixed = copied(traced)  # node names are kept: the candidates' copies are found by name
+        done, failed = splice(mixed, example_inputs, [n for n in mixed.graph.nodes if n.name in names],
+                              check_modes=check_modes)
+        traced.opaque = opaque_with(traced.opaque, failed)
+        if not done:
             return None
-    return seq
+        mixed.opaque = opaque_with(mixed.opaque, failed)
+        seq = _assemble(mixed, mode_dependent=mode_dependent or any(d.mode_dependent for d in done),
+                        group=_spliced_key, frontend="fx")
+        seq.exported = _exported(seq, done)
+        if verify:
+            check(traced.model, seq, example_inputs, frontend=seq.frontend)
+        return seq
+    except Exception as e:  # whatever went wrong, the fx conversion with these submodules whole stands
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        what = "fails the self-check" if isinstance(e, VerifyError) else f"could not be assembled ({first})"
+        traced.opaque = opaque_with(traced.opaque, {
+            d.path: f"the fx conversion with its torch.export graph spliced in {what}" for d in done
+        } or {n.target: f"splicing its torch.export graph failed ({first})" for n in nodes})
+        return None
 
 
 def _exported(seq: Sequential, done: list[Spliced]) -> list[ExportedInfo]:

@@ -216,7 +216,7 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
     """Replace each opaque call in ``nodes`` (of ``traced``, changed in place) by its submodule's torch.export
     graph, captured on the arguments that call gets when the source runs on ``example_inputs``.
 
-    Returns what was spliced, and for each call that stays opaque why export could not take it.
+    Returns what was spliced, and for each submodule whose call stays opaque a note saying why.
     """
     from ..frontends.export import export_trace
 
@@ -245,7 +245,7 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
             _splice_one(traced, node, exported, feeds, index)
         except Exception as e:  # the call stays opaque; the reason goes into the summary
             first = str(e).splitlines()[0] if str(e) else ""
-            failed[path] = first if isinstance(e, _Refused) else f"{type(e).__name__}: {first}"
+            failed[path] = f"torch.export could not capture it either ({first if isinstance(e, _Refused) else f'{type(e).__name__}: {first}'})"
             continue
         done.append(Spliced(path, why[path].type, why[path].reason, mode_dependent))
     called = {str(n.target) for n in traced.graph.nodes if n.op == "call_module"}
@@ -253,10 +253,6 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
     return done, failed
 
 
-def opaque_with(opaque: list[Opaque], failed: dict[str, str]) -> list[Opaque]:
-    """``opaque`` with the reason export could not capture each failed call added to its entry."""
-    return [
-        dataclasses.replace(o, reason=f"{o.reason}; torch.export could not capture it either ({failed[o.path]})")
-        if o.path in failed else o
-        for o in opaque
-    ]
+def opaque_with(opaque: list[Opaque], notes: dict[str, str]) -> list[Opaque]:
+    """``opaque`` with a note (why it was not made by the export frontend) added to the entries it names."""
+    return [dataclasses.replace(o, reason=f"{o.reason}; {notes[o.path]}") if o.path in notes else o for o in opaque]

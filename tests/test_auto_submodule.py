@@ -95,6 +95,8 @@ def test_transformers_body_is_made_by_export_inside_fx_layers(body: Any) -> None
     source = model.state_dict(keep_vars=True)
     assert all(seq._tensor(k) is source[k] for k in source), "the source's own parameters and buffers"
     with torch.no_grad():
+        bigger = tuple(torch.cat([a, a[:2]]) for a in args)  # a batch of 6: export's batch dimension is dynamic
+        assert bit_equal(seq(*bigger), model(*bigger))
         pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], chunks=2)
         assert bit_equal(pipe(*args), by_micro_batch(model, args, 2))
     # train mode: dropout inside the body draws in the source's order; gradients match
@@ -171,6 +173,16 @@ def test_untraceable_block_with_batchnorm(train: bool, twice: bool) -> None:
     assert seq.block_bn is model.block.bn or any(m is model.block.bn for m in seq.modules())
     assert bit_equal(seqify.pipeline(seq, devices=["cpu", "cpu"], chunks=2)(x).detach(),
                      torch.cat([model(c) for c in x.chunk(2)]).detach()) or train  # train: batch statistics per chunk
+
+
+def test_an_example_batch_of_one_keeps_the_block_opaque() -> None:
+    """Export fixes a batch of 1 (only larger batches become dynamic): the block stays whole, so any batch runs."""
+    model = Vision(Picky()).eval()
+    seq = seqify.convert(model, example_inputs=(torch.randn(1, 3, 6, 6),))
+    assert seq.frontend == "fx" and "a batch of 2 or more" in seq.opaque[0].reason
+    x = torch.randn(3, 3, 6, 6)
+    with torch.no_grad():
+        assert bit_equal(seq(x), model(x))
 
 
 def test_export_failure_keeps_the_block_opaque_and_exact() -> None:

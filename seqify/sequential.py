@@ -85,16 +85,17 @@ class OpaqueInfo:
 
 @dataclass(frozen=True)
 class ExportedInfo:
-    """A submodule fx could not trace inside an fx conversion, made into layers by the export frontend."""
+    """A submodule of an fx conversion that fx could not trace (or whose fx layers failed the self-check),
+    made into layers by the export frontend."""
 
     path: str
     type: str
-    reason: str  # why fx could not trace it
+    reason: str  # what went wrong with fx there
     layers: tuple[str, ...]
 
     def __str__(self) -> str:
         span = self.layers[0] if len(self.layers) == 1 else f"{self.layers[0]} .. {self.layers[-1]}"
-        return f"{self.path} ({self.type}) -> {len(self.layers)} layers {span}; fx could not trace it: {self.reason}"
+        return f"{self.path} ({self.type}) -> {len(self.layers)} layers {span}; fx: {self.reason}"
 
 
 class _Unused(nn.Module):
@@ -330,7 +331,7 @@ class Sequential(nn.Sequential):
         ]
         exported = getattr(self, "exported", [])
         if exported:
-            lines.append("layers made by the export frontend (submodules fx could not trace):")
+            lines.append("layers made by the export frontend (submodules fx could not trace or got wrong):")
             lines += [f"  {e}" for e in exported]
         if self.opaque:
             lines.append("opaque layers (kept whole):")

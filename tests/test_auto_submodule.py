@@ -113,7 +113,7 @@ def test_summary_names_both_frontends() -> None:
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters()), "gradients left alone"
     text = seq.summary()
     assert "made by the fx and export frontends" in text and "fx: 7 layers, export: " in text, text
-    assert "body (LlamaModel) ->" in text and "fx could not trace it" in text and "torch.finfo" in text
+    assert "body (LlamaModel) ->" in text and "; fx: TypeError: torch.finfo()" in text
     assert "body: inputs_embeds.size(2) == 16" in text  # export's shape guards name the submodule
     buffer = io.BytesIO()
     torch.save(seq, buffer)
@@ -214,6 +214,46 @@ def test_self_check_failure_falls_back_to_the_opaque_block(monkeypatch: pytest.M
     assert calls == ["fx+export", "fx"]
     assert seq.frontend == "fx" and [o.path for o in seq.opaque] == ["block"]
     assert "fails the self-check" in seq.opaque[0].reason
+
+
+class Half(nn.Module):
+    """fx runs the autocast region at trace time and records none of it: its layers compute in float32 where
+    the source computes in bfloat16, and fail the self-check; export captures the region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.lin(x)
+        return self.out(y.float())
+
+
+class Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.block = Half()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.block(self.stem(x))))
+
+
+def test_submodule_whose_fx_layers_fail_the_self_check_is_made_by_export() -> None:
+    x = torch.randn(4, 4)
+    model = Mixed().eval()
+    with pytest.raises(seqify.VerifyError, match="source module 'block.lin'") as info:
+        seqify.convert(model, example_inputs=x, frontend="fx")
+    assert info.value.module_path == "block.lin"
+    for train in (False, True):
+        seq = assert_exact(model, (x,), train=train, convert=lambda m: seqify.convert(m, example_inputs=x))
+        assert seq.frontend == "fx+export", seq.summary()  # before: the whole model by export
+        assert seq.head is model.head and any(m is model.stem for m in seq.stem.modules())  # + block's input check
+        assert [e.path for e in seq.exported] == ["block"] and "self-check" in seq.exported[0].reason
+    assert "fx: its layers fail the self-check (source module 'block.lin' differs first)" in seq.summary()
 
 
 def test_fx_frontend_and_no_example_keep_the_block_opaque() -> None:

@@ -105,7 +105,15 @@ def convert(
                 return mixed
         seq = _assemble(traced, mode_dependent=mode_dependent)
         if verify and example_inputs is not None:
-            check(model, seq, example_inputs, frontend="fx")
+            try:
+                check(model, seq, example_inputs, frontend="fx")
+            except VerifyError as e:
+                fixed = None
+                if frontend == "auto" and not (leaf_types or leaf_paths or depth is not None):
+                    fixed = _export_the_wrong_part(model, example_inputs, e, check_modes=check_modes)
+                if fixed is None:
+                    raise
+                return fixed
         return seq
     except SeqifyError as e:
         # Fall back only where fx cannot trace or its result is wrong; other errors teach their own fix.
@@ -247,6 +255,28 @@ def _via_splice(
             d.path: f"the fx conversion with its torch.export graph spliced in {what}" for d in done
         } or {n.target: f"splicing its torch.export graph failed ({first})" for n in nodes})
         return None
+
+
+def _export_the_wrong_part(model: nn.Module, example_inputs: Any, error: VerifyError, *, check_modes: bool,
+                           tries: int = 3) -> Sequential | None:
+    """Where fx's layers fail the self-check at a source module, the fx conversion with a submodule around
+    it (innermost first, at most ``tries``) made by the export frontend instead; None where none passes."""
+    path = error.module_path or ""
+    wrong = path.split(".")
+    for depth in range(len(wrong) - 1, max(0, len(wrong) - 1 - tries), -1):
+        around = ".".join(wrong[:depth])
+        module = model.get_submodule(around)
+        try:
+            traced, mode_dependent = _trace_fx(model, example_inputs, (), (around,), None, check_modes)
+        except Exception:
+            return None
+        traced.opaque.append(Opaque(around, type(module).__name__,
+                                    f"its layers fail the self-check (source module {path!r} differs first)",
+                                    untraceable=True))
+        seq = _via_splice(traced, example_inputs, mode_dependent, (), (), None, check_modes=check_modes, verify=True)
+        if seq is not None:
+            return seq
+    return None
 
 
 def _exported(seq: Sequential, done: list[Spliced]) -> list[ExportedInfo]:

@@ -141,9 +141,14 @@ def _inputs(real: dict[str, Any], given: dict[str, Any]) -> list[fx.Node]:
     return feeds
 
 
+def _batch_of_one(example_inputs: Any) -> bool:
+    first = next((t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    return first is not None and first.shape[0] == 1
+
+
 def _refuse_batch_of_one(exported: Traced) -> None:
-    """Export fixes a batch dimension of 1 (it frees only larger ones): the opaque layer ran any batch, and
-    micro-batches of a pipeline would be refused, so the call stays whole."""
+    """With an example batch of 1, export fixes the batch dimension at 1 (it frees only larger ones): the
+    opaque layer ran any batch, and micro-batches of a pipeline would be refused, so the call stays whole."""
     fixed = [g.expr for g in exported.guards if g.expr.endswith(".size(0)") and g.expected == 1]
     if fixed:
         raise _Refused(f"export fixes {fixed[0]} to the example's 1, so only a batch of 1 would run; pass "
@@ -245,7 +250,8 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
             arguments = _arguments(module, *call)
             feeds = _inputs(arguments, _arguments(module, tuple(node.args), dict(node.kwargs)))
             exported = export_trace(module, arguments)
-            _refuse_batch_of_one(exported)
+            if _batch_of_one(example_inputs):
+                _refuse_batch_of_one(exported)
             mode_dependent = False
             if check_modes:
                 with preserved(module):

@@ -92,10 +92,12 @@ class ExportedInfo:
     type: str
     reason: str  # what went wrong with fx there
     layers: tuple[str, ...]
+    mode_dependent: bool = False  # its export graph differs between train and eval mode
 
     def __str__(self) -> str:
         span = self.layers[0] if len(self.layers) == 1 else f"{self.layers[0]} .. {self.layers[-1]}"
-        return f"{self.path} ({self.type}) -> {len(self.layers)} layers {span}; fx: {self.reason}"
+        mode = "; its graph differs between train and eval (mode-dependent)" if self.mode_dependent else ""
+        return f"{self.path} ({self.type}) -> {len(self.layers)} layers {span}; fx: {self.reason}{mode}"
 
 
 class _Unused(nn.Module):

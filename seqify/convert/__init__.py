@@ -287,5 +287,5 @@ def _exported(seq: Sequential, done: list[Spliced]) -> list[ExportedInfo]:
             name for name, paths in seq.layer_paths.items()
             if seq.layer_frontends.get(name) == EXPORT and any(p == d.path or p.startswith(f"{d.path}.") for p in paths)
         )
-        out.append(ExportedInfo(d.path, d.type, d.reason, layers))
+        out.append(ExportedInfo(d.path, d.type, d.reason, layers, d.mode_dependent))
     return out

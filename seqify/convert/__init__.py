@@ -270,6 +270,8 @@ def _export_the_wrong_part(model: nn.Module, example_inputs: Any, error: VerifyE
             traced, mode_dependent = _trace_fx(model, example_inputs, (), (around,), None, check_modes)
         except Exception:
             return None
+        if any(o.path == around for o in traced.opaque):
+            continue  # kept whole for its hooks, attribute writes or modes: export would lose what fx keeps
         traced.opaque.append(Opaque(around, type(module).__name__,
                                     f"its layers fail the self-check (source module {path!r} differs first)",
                                     untraceable=True))

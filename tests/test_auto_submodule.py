@@ -175,7 +175,7 @@ def test_untraceable_block_with_batchnorm(train: bool, twice: bool) -> None:
     x = torch.randn(4, 3, 6, 6)
     model = Vision(Picky(), twice)
     seq = assert_exact(model, (x,), train=train, convert=lambda m: seqify.convert(m, example_inputs=(x,)))
-    assert seq.frontend == "fx+export" and not seq.opaque
+    assert seq.frontend == "fx+export" and not seq.opaque and [e.path for e in seq.exported] == ["block"]
     assert seq.block_bn is model.block.bn or any(m is model.block.bn for m in seq.modules())
     assert bit_equal(seqify.pipeline(seq, devices=["cpu", "cpu"], chunks=2)(x).detach(),
                      torch.cat([model(c) for c in x.chunk(2)]).detach()) or train  # train: batch statistics per chunk

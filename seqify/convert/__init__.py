@@ -282,12 +282,13 @@ def _export_the_wrong_part(model: nn.Module, example_inputs: Any, error: VerifyE
 
 
 def _exported(seq: Sequential, done: list[Spliced]) -> list[ExportedInfo]:
-    """For each spliced submodule, the export-made layers that run its code."""
+    """For each spliced submodule (once, however often it is called), the export-made layers that run its code."""
     out = []
-    for d in done:
+    for d in {d.path: d for d in done}.values():
         layers = tuple(
             name for name, paths in seq.layer_paths.items()
             if seq.layer_frontends.get(name) == EXPORT and any(p == d.path or p.startswith(f"{d.path}.") for p in paths)
         )
-        out.append(ExportedInfo(d.path, d.type, d.reason, layers, d.mode_dependent))
+        mode_dependent = any(e.mode_dependent for e in done if e.path == d.path)
+        out.append(ExportedInfo(d.path, d.type, d.reason, layers, mode_dependent))
     return out

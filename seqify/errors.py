@@ -195,6 +195,9 @@ class VerifyError(ConversionError):
     """The converted model does not compute what its source computes on the example inputs (convert's
     self-check); the message names the first layer whose value differs."""
 
+    #: the source module whose output differs first, where the check could name one
+    module_path: str | None = None
+
 
 class DecoratedForwardError(UntraceableError):
     """The model's forward is wrapped by a decorator taking ``(self, *args, **kwargs)`` (transformers 5's

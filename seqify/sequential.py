@@ -16,7 +16,7 @@ from .signature import InputSpec, OutputSpec
 from .skip.namespace import Namespace
 from .skip.tracker import SkipTracker, use_tracker
 
-__all__ = ["Sequential", "SkipInfo", "OpaqueInfo", "tied_slots", "retie", "meta_tensor"]
+__all__ = ["Sequential", "SkipInfo", "OpaqueInfo", "ExportedInfo", "tied_slots", "retie", "meta_tensor"]
 
 Slot = tuple[nn.Module, str, str]  # (module, "_parameters" or "_buffers", name)
 
@@ -83,6 +83,23 @@ class OpaqueInfo:
         return f"{self.layer} <- {self.path} ({self.type}): {self.reason}"
 
 
+@dataclass(frozen=True)
+class ExportedInfo:
+    """A submodule of an fx conversion that fx could not trace (or whose fx layers failed the self-check),
+    made into layers by the export frontend."""
+
+    path: str
+    type: str
+    reason: str  # what went wrong with fx there
+    layers: tuple[str, ...]
+    mode_dependent: bool = False  # its export graph differs between train and eval mode
+
+    def __str__(self) -> str:
+        span = self.layers[0] if len(self.layers) == 1 else f"{self.layers[0]} .. {self.layers[-1]}"
+        mode = "; its graph differs between train and eval (mode-dependent)" if self.mode_dependent else ""
+        return f"{self.path} ({self.type}) -> {len(self.layers)} layers {span}; fx: {self.reason}{mode}"
+
+
 class _Unused(nn.Module):
     """Parameters and buffers of the source that its forward never reads (kept for checkpoints)."""
 
@@ -130,6 +147,11 @@ class Sequential(nn.Sequential):
         self.training = training
         #: per layer, the source module paths whose code it runs (set by conversion; empty when unknown)
         self.layer_paths: dict[str, tuple[str, ...]] = {}
+        #: per layer, the frontend that made it ("fx" or "export"); ``frontend`` names them all ("fx+export")
+        self.layer_frontends: dict[str, str] = {}
+        self.frontend = "fx"
+        #: submodules fx could not trace that the export frontend made into layers (frontend="auto")
+        self.exported: list[ExportedInfo] = []
         # The hook dicts of the source modules conversion flattened (their forwards became layers): a hook
         # registered there after conversion would never run, so calls check that they stay empty.
         from .trace import HOOK_DICTS
@@ -307,8 +329,12 @@ class Sequential(nn.Sequential):
         lines = [
             f"seqify.Sequential from {self.source}: {len(self)} layers, {len(self.skips)} skips, "
             f"{len(self.opaque)} opaque, {params:,} parameters",
-            f"made by the {getattr(self, 'frontend', 'fx')} frontend",
+            _made_by(getattr(self, "frontend", "fx"), getattr(self, "layer_frontends", {})),
         ]
+        exported = getattr(self, "exported", [])
+        if exported:
+            lines.append("layers made by the export frontend (submodules fx could not trace or got wrong):")
+            lines += [f"  {e}" for e in exported]
         if self.opaque:
             lines.append("opaque layers (kept whole):")
             lines += [f"  {o}" for o in self.opaque]
@@ -322,3 +348,13 @@ class Sequential(nn.Sequential):
 
     def named_layers(self) -> Iterator[tuple[str, nn.Module]]:
         return iter(self._modules.items())  # type: ignore[arg-type]
+
+
+def _made_by(frontend: str, layers: Mapping[str, str]) -> str:
+    """Which frontend made the layers: one, or each with its count ("fx" for 5 layers, "export" for 40)."""
+    names = frontend.split("+")
+    if len(names) == 1:
+        return f"made by the {frontend} frontend"
+    counts = {n: sum(1 for f in layers.values() if f == n) for n in names}
+    return "made by the " + " and ".join(names) + " frontends (" + ", ".join(
+        f"{n}: {c} layer{'s' * (c != 1)}" for n, c in counts.items()) + ")"

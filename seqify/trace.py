@@ -66,6 +66,7 @@ class Opaque:
     path: str
     type: str
     reason: str
+    untraceable: bool = False  # fx failed inside its forward (not hooks, writes or modes): export may capture it
 
     def __str__(self) -> str:
         return f"{self.path} ({self.type}): {self.reason}"
@@ -523,8 +524,7 @@ class _Tracer(fx.Tracer):
             self.num_calls[path] = calls + 1
             try:
                 if self.is_leaf_module(m, path):
-                    self._calling = (path, calls)
-                    return self.create_proxy("call_module", path, args, kwargs)
+                    return self._leaf_call(path, calls, args, kwargs)
                 mark = next(iter(reversed(self.graph.nodes)), None)
                 self.flattened[path] = m
                 try:
@@ -537,11 +537,18 @@ class _Tracer(fx.Tracer):
                         del self.flattened[inner]
                     site = _error_site(e)
                     reason = f"{_first_line(e)} at {site}" if site else _first_line(e)
-                    self.opaque[path] = Opaque(path, type(m).__name__, reason)
-                    self._calling = (path, calls)
-                    return self.create_proxy("call_module", path, args, kwargs)
+                    self.opaque[path] = Opaque(path, type(m).__name__, reason, untraceable=True)
+                    return self._leaf_call(path, calls, args, kwargs)
             finally:
                 self.module_stack.pop(key, None)
+
+    def _leaf_call(self, path: str, calls: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call_module node for the ``calls``-th call of ``path``; the node records that index
+        (``meta['seqify_call']``), which matches the real run's calls of that module."""
+        self._calling = (path, calls)
+        proxy = self.create_proxy("call_module", path, args, kwargs)
+        proxy.node.meta["seqify_call"] = calls
+        return proxy
 
     def _rollback(self, mark: fx.Node | None) -> None:
         nodes = list(self.graph.nodes)

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.nn.modules.module import register_module_forward_hook
 
-__all__ = ["RealRun", "unpatched", "buffers_kept"]
+__all__ = ["RealRun", "unpatched", "buffers_kept", "record_inputs"]
 
 
 @contextmanager
@@ -88,3 +89,40 @@ class RealRun:
         finally:
             handle.remove()
         return dict(outputs)
+
+
+Call = tuple[str, int]  # (submodule path, index of its call in one forward)
+
+
+def record_inputs(
+    model: nn.Module,
+    call: Callable[[], Any],
+    preserve: Callable[[], AbstractContextManager[None]],
+    wanted: Collection[Call],
+) -> dict[Call, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The arguments (tensors cloned) of the ``wanted`` submodule calls when ``call`` runs the source on the
+    real example. Like :class:`RealRun` it changes nothing: its hooks go again, attributes and buffers
+    are restored, and random draws happen on a forked generator."""
+    counts: dict[str, int] = defaultdict(int)
+    found: dict[Call, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def keep(path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        index = counts[path]
+        counts[path] += 1
+        if (path, index) in wanted:
+            found[(path, index)] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+
+    handles = []
+    for path in sorted({p for p, _ in wanted}):
+        module = model.get_submodule(path)
+        handles.append(module.register_forward_pre_hook(
+            lambda _m, args, kwargs, path=path: keep(path, args, kwargs), with_kwargs=True))
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), preserve(), buffers_kept(model):
+            call()
+    except Exception:  # the calls recorded before the failure are still right
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found

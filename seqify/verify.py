@@ -113,6 +113,12 @@ def _leaf_outputs(model: nn.Module, modules: dict[int, str], call: Callable[[], 
 def first_difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: int = 0) -> str | None:
     """None when ``seq`` computes bit-equal outputs to ``source`` on the example; else a sentence naming the
     first source module (and the layer holding it) whose output differs, or the output itself."""
+    found = _difference(source, seq, example_inputs, seed)
+    return None if found is None else found[0]
+
+
+def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: int) -> tuple[str, str | None] | None:
+    """:func:`first_difference`'s sentence and the path of the source module it names (None: the output)."""
     args, kwargs = split_inputs(example_inputs)
     layers = dict(seq.named_children())
     by_name = {p.replace(".", "_"): p for p, _ in source.named_modules() if p}
@@ -133,9 +139,9 @@ def first_difference(source: nn.Module, seq: nn.Module, example_inputs: Any, see
         if pytree.tree_structure(want[path]) != pytree.tree_structure(have[name]):
             continue  # the layer returns more than its module (values it carries on): not comparable
         if not same(want[path], have[name]):
-            return f"layer {name!r} (source module {path!r}) computes a different value"
+            return f"layer {name!r} (source module {path!r}) computes a different value", path
     last = next(reversed(layers)) if layers else "?"
-    return f"the output differs (no layer named after a source module differs before it; last layer {last!r})"
+    return f"the output differs (no layer named after a source module differs before it; last layer {last!r})", None
 
 
 def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: str = "", seed: int = 0) -> None:
@@ -147,7 +153,7 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
     if any(t.is_meta for t in tensors):
         return
     try:
-        difference = first_difference(source, seq, example_inputs, seed)
+        found = _difference(source, seq, example_inputs, seed)
     except VerifyError:
         raise
     except Exception as e:
@@ -158,10 +164,13 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
             "meanwhile try the other frontend (frontend='fx' or 'export') or keep the failing submodule whole "
             "(leaf_paths=[...])"
         ) from e
-    if difference is not None:
+    if found is not None:
+        difference, path = found
         note = f" made by the {frontend} frontend" if frontend else ""
-        raise VerifyError(
+        error = VerifyError(
             f"the converted {type(source).__name__}{note} does not compute what the source computes on the example "
             f"inputs: {difference}. Try the other frontend (frontend='fx' or 'export'), keep that module whole "
             "(leaf_paths=[...]), or pass verify=False to accept it"
         )
+        error.module_path = path
+        raise error

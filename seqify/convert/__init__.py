@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,41 +9,15 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import ConversionError, DecoratedForwardError, OptionError, SeqifyError, UntraceableError, VerifyError
-from ..sequential import Sequential
+from ..sequential import ExportedInfo, Sequential
 from ..trace import Opaque, Traced, preserved, trace
+from ..verify import check
 from .build import RESERVED, build
 from .linearize import Plan, linearize
+from .modes import mode_differences
+from .splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
 
 __all__ = ["convert", "Plan", "linearize", "build"]
-
-
-def _signature(node: fx.Node) -> tuple[Any, ...]:
-    def constant(a: Any) -> Any:
-        return "<node>" if isinstance(a, fx.Node) else repr(a)
-
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
-    return (node.op, target, repr(fx.node.map_aggregate(node.args, constant)), repr(fx.node.map_aggregate(node.kwargs, constant)))
-
-
-def _scope(node: fx.Node) -> str:
-    if node.op in ("placeholder", "output"):
-        return ""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [path for path, _ in stack.values()]
-    if node.op == "call_module" and paths and paths[-1] == node.target:
-        paths = paths[:-1]
-    return paths[-1] if paths else ""
-
-
-def _mode_differences(a: fx.Graph, b: fx.Graph) -> set[str]:
-    """Module paths whose own traced ops differ between two graphs of one model."""
-    seqs: list[dict[str, list[tuple[Any, ...]]]] = []
-    for graph in (a, b):
-        by_scope: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
-        for node in graph.nodes:
-            by_scope[_scope(node)].append(_signature(node))
-        seqs.append(by_scope)
-    return {p for p in set(seqs[0]) | set(seqs[1]) if seqs[0].get(p) != seqs[1].get(p)}
 
 
 def _check_options(
@@ -102,7 +75,9 @@ def convert(
             ``self.training``; such conversions refuse to run in the other mode.
         frontend: ``"fx"`` (torch.fx: module-level layers, works without example inputs), ``"export"``
             (non-strict torch.export on ``example_inputs``: transformers, diffusers and other forwards fx
-            cannot trace) or ``"auto"``: fx, and export where fx fails or its result fails the self-check.
+            cannot trace) or ``"auto"``: fx, and export where fx fails or its result fails the self-check;
+            with ``example_inputs``, also per submodule: one fx would keep whole because it cannot trace
+            inside it becomes export-made layers among fx's (``seq.layer_frontends``, ``seq.exported``).
         verify: with ``example_inputs``, run the source and the result once and raise
             :class:`seqify.VerifyError` naming the first layer whose value differs.
 
@@ -122,11 +97,23 @@ def convert(
             )
         return _via_export(model, example_inputs, check_modes=check_modes, verify=verify)
     try:
-        seq = _via_fx(model, example_inputs, leaf_types, leaf_paths, depth, check_modes)
+        traced, mode_dependent = _trace_fx(model, example_inputs, leaf_types, leaf_paths, depth, check_modes)
+        if frontend == "auto" and example_inputs is not None:
+            mixed = _via_splice(traced, example_inputs, mode_dependent, leaf_types, leaf_paths, depth,
+                                check_modes=check_modes, verify=verify)
+            if mixed is not None:
+                return mixed
+        seq = _assemble(traced, mode_dependent=mode_dependent)
         if verify and example_inputs is not None:
-            from ..verify import check
-
-            check(model, seq, example_inputs, frontend="fx")
+            try:
+                check(model, seq, example_inputs, frontend="fx")
+            except VerifyError as e:
+                fixed = None
+                if frontend == "auto" and not (leaf_types or leaf_paths or depth is not None):
+                    fixed = _export_the_wrong_part(model, example_inputs, e, check_modes=check_modes)
+                if fixed is None:
+                    raise
+                return fixed
         return seq
     except SeqifyError as e:
         # Fall back only where fx cannot trace or its result is wrong; other errors teach their own fix.
@@ -160,11 +147,16 @@ def _scope_key(node: fx.Node) -> Any:
     return next(reversed(stack)) if stack else None
 
 
-def _assemble(traced: Traced, *, mode_dependent: bool, group: Any = None) -> Sequential:
+def _spliced_key(node: fx.Node) -> Any:
+    """In an fx graph with export graphs spliced in: export's ops grouped by module call, fx's one a layer."""
+    return _scope_key(node) if node.meta.get(FRONTEND) == EXPORT else None
+
+
+def _assemble(traced: Traced, *, mode_dependent: bool, group: Any = None, frontend: str = "fx") -> Sequential:
     """linearize + build; a crash inside them becomes a ConversionError naming the model."""
     try:
         plan = linearize(traced, reserved=RESERVED, group=group)
-        return build(traced, plan, mode_dependent=mode_dependent)
+        return build(traced, plan, mode_dependent=mode_dependent, frontend=frontend)
     except SeqifyError:
         raise
     except Exception as e:
@@ -188,20 +180,19 @@ def _via_export(model: nn.Module, example_inputs: Any, *, check_modes: bool, ver
         with preserved(model):
             model.train(not traced.training)
             other = export_trace(model, example_inputs)
-        mode_dependent = bool(_mode_differences(traced.graph, other.graph))
-    seq = _assemble(traced, mode_dependent=mode_dependent, group=_scope_key)
-    seq.frontend = "export"
+        mode_dependent = bool(mode_differences(traced.graph, other.graph))
+    seq = _assemble(traced, mode_dependent=mode_dependent, group=_scope_key, frontend="export")
     if verify:
-        from ..verify import check
-
         check(model, seq, example_inputs, frontend="export")
     return seq
 
 
-def _via_fx(
+def _trace_fx(
     model: nn.Module, example_inputs: Any, leaf_types: tuple[type, ...], leaf_paths: tuple[str, ...],
     depth: int | None, check_modes: bool,
-) -> Sequential:
+) -> tuple[Traced, bool]:
+    """The fx trace, with submodules whose ops depend on self.training kept whole; and whether the model's
+    own forward does (the conversion then runs only in the mode it was made in)."""
     paths = set(leaf_paths)
     traced = trace(model, example_inputs, leaf_types=leaf_types, leaf_paths=sorted(paths), depth=depth)
     mode_dependent = False
@@ -214,7 +205,7 @@ def _via_fx(
             except Exception:
                 mode_dependent = True
                 break
-        differ = _mode_differences(traced.graph, other.graph)
+        differ = mode_differences(traced.graph, other.graph)
         if not differ:
             break
         if "" in differ:
@@ -228,6 +219,76 @@ def _via_fx(
         if path not in {o.path for o in traced.opaque}:
             module = model.get_submodule(path)
             traced.opaque.append(Opaque(path, type(module).__name__, "its forward depends on self.training; kept whole so it follows train()/eval()"))
-    seq = _assemble(traced, mode_dependent=mode_dependent)
-    seq.frontend = "fx"
-    return seq
+    return traced, mode_dependent
+
+
+def _via_splice(
+    traced: Traced, example_inputs: Any, mode_dependent: bool, leaf_types: tuple[type, ...],
+    leaf_paths: tuple[str, ...], depth: int | None, *, check_modes: bool, verify: bool,
+) -> Sequential | None:
+    """The fx conversion with each submodule fx could not trace made by the export frontend; None where there
+    is none, or export captures none of them, or the result fails the self-check (the caller then keeps
+    them opaque). ``traced`` itself is left as it was, except that its opaque entries say why export failed."""
+    nodes = candidates(traced, leaf_types, leaf_paths, depth)
+    if not nodes:
+        return None
+    names = {n.name for n in nodes}
+    done: list[Spliced] = []
+    try:
+        mixed = copied(traced)  # node names are kept: the candidates' copies are found by name
+        done, failed = splice(mixed, example_inputs, [n for n in mixed.graph.nodes if n.name in names],
+                              check_modes=check_modes)
+        traced.opaque = opaque_with(traced.opaque, failed)
+        if not done:
+            return None
+        mixed.opaque = opaque_with(mixed.opaque, failed)
+        seq = _assemble(mixed, mode_dependent=mode_dependent or any(d.mode_dependent for d in done),
+                        group=_spliced_key, frontend="fx")
+        seq.exported = _exported(seq, done)
+        if verify:
+            check(traced.model, seq, example_inputs, frontend=seq.frontend)
+        return seq
+    except Exception as e:  # whatever went wrong, the fx conversion with these submodules whole stands
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        what = "fails the self-check" if isinstance(e, VerifyError) else f"could not be assembled ({first})"
+        traced.opaque = opaque_with(traced.opaque, {
+            d.path: f"the fx conversion with its torch.export graph spliced in {what}" for d in done
+        } or {n.target: f"splicing its torch.export graph failed ({first})" for n in nodes})
+        return None
+
+
+def _export_the_wrong_part(model: nn.Module, example_inputs: Any, error: VerifyError, *, check_modes: bool,
+                           tries: int = 3) -> Sequential | None:
+    """Where fx's layers fail the self-check at a source module, the fx conversion with a submodule around
+    it (innermost first, at most ``tries``) made by the export frontend instead; None where none passes."""
+    path = error.module_path or ""
+    wrong = path.split(".")
+    for depth in range(len(wrong) - 1, max(0, len(wrong) - 1 - tries), -1):
+        around = ".".join(wrong[:depth])
+        module = model.get_submodule(around)
+        try:
+            traced, mode_dependent = _trace_fx(model, example_inputs, (), (around,), None, check_modes)
+        except Exception:
+            return None
+        if any(o.path == around for o in traced.opaque):
+            continue  # kept whole for its hooks, attribute writes or modes: export would lose what fx keeps
+        traced.opaque.append(Opaque(around, type(module).__name__,
+                                    f"its layers fail the self-check (source module {path!r} differs first)",
+                                    untraceable=True))
+        seq = _via_splice(traced, example_inputs, mode_dependent, (), (), None, check_modes=check_modes, verify=True)
+        if seq is not None:
+            return seq
+    return None
+
+
+def _exported(seq: Sequential, done: list[Spliced]) -> list[ExportedInfo]:
+    """For each spliced submodule (once, however often it is called), the export-made layers that run its code."""
+    out = []
+    for d in {d.path: d for d in done}.values():
+        layers = tuple(
+            name for name, paths in seq.layer_paths.items()
+            if seq.layer_frontends.get(name) == EXPORT and any(p == d.path or p.startswith(f"{d.path}.") for p in paths)
+        )
+        mode_dependent = any(e.mode_dependent for e in done if e.path == d.path)
+        out.append(ExportedInfo(d.path, d.type, d.reason, layers, mode_dependent))
+    return out

@@ -202,7 +202,9 @@ def _state_map(model: nn.Module, seq: nn.Module, unused: _Unused) -> OrderedDict
     return mapping
 
 
-def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False) -> Sequential:
+def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False, frontend: str = "fx") -> Sequential:
+    """The Sequential of ``plan``'s steps; ``frontend`` made the graph, except steps headed by a node marked
+    ``meta['seqify_frontend']`` (an export graph spliced into an fx graph), which that frontend made."""
     builder = _Builder(traced, plan)
     layers: OrderedDict[str, nn.Module] = OrderedDict((s.name, builder.layer(s)) for s in plan.steps)
     opaque_paths = {o.path: o for o in traced.opaque}
@@ -232,6 +234,11 @@ def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False) -> Sequen
         flattened=traced.flattened,
     )
     seq.layer_paths = {step.name: _module_paths(step.nodes) for step in plan.steps}
+    seq.layer_frontends = {
+        step.name: step.head.meta.get("seqify_frontend", frontend) if step.head is not None else frontend
+        for step in plan.steps
+    }
+    seq.frontend = "+".join(dict.fromkeys([frontend, *seq.layer_frontends.values()]))
     return seq
 
 

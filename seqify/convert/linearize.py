@@ -312,7 +312,8 @@ def linearize(
             lists[s].sort(key=lambda item: order[item[1]] if isinstance(item, tuple) else order[item])
 
     # -- steps, named after the source ---------------------------------------------------------------
-    names = _unique([_step_name(h, group is not None) for h in heads], set(reserved) | {"input", "output"})
+    names = _unique([_step_name(h, group is not None and group(h) is not None) for h in heads],
+                    set(reserved) | {"input", "output"})
     steps: list[Step] = []
     index: dict[int, int] = {}
     if stashes[-1]:

@@ -1,0 +1,39 @@
+"""Modes: which module paths' traced ops differ between a model's train-mode and eval-mode graphs."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch.fx as fx
+
+__all__ = ["mode_differences"]
+
+
+def _signature(node: fx.Node) -> tuple[Any, ...]:
+    def constant(a: Any) -> Any:
+        return "<node>" if isinstance(a, fx.Node) else repr(a)
+
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
+    return (node.op, target, repr(fx.node.map_aggregate(node.args, constant)), repr(fx.node.map_aggregate(node.kwargs, constant)))
+
+
+def _scope(node: fx.Node) -> str:
+    if node.op in ("placeholder", "output"):
+        return ""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for path, _ in stack.values()]
+    if node.op == "call_module" and paths and paths[-1] == node.target:
+        paths = paths[:-1]
+    return paths[-1] if paths else ""
+
+
+def mode_differences(a: fx.Graph, b: fx.Graph) -> set[str]:
+    """Module paths whose own traced ops differ between two graphs of one model."""
+    seqs: list[dict[str, list[tuple[Any, ...]]]] = []
+    for graph in (a, b):
+        by_scope: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+        for node in graph.nodes:
+            by_scope[_scope(node)].append(_signature(node))
+        seqs.append(by_scope)
+    return {p for p in set(seqs[0]) | set(seqs[1]) if seqs[0].get(p) != seqs[1].get(p)}

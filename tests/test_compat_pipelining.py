@@ -149,6 +149,8 @@ def test_eval_fills_losses_without_gradients() -> None:
     pipe = pipeline(source, (x,), split_spec=["layer2"], devices=["cpu", "cpu"])
     losses: list[torch.Tensor] = []
     out = ScheduleGPipe(pipe, 2, loss_fn=nn.functional.mse_loss).eval(x, target=y, losses=losses)
-    expected = [nn.functional.mse_loss(source(xi), yi) for xi, yi in zip(x.tensor_split(2), y.tensor_split(2))]
+    with torch.no_grad():
+        expected = [nn.functional.mse_loss(source(xi), yi) for xi, yi in zip(x.tensor_split(2), y.tensor_split(2))]
     assert [float(v) for v in losses] == [float(v) for v in expected]
+    assert not any(v.requires_grad for v in losses)
     assert torch.equal(out, source(x)) and all(p.grad is None for p in source.parameters())

@@ -282,12 +282,10 @@ class FakeGraph:
             part()
 
 
-@pytest.mark.parametrize("per_device", [False, True])
-def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(monkeypatch: pytest.MonkeyPatch,
-                                                                              per_device: bool) -> None:
+def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """Capture, with CUDA graphs faked on the CPU: each split program gets a forward, a B and a W graph,
-    captured in the partition's F/B/W order (``per_device``: all partitions on one device in one pool, in
-    the order the device runs them, as graphs=True captures), and replaying them trains like one device."""
+    captured in one pool per device in the order the device runs them (its partitions interleaved, as
+    graphs=True captures), and replaying them trains like one device."""
     from contextlib import contextmanager, nullcontext
 
     from seqify.pipeline import replay as rp
@@ -330,24 +328,17 @@ def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(mo
     monkeypatch.setattr(torch.cuda, "device", lambda _: nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda _: nullcontext())
     cpu = torch.device("cpu")
-    if per_device:
-        for row in replay.programs:
-            rp._warm(row, cpu, 1, None)  # type: ignore[arg-type]
-        for row in replay.programs:
-            for p in row:
-                p.outputs, p.in_grads = (), [None] * len(p.inputs)
-        (device, order), = replay.device_orders().items()  # the CPU partitions are one device
-        assert device == cpu and len({j for _, j, _ in order}) == 4
-        rp._capture_in_order([(k, replay.programs[j][i]) for k, j, i in order], cpu, None)  # type: ignore[arg-type]
-    else:
-        for j, row in enumerate(replay.programs):
-            rp._capture(row, cpu, 1, None, rp._partition_order(replay.schedule, j))  # type: ignore[arg-type]
+    for row in replay.programs:
+        rp._warm(row, cpu, 1, None)  # type: ignore[arg-type]
+    for row in replay.programs:
+        for p in row:
+            p.outputs, p.in_grads = (), [None] * len(p.inputs)
+    (device, order), = replay.device_orders().items()  # the CPU partitions are one device
+    assert device == cpu and len({j for _, j, _ in order}) == 4
+    rp._capture_in_order([(k, replay.programs[j][i]) for k, j, i in order], cpu, None)  # type: ignore[arg-type]
     # partition 0's inputs need no gradient: its B computes nothing (no graph), its W is its backward
     want = [(a.kind, a.partition, a.microbatch) for a in replay.schedule.actions if (a.kind, a.partition) != ("B", 0)]
-    if per_device:
-        assert captured == want  # the device's own order, partitions interleaved
-    else:
-        assert sorted(captured, key=lambda c: c[1]) == sorted(want, key=lambda c: c[1])  # per partition, in order
+    assert captured == want  # the device's own order, partitions interleaved
     graphs = [(j, p.graphs) for j, row in enumerate(replay.programs) for p in row]
     assert all(g is not None and (g[1] is None) == (j == 0) and g[2] is not None for j, g in graphs)
     for p in pipe.model.parameters():

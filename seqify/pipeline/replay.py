@@ -240,17 +240,6 @@ def _warm(programs: list[Program], device: torch.device, warmup: int, stream: to
             torch._foreach_zero_(programs[0].acc)
 
 
-def _capture(programs: list[Program], device: torch.device, warmup: int, stream: torch.cuda.Stream,
-             order: Sequence[tuple[str, int]]) -> None:
-    """Turn one partition's programs into CUDA graphs sharing one memory pool, captured in the order
-    they will run (``order``: ("F" | "B" | "W", micro-batch) as the schedule issues them on this
-    partition), after ``warmup`` eager runs of each."""
-    _warm(programs, device, warmup, stream)
-    for p in programs:
-        p.outputs, p.in_grads = (), [None] * len(p.inputs)
-    _capture_in_order([(kind, programs[i]) for kind, i in order], device, stream)
-
-
 def _capture_in_order(order: Sequence[tuple[str, Program]], device: torch.device, stream: torch.cuda.Stream) -> None:
     """Capture ``order``'s programs (("F" | "B" | "W", program), everything one device runs, in the
     order it runs it: one partition's programs or several partitions') as CUDA graphs sharing one

@@ -137,11 +137,30 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
         if name not in have or path not in want:
             continue
         if pytree.tree_structure(want[path]) != pytree.tree_structure(have[name]):
-            continue  # the layer returns more than its module (values it carries on): not comparable
+            # the layer returns more than its module (values it carries on): its module's values are among them
+            if _carries(want[path], have[name], same) is False:
+                return f"layer {name!r} (source module {path!r}) computes a different value", path
+            continue
         if not same(want[path], have[name]):
             return f"layer {name!r} (source module {path!r}) computes a different value", path
     last = next(reversed(layers)) if layers else "?"
     return f"the output differs (no layer named after a source module differs before it; last layer {last!r})", None
+
+
+def _carries(expected: Any, got: Any, same: Callable[[Any, Any], bool]) -> bool | None:
+    """Whether a layer's outputs ``got`` (its module's values and values it carries on) hold each tensor its
+    source module returned (``expected``): False when some such tensor has candidates of its shape and dtype
+    among them and none is the same; None when one has no candidate (not comparable)."""
+    mine = [t for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+    for e in pytree.tree_leaves(expected):
+        if not isinstance(e, torch.Tensor):
+            continue
+        candidates = [t for t in mine if t.shape == e.shape and t.dtype == e.dtype]
+        if not candidates:
+            return None
+        if not any(same(e, t) for t in candidates):
+            return False
+    return True
 
 
 def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: str = "", seed: int = 0) -> None:

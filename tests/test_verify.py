@@ -1,0 +1,57 @@
+"""verify.first_difference names the first layer whose value differs, also where a layer carries values on."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from seqify.verify import first_difference
+
+
+class Source(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) + x
+
+
+class CarryA(nn.Module):
+    """A layer standing in for ``a`` that also carries the input on (as a converted layer does for a value a
+    later layer reads); ``off`` makes its own value wrong."""
+
+    def __init__(self, a: nn.Linear, off: float) -> None:
+        super().__init__()
+        self.a, self.off = a, off
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x) + self.off, x
+
+
+class ThenB(nn.Module):
+    def __init__(self, b: nn.Linear) -> None:
+        super().__init__()
+        self.b = b
+
+    def forward(self, carried: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        y, x = carried
+        return self.b(y) + x
+
+
+def converted(source: Source, off: float) -> nn.Module:
+    seq = nn.Sequential()
+    seq.add_module("a", CarryA(source.a, off))
+    seq.add_module("b", ThenB(source.b))
+    return seq
+
+
+def test_a_layer_that_carries_values_on_is_compared_by_its_module_value() -> None:
+    torch.manual_seed(0)
+    source = Source()
+    x = torch.randn(3, 4)
+    assert first_difference(source, converted(source, 0.0), (x,)) is None
+    found = first_difference(source, converted(source, 1.0), (x,))
+    # the old check skipped layer 'a' (its output is (value, carried), not its module's one tensor)
+    assert found is not None and "layer 'a'" in found, found

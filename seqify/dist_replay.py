@@ -12,8 +12,9 @@ import torch
 from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
 from .dist_schedule import RankRun
 from .errors import GraphError
+from .pipeline.buffers import Buffers, places
 from .pipeline.replay import (Program, Unreplayable, _buffers, _capture_in_order, _checkpoint, _Flat, _hand_over,
-                              _warm)
+                              _partition_order, _warm)
 from .pipeline.replayed import GraphWarning
 from .pipeline.stage import Stage
 from .sequential import Sequential
@@ -58,13 +59,21 @@ class RankPrograms:
         self.split = False
         self.programs: list[Program | None] = []
         self.captured = False
+        self.place: list[int] = []  # micro-batch -> its buffer set (see begin)
+        self.ins, self.outs = Buffers(device), Buffers(device)
 
-    def begin(self, sizes: list[int], stop: int = 0, split: bool = False) -> None:
+    def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
+              order: Sequence[tuple[str, int]] | None = None) -> None:
         """Start a step of these micro-batch sizes, checkpointing micro-batches below ``stop``, with B and W
-        apart when ``split``: new shapes (or a new ``stop`` or ``split``) build new programs."""
+        apart when ``split``: new shapes (or a new ``stop`` or ``split``) build new programs. ``order``
+        (this partition's ('F' | 'B' | 'W', micro-batch) actions as the schedule issues them) sizes the
+        input and output-gradient buffers to what it keeps in flight (:mod:`~seqify.pipeline.buffers`);
+        without it every micro-batch has its own."""
         if sizes != self.sizes or stop != self.stop or split != self.split:
             self.sizes, self.stop, self.split, self.captured = list(sizes), stop, split, False
             self.programs = [None] * len(sizes)
+            self.place = places(order) if order is not None else list(range(len(sizes)))
+            self.ins, self.outs = Buffers(self.device), Buffers(self.device)
 
     def _recompute(self, i: int) -> Callable[..., Any] | None:
         """How micro-batch ``i`` is checkpointed (None: it is not). A partition drawing random numbers
@@ -87,8 +96,10 @@ class RankPrograms:
         values = _tensors(x) + [skips[k] for k in self.runner.pops if k not in given]
         p = self.programs[i]
         if p is None:
-            with torch.no_grad():
-                inputs = tuple(t.detach().clone().requires_grad_(needs_grad and t.is_floating_point()) for t in values)
+            # one buffer per value (one tensor reaching two slots is two buffers, as before), shared with the
+            # micro-batches the schedule never keeps in flight together with this one
+            inputs = tuple(self.ins.take(self.place[i], values, grads=[needs_grad and t.is_floating_point()
+                                                                       for t in values]))
             carried = None if isinstance(x, torch.Tensor) else len(x)
             flat = _Flat(self.runner, carried, self.sized, checkpoint=self._recompute(i))
             flat.given = given
@@ -111,11 +122,15 @@ class RankPrograms:
             with torch.no_grad():
                 for buf, v in zip(p.inputs, values):
                     buf.copy_(v)
+        fresh = not p.out_grads
         try:
             p.forward()
         except Unreplayable as e:
             raise GraphError(f"{e}: seqify.distributed(graphs=True) runs each partition as fixed programs on "
                              "tensors; move the cut so only tensors leave a partition, or use graphs=False") from e
+        if fresh:  # the output-gradient buffers, shared as the inputs are
+            fixed = iter(self.outs.take(self.place[i], [o for o in p.outputs if o.requires_grad], copy=False))
+            p.out_grads = [next(fixed) if o.requires_grad else None for o in p.outputs]
         k = 1 if p.flat.returns is None else p.flat.returns
         y = p.outputs[0] if p.flat.returns is None else tuple(p.outputs[:k])
         tensors = [key for key in self.runner.stashes if key not in p.flat.kept]
@@ -282,8 +297,8 @@ def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets:
     """One training step of ``stage``'s partitions as fixed programs, in its schedule's order, checkpointing
     micro-batches below ``stop``; the micro-batch losses on the rank holding the last partition."""
     plan = stage.plan(len(sizes))
-    for prog in stage._programs.values():
-        prog.begin(sizes, stop, plan.split)
+    for p, prog in stage._programs.items():
+        prog.begin(sizes, stop, plan.split, _partition_order(plan, p))
     run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop, plan.split)
     actions = plan.per_device()[stage.index]
     try:

@@ -66,6 +66,16 @@ def test_one_rank_of_four_partitions_as_programs_trains_like_the_source(schedule
     stop = {"always": 4, "except_last": 3, "never": 0}[checkpoint]
     for prog in stage._programs.values():
         assert [p is not None and p.flat.checkpoint is not None for p in prog.programs] == [i < stop for i in range(4)]
+    # input and output-gradient buffers sized to what the schedule keeps in flight: interleaved on one rank
+    # lets micro-batches of a partition take turns (fill-drain keeps one set per micro-batch)
+    distinct = [len({id(t) for p in prog.programs if p is not None for t in (*p.inputs, *p.out_grads) if t is not None})
+                for prog in stage._programs.values()]
+    per = [len([t for t in (*prog.programs[0].inputs, *prog.programs[0].out_grads) if t is not None])
+           for prog in stage._programs.values()]
+    if schedule == "interleaved":
+        assert all(d < 4 * n for d, n in zip(distinct, per)), (distinct, per)
+    else:
+        assert distinct == [4 * n for n in per]
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last"])

@@ -48,15 +48,18 @@ class Buffers:
         self._sets: dict[tuple[object, ...], list[torch.Tensor]] = {}
         self.shared: set[int] = set()  # ids of buffers more than one micro-batch writes
 
-    def take(self, place: int, like: Sequence[torch.Tensor], copy: bool = True) -> list[torch.Tensor]:
+    def take(self, place: int, like: Sequence[torch.Tensor], copy: bool = True,
+             grads: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """Buffers for values like ``like`` at ``place``, holding copies of them (``copy``; the buffers
-        need a gradient where those values do) or, new, zeros needing none (gradients to come)."""
-        key = (place, copy, *[(tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad) for t in like])
+        need a gradient where ``grads`` says, by default where those values do) or, new, zeros needing
+        none (gradients to come)."""
+        need = [t.requires_grad for t in like] if grads is None else list(grads)
+        key = (place, copy, *[(tuple(t.shape), tuple(t.stride()), t.dtype, g) for t, g in zip(like, need)])
         got = self._sets.get(key)
         if got is None:
             with torch.no_grad():
                 if copy:
-                    got = [t.detach().to(self.device, copy=True).requires_grad_(t.requires_grad) for t in like]
+                    got = [t.detach().to(self.device, copy=True).requires_grad_(g) for t, g in zip(like, need)]
                 else:
                     got = [torch.zeros_like(t, device=self.device, memory_format=torch.preserve_format) for t in like]
             self._sets[key] = got

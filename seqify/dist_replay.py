@@ -111,16 +111,14 @@ class RankPrograms:
                     f"{_named(p.flat.given)} and now receive {_named(given)}: the input shapes changed. "
                     "seqify.distributed(graphs=True) keeps one set of shapes per micro-batch sizes; keep the other "
                     "dimensions (sequence length, image size) fixed, or use graphs=False")
-            built = [(tuple(b.shape), b.dtype) for b in p.inputs]
-            now = [(tuple(v.shape), v.dtype) for v in values]
-            if built != now:  # a copy would fail, or broadcast into the fixed buffer: silently wrong
-                raise GraphError(
-                    f"partition {self.runner.index}, micro-batch {i}: its programs were built for inputs "
-                    f"{_shapes(built)} and now receive {_shapes(now)}. seqify.distributed(graphs=True) keeps one "
-                    "set of shapes per micro-batch sizes; keep the other dimensions (sequence length, image size) "
-                    "fixed, or use graphs=False")
             with torch.no_grad():
                 for buf, v in zip(p.inputs, values):
+                    if buf.shape != v.shape or buf.dtype != v.dtype:  # a copy would fail, or broadcast: wrong
+                        raise GraphError(
+                            f"partition {self.runner.index}, micro-batch {i}: its programs were built for inputs "
+                            f"{_shapes(p.inputs)} and now receive {_shapes(values)}. seqify.distributed(graphs=True) "
+                            "keeps one set of shapes per micro-batch sizes; keep the other dimensions (sequence "
+                            "length, image size) fixed, or use graphs=False")
                     buf.copy_(v)
         fresh = not p.out_grads
         try:
@@ -208,9 +206,9 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
         prog.captured = True
 
 
-def _shapes(inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
-    """Input shapes and dtypes, for messages."""
-    return ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in inputs)
+def _shapes(tensors: Sequence[torch.Tensor]) -> str:
+    """Tensors' shapes and dtypes, for messages."""
+    return ", ".join(f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors)
 
 
 def _named(sizes: dict[SkipKey, Any]) -> dict[str, Any]:

@@ -30,14 +30,20 @@ class Net(nn.Module):
         return [y, self.emb * 2] if stray else [y]
 
 
-def split_vs_whole(run: Callable[[nn.Module, torch.Tensor], list[torch.Tensor]]) -> bool:
-    """Compare B + W with one backward; whether W started from B's boundary."""
+def ran(run: Callable[[nn.Module, torch.Tensor], list[torch.Tensor]]) -> tuple[
+        nn.Module, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[nn.Parameter]]:
+    """A seeded float64 Net run by ``run`` on an input that needs a gradient: the net, the input, the
+    outputs, random gradients for them, and the parameters."""
     torch.manual_seed(0)
     net = Net().double()
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     outs = run(net, x)
-    grads = [torch.randn_like(o) for o in outs]
-    params = list(net.parameters())
+    return net, x, outs, [torch.randn_like(o) for o in outs], list(net.parameters())
+
+
+def split_vs_whole(run: Callable[[nn.Module, torch.Tensor], list[torch.Tensor]]) -> bool:
+    """Compare B + W with one backward; whether W started from B's boundary."""
+    net, x, outs, grads, params = ran(run)
     dx, boundary = input_grads(outs, grads, [x], params)
     assert all(p.grad is None for p in params)  # B leaves the weights alone
     weight_grads(outs, grads, params, boundary)
@@ -68,12 +74,7 @@ def test_checkpointed_partition_recomputes_for_both_halves() -> None:
 def test_weight_values_returns_w_without_touching_grad(stray: bool) -> None:
     """What a captured W needs: the weights' gradients returned (from the boundary, or from the outputs
     where it does not cover every weight), .grad left alone, under no_grad too (a replayed step)."""
-    torch.manual_seed(0)
-    net = Net().double()
-    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    outs = net(x, stray)
-    grads = [torch.randn_like(o) for o in outs]
-    params = list(net.parameters())
+    _, x, outs, grads, params = ran(lambda net, x: net(x, stray))
     whole = torch.autograd.grad(outs, params, grads, retain_graph=True, allow_unused=True)
     with torch.no_grad():
         _, boundary = input_grads(outs, grads, [x], params)

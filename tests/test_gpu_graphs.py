@@ -27,6 +27,18 @@ def layouts() -> list[tuple[str, int]]:
     return [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2), ("gpipe", 2)]
 
 
+def twins(source: torch.nn.Module, loops: int, **options: object) -> tuple[torch.nn.Module, seqify.Pipeline, seqify.Pipeline]:
+    """A copy of ``source`` and two pipelines over the same even cuts (``loops`` partitions per GPU, one or
+    two GPUs): ``source`` converted and run eagerly, the copy converted and run with graphs=True."""
+    twin = copy.deepcopy(source)
+    seq, seq2 = seqify.convert(source), seqify.convert(twin)
+    gpus = min(torch.cuda.device_count(), 2)
+    parts, n = gpus * loops, len(seq)
+    balance = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
+    kwargs = dict(gpus=gpus, loops=loops, balance=balance, chunks=4, **options)
+    return twin, seqify.pipeline(seq, **kwargs), seqify.pipeline(seq2, **kwargs, graphs=True)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("schedule,loops", layouts())
 def test_graphed_step_matches_eager_step(schedule: str, loops: int) -> None:
     """Three SGD steps of pipe.step with graphs=True (programs captured in the schedule's own order,
@@ -34,15 +46,7 @@ def test_graphed_step_matches_eager_step(schedule: str, loops: int) -> None:
     gradients and BatchNorm statistics agree, and the step really replayed."""
     torch.manual_seed(0)
     source = torchvision.models.resnet18(num_classes=10).train()
-    twin = copy.deepcopy(source)
-    seq, seq2 = seqify.convert(source), seqify.convert(twin)
-    gpus = min(torch.cuda.device_count(), 2)
-    parts = gpus * loops
-    n = len(seq)
-    balance = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
-    options = dict(gpus=gpus, loops=loops, balance=balance, chunks=4, checkpoint="never", schedule=schedule)
-    eager = seqify.pipeline(seq, **options)
-    graphed = seqify.pipeline(seq2, **options, graphs=True)
+    twin, eager, graphed = twins(source, loops, checkpoint="never", schedule=schedule)
     opt_a = torch.optim.SGD(eager.parameters(), lr=0.01, momentum=0.9)
     opt_b = torch.optim.SGD(graphed.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -76,15 +80,9 @@ def test_inference_replays_forward_graphs(loops: int) -> None:
     step after step (new inputs each time), with no gradient buffers."""
     torch.manual_seed(0)
     source = torchvision.models.resnet50(num_classes=10).eval()
-    twin = copy.deepcopy(source)
-    gpus = min(torch.cuda.device_count(), 2)
-    parts = gpus * loops
-    seq, seq2 = seqify.convert(source), seqify.convert(twin)
-    n = len(seq)
-    balance = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
-    eager = seqify.pipeline(seq, gpus=gpus, loops=loops, balance=balance, chunks=4, checkpoint="never").eval()
-    graphed = seqify.pipeline(seq2, gpus=gpus, loops=loops, balance=balance, chunks=4, checkpoint="never",
-                              graphs=True).eval()
+    _, eager, graphed = twins(source, loops, checkpoint="never")
+    eager.eval()
+    graphed.eval()
     with torch.no_grad():
         for step in range(3):
             x = torch.randn(16, 3, 64, 64, device="cuda:0")
@@ -101,15 +99,7 @@ def test_checkpointed_graphs_recompute_inside_the_captured_backward(schedule: st
     dropout cannot replay its draws in a captured recomputation: that pipeline falls back to eager."""
     torch.manual_seed(0)
     source = torchvision.models.resnet18(num_classes=10).train()
-    twin = copy.deepcopy(source)
-    gpus = min(torch.cuda.device_count(), 2)
-    parts = gpus * loops
-    seq, seq2 = seqify.convert(source), seqify.convert(twin)
-    n = len(seq)
-    balance = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
-    options = dict(gpus=gpus, loops=loops, balance=balance, chunks=4, checkpoint="always", schedule=schedule)
-    eager = seqify.pipeline(seq, **options)
-    graphed = seqify.pipeline(seq2, **options, graphs=True)
+    twin, eager, graphed = twins(source, loops, checkpoint="always", schedule=schedule)
     loss_fn = torch.nn.CrossEntropyLoss()
     for step in range(2):
         x = torch.randn(16, 3, 64, 64, device="cuda:0")

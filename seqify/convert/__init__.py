@@ -14,7 +14,7 @@ from ..trace import Opaque, Traced, preserved, trace
 from ..verify import check
 from .build import RESERVED, build
 from .linearize import Plan, linearize
-from .modes import mode_differences
+from .modes import exported_mode_dependent, mode_differences
 from .splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
 
 __all__ = ["convert", "Plan", "linearize", "build"]
@@ -175,12 +175,7 @@ def _via_export(model: nn.Module, example_inputs: Any, *, check_modes: bool, ver
             "(e.g. seqify.convert(model, example_inputs={'input_ids': ids}, frontend='export'))"
         )
     traced = export_trace(model, example_inputs)
-    mode_dependent = False
-    if check_modes:
-        with preserved(model):
-            model.train(not traced.training)
-            other = export_trace(model, example_inputs)
-        mode_dependent = bool(mode_differences(traced.graph, other.graph))
+    mode_dependent = check_modes and exported_mode_dependent(model, traced.graph, example_inputs)
     seq = _assemble(traced, mode_dependent=mode_dependent, group=_scope_key, frontend="export")
     if verify:
         check(model, seq, example_inputs, frontend="export")

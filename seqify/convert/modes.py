@@ -6,8 +6,9 @@ from collections import defaultdict
 from typing import Any
 
 import torch.fx as fx
+from torch import nn
 
-__all__ = ["mode_differences"]
+__all__ = ["exported_mode_dependent", "mode_differences"]
 
 
 def _signature(node: fx.Node) -> tuple[Any, ...]:
@@ -37,3 +38,15 @@ def mode_differences(a: fx.Graph, b: fx.Graph) -> set[str]:
             by_scope[_scope(node)].append(_signature(node))
         seqs.append(by_scope)
     return {p for p in set(seqs[0]) | set(seqs[1]) if seqs[0].get(p) != seqs[1].get(p)}
+
+
+def exported_mode_dependent(module: nn.Module, graph: fx.Graph, example_inputs: Any) -> bool:
+    """Whether ``module``'s torch.export graph (``graph``, captured in its current mode) differs from the one
+    captured in the other mode on the same inputs (``module`` is left as it was)."""
+    from ..frontends.export import export_trace
+    from ..trace import preserved
+
+    with preserved(module):
+        module.train(not module.training)
+        other = export_trace(module, example_inputs)
+    return bool(mode_differences(graph, other.graph))

@@ -18,7 +18,7 @@ from torch import nn
 from ..guard import Guard, check_bool, check_equal
 from ..trace import HOOK_DICTS, Opaque, Traced, _caller, preserved
 from ..trace_real import record_inputs
-from .modes import mode_differences
+from .modes import exported_mode_dependent
 
 __all__ = ["Spliced", "candidates", "copied", "splice", "opaque_with", "FRONTEND", "EXPORT"]
 
@@ -252,12 +252,7 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
             exported = export_trace(module, arguments)
             if _batch_of_one(example_inputs):
                 _refuse_batch_of_one(exported)
-            mode_dependent = False
-            if check_modes:
-                with preserved(module):
-                    module.train(not module.training)
-                    other = export_trace(module, arguments)
-                mode_dependent = bool(mode_differences(exported.graph, other.graph))
+            mode_dependent = check_modes and exported_mode_dependent(module, exported.graph, arguments)
             _splice_one(traced, node, exported, feeds, index)
         except Exception as e:  # the call stays opaque; the reason goes into the summary
             first = str(e).splitlines()[0] if str(e) else ""

@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .errors import VerifyError
+from .errors import ExampleInputError, VerifyError
 
 __all__ = ["bit_equal", "close", "split_inputs", "first_difference", "check"]
 
@@ -126,7 +126,14 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
     paths = {id(m): p for p, m in source.named_modules() if p and not any(True for _ in m.children())}
     watched = {id(layer): name for name, layer in layers.items() if name in by_name}
     with _state_kept(source):
-        expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
+        try:
+            expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
+        except Exception as e:  # the inputs are wrong, not the conversion: say so, not "report a seqify bug"
+            raise ExampleInputError(
+                f"the source {type(source).__name__} itself raises on the example inputs: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}. Pass example_inputs the source model runs on "
+                "(e.g. token ids below the vocabulary size, the shapes its forward expects)"
+            ) from e
     with _state_kept(source):
         got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed))
     same = bit_equal if _on_cpu(expected) else close  # bit-equal on the CPU; allclose on accelerators
@@ -173,7 +180,7 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
         return
     try:
         found = _difference(source, seq, example_inputs, seed)
-    except VerifyError:
+    except (VerifyError, ExampleInputError):
         raise
     except Exception as e:
         note = f" (from the {frontend} frontend)" if frontend else ""

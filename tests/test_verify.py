@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+import seqify
 from seqify.verify import first_difference
 
 
@@ -55,3 +57,23 @@ def test_a_layer_that_carries_values_on_is_compared_by_its_module_value() -> Non
     found = first_difference(source, converted(source, 1.0), (x,))
     # the old check skipped layer 'a' (its output is (value, carried), not its module's one tensor)
     assert found is not None and "layer 'a'" in found, found
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_example_inputs_the_source_cannot_run_are_named_as_such_not_as_a_seqify_bug(frontend: str) -> None:
+    model = Embed()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(seqify.ExampleInputError, match=r"source Embed itself raises .*IndexError"):
+        seqify.convert(model, example_inputs=(torch.tensor([[1, 9]]),), frontend=frontend)  # 9 >= 8 tokens
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    seqify.convert(model, example_inputs=(torch.tensor([[1, 7]]),), frontend=frontend)  # valid ids convert

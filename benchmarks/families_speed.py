@@ -39,12 +39,12 @@ def _ids(vocab: int, batch: int, seq: int, device: torch.device) -> torch.Tensor
     return torch.randint(0, vocab, (batch, seq), device=device)
 
 
-def families(tiny: bool, device: torch.device) -> dict[str, Callable[[], Built]]:
-    """Builders: realistic sizes for one GPU, or tiny ones for a CPU smoke test."""
+def families(tiny: bool, device: torch.device, scale: int = 1) -> dict[str, Callable[[], Built]]:
+    """Builders: realistic sizes for one GPU (batches times ``scale``), or tiny ones for a CPU smoke test."""
     import transformers as tf
 
     s = 1 if not tiny else 0  # size switch
-    h, layers, heads, seq, batch = (768, 12, 12, 128, 32) if s else (32, 1, 2, 16, 2)
+    h, layers, heads, seq, batch = (768, 12, 12, 128, 32 * scale) if s else (32, 1, 2, 16, 2)
 
     def bert() -> Built:
         cfg = tf.BertConfig(vocab_size=30522 if s else 64, hidden_size=h, intermediate_size=4 * h,
@@ -89,7 +89,7 @@ def families(tiny: bool, device: torch.device) -> dict[str, Callable[[], Built]]
     def unet2d() -> Built:
         import diffusers
 
-        size, b = (64, 16) if s else (8, 2)
+        size, b = (64, 16 * scale) if s else (8, 2)
         model = diffusers.UNet2DModel(
             sample_size=size, in_channels=3, out_channels=3, layers_per_block=2 if s else 1,
             block_out_channels=(64, 128, 256, 256) if s else (8, 16), norm_num_groups=32 if s else 4,
@@ -103,7 +103,7 @@ def families(tiny: bool, device: torch.device) -> dict[str, Callable[[], Built]]
     def unet2d_condition() -> Built:
         import diffusers
 
-        size, b, ctx = (32, 8, 768) if s else (8, 2, 8)
+        size, b, ctx = (32, 8 * scale, 768) if s else (8, 2, 8)
         model = diffusers.UNet2DConditionModel(
             sample_size=size, in_channels=4, out_channels=4, layers_per_block=2 if s else 1,
             block_out_channels=(128, 256, 512) if s else (8, 16), norm_num_groups=32 if s else 4,
@@ -119,7 +119,7 @@ def families(tiny: bool, device: torch.device) -> dict[str, Callable[[], Built]]
     def autoencoder_kl() -> Built:
         import diffusers
 
-        size, b = (128, 4) if s else (8, 2)
+        size, b = (128, 4 * scale) if s else (8, 2)
         model = diffusers.AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512) if s else (8, 8),
             down_block_types=("DownEncoderBlock2D",) * (3 if s else 2),
@@ -178,6 +178,20 @@ def peak(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
             round(torch.cuda.max_memory_reserved(device) / 2**30, 2))
 
 
+def kernels(step: Callable[[], None], device: torch.device) -> tuple[int, float]:
+    """CUDA kernels one step launches and their summed GPU time in ms (the work, without the host's timing noise)."""
+    if device.type != "cuda":
+        return 0, 0.0
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(events), round(sum(e.device_time for e in events) / 1e3, 2)
+
+
 def run(name: str, build: Callable[[], Built], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(0)
     source, inputs = build()
@@ -196,6 +210,7 @@ def run(name: str, build: Callable[[], Built], args: argparse.Namespace, device:
         for p in [*source.parameters(), *seq.parameters()]:
             p.grad = None
         memory[k] = peak(s, device)
+    work = {k: kernels(s, device) for k, s in steps.items()} if args.kernels else {}
     rounds: dict[str, list[float]] = {"source": [], "converted": []}
     for r in range(args.rounds):
         order = ["source", "converted"] if r % 2 == 0 else ["converted", "source"]
@@ -210,6 +225,9 @@ def run(name: str, build: Callable[[], Built], args: argparse.Namespace, device:
         "ratio": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios],
         "source_gib": memory["source"], "converted_gib": memory["converted"],
     }
+    if work:
+        row.update({"source_kernels": work["source"][0], "converted_kernels": work["converted"][0],
+                    "source_kernel_ms": work["source"][1], "converted_kernel_ms": work["converted"][1]})
     del source, twin, seq, steps
     gc.collect()
     if device.type == "cuda":
@@ -226,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds (median of the per-round ratios)")
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke test)")
+    p.add_argument("--scale", type=int, default=1, help="multiply each family's batch (a larger batch is less launch-bound)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also profile one step of each: CUDA kernels launched and their summed GPU time")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -233,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# {datetime.date.today()} {name}, torch {torch.__version__}, {args.precision}", flush=True)
-    builders = families(args.tiny, device)
+    print(f"# {datetime.date.today()} {name}, torch {torch.__version__}, {args.precision}, batch scale {args.scale}",
+          flush=True)
+    builders = families(args.tiny, device, args.scale)
     rows: list[dict[str, Any]] = []
     for fam in args.families or list(builders):
         try:
@@ -258,6 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['family']} | {r['class']} | {r['params_m']} | {r['frontend']} | {r['layers']} | {r['convert_s']} | "
               f"{r['source_ms']} | {r['converted_ms']} | {r['ratio']:.3f} | "
               f"{r['source_gib'][0]} / {r['source_gib'][1]}; {r['converted_gib'][0]} / {r['converted_gib'][1]} |")
+    if any("source_kernels" in r for r in rows):
+        print("\n| family | CUDA kernels per step (source; converted) | summed kernel ms (source; converted) |")
+        print("|---|---|---|")
+        for r in rows:
+            if "source_kernels" in r:
+                print(f"| {r['family']} | {r['source_kernels']}; {r['converted_kernels']} | "
+                      f"{r['source_kernel_ms']}; {r['converted_kernel_ms']} |")
     return 0 if all("ratio" in r or "skipped" in r for r in rows) else 1
 
 

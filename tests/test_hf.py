@@ -371,3 +371,49 @@ def test_size_skips_replay_and_data_never_does() -> None:
     layer = Layer(inputs=["x"], ops=ops, outputs=["x"],
                   stashes=[((ns, "half"), "half"), ((ns, "v"), "v"), ((ns, "mixed"), "mixed")])
     assert size_skips([layer]) == {(ns, "half")}
+
+
+class _PositionsFromKeyword(nn.Embedding):
+    """BART's learned positional embedding: called with ``position_ids=`` the forward ignores ``input_ids``."""
+
+    def forward(self, input_ids: torch.Tensor, past: int = 0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
+        return super().forward(position_ids + 2)
+
+
+class _BartLikeDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(64, 16)
+        self.embed_positions = _PositionsFromKeyword(10, 16)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(input_ids.shape[1])
+        return self.embed_tokens(input_ids) + self.embed_positions(input_ids, 0, position_ids=position_ids)
+
+
+def test_leaf_called_with_its_tensor_in_another_argument_is_not_made_a_call_of_it() -> None:
+    # The export frontend turns a run of ops reading one tensor into a call of its leaf module with that
+    # tensor; here the tensor is position_ids, not the first argument, so the call would crash (BART).
+    model = _BartLikeDecoder()
+    kwargs = {"input_ids": ids()}
+    seq = assert_exact(model, (), kwargs=kwargs, train=False,
+                       convert=lambda m: seqify.convert(m, example_inputs=kwargs, frontend="export"))
+    layer = dict(seq.named_children())["embed_tokens"]  # a one-argument leaf is still called as the module
+    assert layer is model.embed_tokens or any(m is model.embed_tokens for m in layer.modules())
+
+
+def bart() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=1, use_cache=False)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 6:] = 0
+    return transformers.BartForConditionalGeneration(cfg), {
+        "input_ids": ids().clamp(min=3), "attention_mask": mask, "decoder_input_ids": ids(batch=B + 1)[:B].clamp(min=3)}
+
+
+def test_bart_with_padding_is_exact() -> None:
+    model, kwargs = bart()
+    assert_exact(model, (), kwargs=kwargs, train=False, convert=lambda m: seqify.convert(m, example_inputs=kwargs))

@@ -257,7 +257,21 @@ def _leaf(model: nn.Module, path: str) -> nn.Module | None:
         return None
     if any(getattr(module, h, None) for h in HOOK_DICTS):
         return None
+    if not _one_parameter(module):
+        return None
     return module
+
+
+def _one_parameter(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes exactly one argument, so the one tensor a run of its ops reads is that
+    argument. A forward with more (even defaulted ones, BART's positional embedding ``forward(input_ids, past=0,
+    position_ids=None)``) may have been called with the tensor in another place; export does not record which."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _runs(graph: fx.Graph) -> Iterator[tuple[str, str, list[fx.Node]]]:

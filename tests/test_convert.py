@@ -503,6 +503,33 @@ def test_training_dependent_top_level_refuses_the_other_mode() -> None:
         seq(x)
 
 
+class LayerDrop(nn.Module):
+    """Skips its layer on a random draw in train mode only (Wav2Vec2, HuBERT): a branch on a tensor's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or torch.rand([]) >= 0.5:
+            x = self.f(x)
+        return x
+
+
+def test_export_of_a_model_the_other_mode_cannot_capture_converts_in_this_mode() -> None:
+    model = LayerDrop().eval()
+    x = torch.randn(2, 3)
+    seq = seqify.convert(model, example_inputs=(x,), frontend="export")  # the train-mode capture fails
+    assert seq.mode_dependent
+    with torch.no_grad():
+        assert torch.equal(seq(x), model(x))
+    seq.train()
+    with pytest.raises(seqify.ModeError, match="Convert a second time"):
+        seq(x)
+    with pytest.raises(seqify.ExportError, match="cannot capture"):
+        seqify.convert(model.train(), example_inputs=(x,), frontend="export")
+
+
 def test_empty_models_are_refused() -> None:
     with pytest.raises(seqify.EmptyModelError):
         seqify.convert(nn.Sequential())

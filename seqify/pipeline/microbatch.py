@@ -56,7 +56,12 @@ def gather(outputs: list[Any]) -> Any:
         return tuple(torch.cat(parts) for parts in zip(*outputs))
     except (RuntimeError, IndexError) as e:
         shapes = [tuple(t.shape) for t in (first if isinstance(first, tuple) else (first,))]
+        scalar = (
+            "; a scalar output (a loss the model computes from labels=) is one per micro-batch, and their mean "
+            "is not the whole batch's loss in general: call the model without labels= and compute the loss on "
+            "the pipeline's output, or run chunks=1"
+        ) if () in shapes else ""
         raise BoundaryError(
             f"micro-batch outputs cannot be concatenated along dim 0 (output shapes {shapes}): every "
-            "output of a pipelined model needs a batch dimension first"
+            f"output of a pipelined model needs a batch dimension first{scalar}"
         ) from e

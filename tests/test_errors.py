@@ -765,6 +765,36 @@ def test_export_error_names_the_forward() -> None:
         seqify.convert(_DataDependent(), torch.randn(2, 4), frontend="export")
 
 
+class _ChecksLabels(nn.Module):
+    """A loss on labels= behind a check of their values (Wav2Vec2ForCTC)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is not None and labels.max() >= 3:
+            raise ValueError("labels past the vocabulary")
+        return self.f(x)
+
+
+class _LayerDrop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.training and torch.rand([]) < 0.5 else self.f(x)
+
+
+def test_export_error_names_the_example_input_read_and_a_train_only_random_branch() -> None:
+    kwargs = {"x": torch.randn(2, 4), "labels": torch.tensor([0, 2])}
+    with raises(seqify.ExportError, "labels.max()", "reads the example input labels=", "leave it out"):
+        seqify.convert(_ChecksLabels(), example_inputs=kwargs, frontend="export")
+    with raises(seqify.ExportError, "LayerDrop", "convert in eval mode"):
+        seqify.convert(_LayerDrop().train(), torch.randn(2, 4), frontend="export")
+
+
 def test_verify_error_names_the_layer() -> None:
     from seqify.verify import check
 

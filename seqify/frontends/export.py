@@ -6,6 +6,7 @@ import copyreg
 import inspect
 import io
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
 from typing import Any
@@ -206,7 +207,24 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
         + "\nWhat to do: pass example_inputs the model accepts as a whole (a dict of keyword arguments "
         "works for transformers models); keep data-dependent code (branches on tensor values) in a submodule "
         "and use frontend='fx', which keeps such submodules whole"
+        + _hints(model, kwargs, site, last)
     ) from last
+
+
+def _hints(model: nn.Module, kwargs: dict[str, Any], site: str, error: Exception) -> str:
+    """What a failed capture's own site suggests: an example input read on the failing line (a check or loss
+    on labels=) can stay out of the converted model; a data-dependent branch in train mode may be a random
+    draw (LayerDrop) that eval mode skips."""
+    code = site.partition(" (")[2]
+    read = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and re.search(rf"\b{re.escape(k)}\b", code)]
+    hints = []
+    if read:
+        hints.append(f"the failing line reads the example input {read[0]}=: leave it out of example_inputs and "
+                     "compute what needs it (a loss from labels=) on the converted model's output")
+    if model.training and "data-dependent" in str(error):
+        hints.append("in train mode, a branch on a random draw (LayerDrop: config.layerdrop > 0) cannot be "
+                     "captured: convert in eval mode, or set the drop probability to 0 to train")
+    return "".join(f"; {h}" for h in hints)
 
 
 def _resolve(model: nn.Module, target: str) -> Any:

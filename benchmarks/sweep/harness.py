@@ -97,7 +97,8 @@ def check(name: str, build: Callable[[], Built], *, pipeline: bool = True) -> di
 
 
 def main(registry: dict[str, Callable[[], Built]], argv: list[str] | None = None) -> int:
-    """Run the checks of ``registry`` (names on the command line pick some); print one line per model."""
+    """Run the checks of ``registry`` (names on the command line pick some); print one line per model. A builder
+    with ``pipeline = False`` skips the pipeline check (a scalar loss from labels= has no batch to gather)."""
     import argparse
     import json
 
@@ -108,7 +109,7 @@ def main(registry: dict[str, Callable[[], Built]], argv: list[str] | None = None
     args = p.parse_args(argv)
     rows = []
     for name in args.names or list(registry):
-        row = check(name, registry[name])
+        row = check(name, registry[name], pipeline=getattr(registry[name], "pipeline", True))
         rows.append(row)
         status = "ok  " if row["ok"] else "FAIL"
         detail = "" if row["ok"] else f"[{row['stage']}] {row['error']}"

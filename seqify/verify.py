@@ -184,11 +184,20 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
         raise
     except Exception as e:
         note = f" (from the {frontend} frontend)" if frontend else ""
+        diverged = [o for o in getattr(seq, "opaque", ()) if "fails on the example values" in o.reason]
+        cause = (
+            f". The trace kept {diverged[0].path} whole because an op in it failed on the example values: the "
+            "traced code before it took a path the source does not take on this example (transformers builds "
+            "attention masks differently when traced), so it gets inputs the source never gives it. Keep the "
+            f"module that makes its inputs whole too (leaf_paths=[{diverged[0].path.rpartition('.')[0]!r}, or "
+            "an outer one]) or try the other frontend (frontend='fx' or 'export')"
+        ) if diverged else (
+            ". Report this as a seqify bug; meanwhile try the other frontend (frontend='fx' or 'export') or keep "
+            "the failing submodule whole (leaf_paths=[...])"
+        )
         raise VerifyError(
             f"the converted {type(source).__name__}{note} crashes on the example inputs where the source runs: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Report this as a seqify bug; "
-            "meanwhile try the other frontend (frontend='fx' or 'export') or keep the failing submodule whole "
-            "(leaf_paths=[...])"
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{cause}"
         ) from e
     if found is not None:
         difference, path = found

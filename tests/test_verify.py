@@ -77,3 +77,33 @@ def test_example_inputs_the_source_cannot_run_are_named_as_such_not_as_a_seqify_
         seqify.convert(model, example_inputs=(torch.tensor([[1, 9]]),), frontend=frontend)  # 9 >= 8 tokens
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     seqify.convert(model, example_inputs=(torch.tensor([[1, 7]]),), frontend=frontend)  # valid ids convert
+
+
+class _AddsMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + mask
+
+
+class _MaskOnlyWhenTraced(nn.Module):
+    """transformers' masks: built only when traced (outside, an all-ones mask is skipped), here in a shape
+    the submodule cannot add (Nystromformer's landmarks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _AddsMask()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        traced = torch.fx._symbolic_trace.is_fx_tracing()
+        mask = torch.zeros(x.shape[0], x.shape[1], 3) if traced else torch.zeros(1)
+        return self.inner(x, mask)
+
+
+def test_a_crash_after_the_trace_diverged_names_the_kept_module_not_a_seqify_bug() -> None:
+    x = torch.randn(2, 2, 4)
+    with pytest.raises(seqify.VerifyError, match="inner whole because an op in it failed") as info:
+        seqify.convert(_MaskOnlyWhenTraced(), x, frontend="fx")
+    assert "seqify bug" not in str(info.value) and "leaf_paths" in str(info.value)

@@ -814,6 +814,13 @@ def _trace_once(
                 "or list that submodule in leaf_paths=[...]."
             ) from e
         writes = writes_since(model, before)
+    if real is not None and real.error is not None:
+        # An opaque submodule's value came from running the source, and the source raised: the example
+        # inputs are wrong, not the trace (a later "value unknown" error would blame the conversion).
+        raise ExampleInputError(
+            f"the source {name} itself raises on the example inputs: {real.error}. Pass example_inputs the "
+            "source model runs on (e.g. token ids below the vocabulary size, the shapes its forward expects)"
+        )
     return tracer, graph, writes
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -77,3 +79,27 @@ def test_example_inputs_the_source_cannot_run_are_named_as_such_not_as_a_seqify_
         seqify.convert(model, example_inputs=(torch.tensor([[1, 9]]),), frontend=frontend)  # 9 >= 8 tokens
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     seqify.convert(model, example_inputs=(torch.tensor([[1, 7]]),), frontend=frontend)  # valid ids convert
+
+
+class Reshape(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > -1e9:  # on values: fx keeps this module whole and takes its value from the source's run
+            return x.view(x.shape[0], 3, -1)  # fails where the last dimension is not a multiple of 3
+        return x
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.reshape = Reshape()
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = self.reshape(self.lin(x)[:, :4])
+        return out.sum(1), out.shape[-1]
+
+
+def test_a_source_that_raises_inside_an_opaque_module_is_named_not_an_unknown_value() -> None:
+    # before: "the model returns 'getitem', a Python value computed at run time (UNKNOWN in the example)"
+    with pytest.raises(seqify.ExampleInputError, match=r"source Outer itself raises .*RuntimeError"):
+        seqify.convert(Outer(), example_inputs=(torch.randn(2, 4),), frontend="fx")

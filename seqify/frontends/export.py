@@ -19,6 +19,7 @@ from ..errors import ConversionError, ExampleInputError, ExportError, HookError,
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
+from ..trace_real import buffers_kept
 from .hf_masks import causal_skip
 from .regions import neutral_autocast, prepare_regions
 
@@ -284,15 +285,75 @@ def _inputs(node: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _module_calls(graph: fx.Graph, model: nn.Module) -> None:
+def _own_forward(module: nn.Module) -> bool:
+    """Its forward is torch.nn's own (Linear, Embedding, LayerNorm...): called on one tensor, it computes
+    from that tensor."""
+    return (getattr(type(module).forward, "__module__", "") or "").startswith("torch.nn.")
+
+
+def _alone(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """This call passes ``module.forward`` one tensor, as its first parameter, and every other parameter
+    its default: so ``module(x)`` is this call."""
+    sig = inspect.signature(module.forward)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    params = list(sig.parameters.values())
+    if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return False
+    for name, value in bound.arguments.items():
+        if name == params[0].name:
+            if not isinstance(value, torch.Tensor):
+                return False
+            continue
+        default = sig.parameters[name].default
+        if value is default:
+            continue
+        if isinstance(value, (torch.Tensor, nn.Module)) or type(value) is not type(default) or value != default:
+            return False
+    return params[0].name in bound.arguments
+
+
+def _called_alone(model: nn.Module, kwargs: dict[str, Any], paths: set[str]) -> set[str]:
+    """The modules of ``paths`` that every call gets only one tensor, as in ``module(x)``, when the source
+    runs on the example (OPT's positional embedding is called on the attention mask and the positions:
+    its ops read only the positions, yet ``module(positions)`` would compute something else)."""
+    if not paths:
+        return set()
+    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {p: [] for p in paths}
+    handles = [
+        model.get_submodule(p).register_forward_pre_hook(
+            lambda _m, args, kw, p=p: calls[p].append((args, kw)), with_kwargs=True)
+        for p in sorted(paths)
+    ]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), preserved(model), buffers_kept(model):
+            model(**kwargs)
+    except Exception:  # the calls seen so far still count; a module never seen stays ops
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {p for p, seen in calls.items() if seen and all(_alone(model.get_submodule(p), a, k) for a, k in seen)}
+
+
+def _module_calls(graph: fx.Graph, model: nn.Module, kwargs: dict[str, Any] | None = None) -> None:
     """A run of ops that is exactly one call of a leaf module (one tensor in, one tensor out, its own
-    parameters and buffers only) becomes a call of that very module, so the layer *is* the source module."""
+    parameters and buffers only) becomes a call of that very module, so the layer *is* the source module.
+    A module whose forward is not torch.nn's must also be called that way by the source (checked on the
+    example ``kwargs``): its ops may read one of several arguments."""
     keys: dict[str, int] = {}
     for key, _, nodes in _runs(graph):
         keys[key] = keys.get(key, 0) + 1
+    custom = {path for key, path, _ in _runs(graph)
+              if keys[key] == 1 and path and (m := _leaf(model, path)) is not None and not _own_forward(m)}
+    alone = _called_alone(model, kwargs, custom) if kwargs is not None else set()
     for key, path, nodes in list(_runs(graph)):
         module = _leaf(model, path)
         if module is None or keys[key] != 1 or not path:
+            continue
+        if not _own_forward(module) and path not in alone:
             continue
         own = {id(t) for t in list(module.parameters()) + list(module.buffers())}
         inside = set(nodes)
@@ -386,7 +447,7 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     constants, inputs = _clean(gm, model, kwargs)
     example = next((t for t in pytree.tree_leaves(kwargs) if isinstance(t, torch.Tensor)), None)
     prepare_regions(graph, constants, example.device.type if example is not None else None)
-    _module_calls(graph, model)
+    _module_calls(graph, model, kwargs)
     if example is not None:
         _devices(graph, example.device)
     input_names = [k for k, v in kwargs.items() for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]

@@ -310,7 +310,12 @@ def _alone(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         default = sig.parameters[name].default
         if value is default:
             continue
-        if isinstance(value, (torch.Tensor, nn.Module)) or type(value) is not type(default) or value != default:
+        if isinstance(value, (torch.Tensor, nn.Module)) or type(value) is not type(default):
+            return False
+        try:
+            if not bool(value == default):
+                return False
+        except Exception:  # a value without a plain ==: not known to be the default
             return False
     return params[0].name in bound.arguments
 

@@ -814,7 +814,26 @@ def _trace_once(
                 "or list that submodule in leaf_paths=[...]."
             ) from e
         writes = writes_since(model, before)
+    if real is not None and real.error is not None and _source_raises(model, example_inputs):
+        # An opaque submodule's value came from running the source, and the source raised, outside a trace
+        # too: the example inputs are wrong, not the trace (a later "value unknown" error would blame the
+        # conversion). A source that raises only while traced (transformers builds masks then) is the
+        # trace's divergence, which the self-check names.
+        raise ExampleInputError(
+            f"the source {name} itself raises on the example inputs: {real.error}. Pass example_inputs the "
+            "source model runs on (e.g. token ids below the vocabulary size, the shapes its forward expects)"
+        )
     return tracer, graph, writes
+
+
+def _source_raises(model: nn.Module, example_inputs: Any) -> bool:
+    """Whether the source raises when run plainly (no trace) on the example; it changes nothing."""
+    try:
+        with preserved(model), buffers_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad():
+            _caller(model, example_inputs)()
+    except Exception:
+        return True
+    return False
 
 
 def _keep_writers(model: nn.Module, writes: dict[str, list[str]], kept: dict[str, Opaque], tracer: _Tracer) -> None:

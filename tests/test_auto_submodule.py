@@ -310,3 +310,26 @@ def test_returning_the_body_output_and_whole_uses() -> None:
     assert seq.frontend == "fx" and "used whole by cat" in seq.opaque[0].reason
     with torch.no_grad():
         assert bit_equal(seq(x), whole(x))
+
+
+def test_returning_fields_of_the_body_output_that_export_returns_as_none() -> None:
+    """Bloom's and GPT-J's heads return ``outputs.hidden_states`` and ``outputs.attentions`` of a body fx
+    cannot trace: export's graph has None there, and the model's output must read None, not erased nodes."""
+
+    class Fields(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = llama()
+            self.proj = nn.Linear(4, 16)
+
+        def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+            out = self.body(inputs_embeds=self.proj(x), attention_mask=attention_mask)
+            return {"h": out.last_hidden_state, "hidden_states": out.hidden_states, "attentions": out.attentions}
+
+    m = Fields().eval()
+    args = (torch.randn(B, T, 4), mask())
+    seq = seqify.convert(m, example_inputs=args)
+    assert seq.frontend == "fx+export" and not seq.opaque, seq.summary()
+    with torch.no_grad():
+        got = seq(*args)
+        assert bit_equal(got, m(*args)) and got["hidden_states"] is None and got["attentions"] is None

@@ -417,3 +417,44 @@ def bart() -> tuple[nn.Module, dict[str, Any]]:
 def test_bart_with_padding_is_exact() -> None:
     model, kwargs = bart()
     assert_exact(model, (), kwargs=kwargs, train=False, convert=lambda m: seqify.convert(m, example_inputs=kwargs))
+
+
+class Positions(nn.Embedding):
+    """OPT's learned positions: called on the attention mask and the positions, its ops read only the latter."""
+
+    def forward(self, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = attention_mask.cumsum(1) - 1
+        return super().forward(position_ids + 2)
+
+
+class PositionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = Positions(T + 2, 4)
+
+    def forward(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.pos(attention_mask, position_ids=attention_mask.cumsum(1) * attention_mask - 1)
+
+
+def test_a_leaf_module_called_on_several_arguments_stays_its_ops() -> None:
+    # before: the export layers called pos(positions) (its one input), which reads them as the mask: IndexError
+    model = PositionNet()
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 5:] = 0
+    seq = assert_exact(model, (mask,), train=True,
+                       convert=lambda m: seqify.convert(m, example_inputs=(mask,), frontend="export"))
+    assert not any(layer is model.pos for layer in seq)
+
+
+def opt() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.OPTConfig(vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
+                                 max_position_embeddings=32, word_embed_proj_dim=16, use_cache=False)
+    return transformers.OPTForCausalLM(cfg), {"input_ids": ids()}
+
+
+def test_opt_converts_exactly() -> None:
+    model, kwargs = opt()
+    seq = assert_exact(model, (), kwargs=kwargs, train=False,
+                       convert=lambda m: seqify.convert(m, example_inputs=kwargs))
+    assert seq.frontend == "export"

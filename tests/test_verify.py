@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -107,3 +109,27 @@ def test_a_crash_after_the_trace_diverged_names_the_kept_module_not_a_seqify_bug
     with pytest.raises(seqify.VerifyError, match="inner whole because an op in it failed") as info:
         seqify.convert(_MaskOnlyWhenTraced(), x, frontend="fx")
     assert "seqify bug" not in str(info.value) and "leaf_paths" in str(info.value)
+
+
+class Reshape(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > -1e9:  # on values: fx keeps this module whole and takes its value from the source's run
+            return x.view(x.shape[0], 3, -1)  # fails where the last dimension is not a multiple of 3
+        return x
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.reshape = Reshape()
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = self.reshape(self.lin(x)[:, :4])
+        return out.sum(1), out.shape[-1]
+
+
+def test_a_source_that_raises_inside_an_opaque_module_is_named_not_an_unknown_value() -> None:
+    # before: "the model returns 'getitem', a Python value computed at run time (UNKNOWN in the example)"
+    with pytest.raises(seqify.ExampleInputError, match=r"source Outer itself raises .*RuntimeError"):
+        seqify.convert(Outer(), example_inputs=(torch.randn(2, 4),), frontend="fx")

@@ -35,11 +35,13 @@ def bigger(kwargs: dict[str, Any]) -> dict[str, Any]:
 def two_stages(seq: seqify.Sequential) -> list[int]:
     layers = list(seq._modules.values())
     owned = [{id(p) for p in layer.parameters()} for layer in layers]
-    cuts = [k for k in range(1, len(layers)) if not set().union(*owned[:k]) & set().union(*owned[k:])]
-    if not cuts:
-        raise RuntimeError("no cut that no shared parameter crosses")
-    k = min(cuts, key=lambda c: abs(c - len(layers) // 2))
-    return [k, len(layers) - k]
+    # a cut near the middle that no shared parameter crosses; else the middle: seqify.pipeline ties a parameter
+    # that layers of two stages use (an LM head tied to the token embedding)
+    n = len(layers)
+    cuts = [k for k in range(max(1, n // 4), max(2, n - n // 4))
+            if not set().union(*owned[:k]) & set().union(*owned[k:])]
+    k = min(cuts, key=lambda c: abs(c - n // 2)) if cuts else n // 2
+    return [k, n - k]
 
 
 def by_micro_batch(model: nn.Module, kwargs: dict[str, Any], chunks: int) -> Any:

@@ -184,17 +184,22 @@ def _splice_one(traced: Traced, node: fx.Node, exported: Traced, feeds: list[fx.
 
     if tensor:
         node.replace_all_uses_with(copies[exported.output])
-    for user, piece in reversed(uses):  # innermost projections first
-        value = mapped(piece)
+    # The model's output may hold the call's result or projections of it (an output's .hidden_states that
+    # the export graph returns as None): each becomes what it picks, and the output node reads the new nodes.
+    picked = {user: mapped(piece) for user, piece in uses}
+    if in_output:
+        picked[node] = mapped(exported.output)
+    leaves = pytree.tree_leaves(traced.output)
+    if any(isinstance(x, fx.Node) and x in picked for x in leaves):
+        traced.output = pytree.tree_map(lambda x: picked[x] if isinstance(x, fx.Node) and x in picked else x,
+                                        traced.output)
+        output_node = next(n for n in graph.nodes if n.op == "output")
+        output_node.args = (tuple(x for x in pytree.tree_leaves(traced.output) if isinstance(x, fx.Node)),)
+    for user, _ in reversed(uses):  # innermost projections first
+        value = picked[user]
         if isinstance(value, fx.Node) or not any(isinstance(x, fx.Node) for x in pytree.tree_leaves(value)):
             user.replace_all_uses_with(value)  # type: ignore[arg-type]
         graph.erase_node(user)
-    if in_output:
-        whole = mapped(exported.output)
-        traced.output = pytree.tree_map(lambda x: whole if x is node else x, traced.output)
-        if not tensor:
-            output_node = next(n for n in graph.nodes if n.op == "output")
-            output_node.args = (tuple(x for x in pytree.tree_leaves(traced.output) if isinstance(x, fx.Node)),)
     graph.erase_node(node)
     traced.flattened += [(f"{path}.{p}" if p else path, m) for p, m in exported.flattened]
 

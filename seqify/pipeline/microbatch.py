@@ -55,13 +55,16 @@ def gather(outputs: list[Any]) -> Any:
             return torch.cat(outputs)
         return tuple(torch.cat(parts) for parts in zip(*outputs))
     except (RuntimeError, IndexError) as e:
-        shapes = [tuple(t.shape) for t in (first if isinstance(first, tuple) else (first,))]
-        scalar = (
-            "; a scalar output (a loss the model computes from labels=) is one per micro-batch, and their mean "
-            "is not the whole batch's loss in general: call the model without labels= and compute the loss on "
-            "the pipeline's output, or run chunks=1"
-        ) if () in shapes else ""
+        tensors = first if isinstance(first, tuple) else (first,)
+        shapes = [tuple(t.shape) for t in tensors]
+        scalar = any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors)
+        hint = (
+            ". A 0-dimensional output is a loss the model computes itself (a transformers model called with "
+            "labels=...): losses of micro-batches do not join into the batch's. Compute the loss outside the "
+            "model: drop labels= and use pipe.step(inputs, target, loss_fn), or loss_fn(pipe(inputs), target)"
+            if scalar else ""
+        )
         raise BoundaryError(
             f"micro-batch outputs cannot be concatenated along dim 0 (output shapes {shapes}): every "
-            f"output of a pipelined model needs a batch dimension first{scalar}"
+            f"output of a pipelined model needs a batch dimension first{hint}"
         ) from e

@@ -208,8 +208,10 @@ class Sequential(nn.Sequential):
             error.add_note(f"in layer {name!r} of the converted {self.source} (seqify.Sequential)")
 
     def _hooks_added(self) -> None:
+        from .trace import recording_hook
+
         for (path, kind), dicts in zip(self._flattened, self._hook_dicts):
-            if any(dicts):
+            if any(not recording_hook(f) for d in dicts for f in d.values()):
                 where = f"submodule {path!r} ({kind})" if path else f"the source model itself ({kind})"
                 raise HookError(
                     f"a hook was registered on {where} after conversion; seqify.convert flattened that module's "

@@ -59,6 +59,20 @@ _ALL_HOOK_DICTS = _HOOK_DICTS + (
 HOOK_DICTS = _HOOK_DICTS
 
 
+def recording_hook(hook: Any) -> bool:
+    """A hook transformers 5 installs on a model's own modules at its first call that records hidden states
+    (``transformers.utils.output_capturing``): it only appends outputs to a list the decorated forward
+    returns, so torch.export captures what it records as graph outputs, and a converted model, which never
+    runs that forward, has no use for it."""
+    fn = getattr(hook, "__func__", hook)
+    return getattr(fn, "__module__", None) == "transformers.utils.output_capturing"
+
+
+def user_hooks(module: nn.Module) -> list[str]:
+    """The hook dicts of ``module`` that hold a hook a flattening conversion would drop (recording hooks aside)."""
+    return [h for h in HOOK_DICTS if any(not recording_hook(f) for f in getattr(module, h, {}).values())]
+
+
 @dataclass(frozen=True)
 class Opaque:
     """A submodule kept whole as one layer, and why."""
@@ -577,12 +591,16 @@ def _readable(text: str, graph: fx.Graph) -> str:
 def preserved(model: nn.Module) -> Iterator[None]:
     """Restore every module's attributes, parameters, buffers, children and flags on exit, and the contents
     of plain dict and list attributes (a cache a forward fills, such as timm's attention-bias cache, must
-    not keep the fake tensors a trace put there)."""
+    not keep the fake tensors a trace put there). Hook dicts (OrderedDicts) are restored too: transformers 5
+    installs output-capturing hooks on a model's first call that records hidden states and marks it with
+    an attribute; keeping the hooks but dropping the mark would install them again on the next call, and
+    every hidden state would then be recorded twice (Segformer's decode head read the wrong stages)."""
     saved = [
         (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
         for m in model.modules()
     ]
-    contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values() if type(v) in (dict, list)]
+    contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values()
+                if type(v) in (dict, list, OrderedDict)]
     try:
         yield
     finally:

@@ -285,6 +285,18 @@ def test_hook_added_after_conversion_to_a_flattened_submodule() -> None:
     seq(x)
 
 
+def test_export_refuses_hooks_on_submodules_at_conversion() -> None:
+    """The export frontend flattens every submodule: a hook there is refused at conversion, naming the
+    submodule and frontend='fx' (which keeps it whole), not reported later as registered after conversion."""
+    model = nn.Sequential(nn.Linear(4, 4), Lin())
+    model[1].register_forward_hook(lambda m, args, out: out * 3)
+    x = torch.randn(2, 4)
+    with raises(seqify.HookError, "submodule '1' (Lin)", "has hooks", "frontend='fx'"):
+        seqify.convert(model, example_inputs=(x,), frontend="export")
+    seq = seqify.convert(model, example_inputs=(x,))
+    assert torch.equal(seq(x), model(x)) and {o.path for o in seq.opaque} == {"1"}
+
+
 # -- convert: meta device, dtypes, devices -----------------------------------------------------------
 
 

@@ -304,6 +304,33 @@ def test_self_check_leaves_the_source_alone() -> None:
     assert_unchanged(model, before)  # BatchNorm statistics and attributes as they were
 
 
+def segformer() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                                       patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+                                       mlp_ratios=[2, 2], decoder_hidden_size=16, num_labels=3)
+    return transformers.SegformerForSemanticSegmentation(cfg).eval(), {"pixel_values": torch.randn(B, 3, 32, 32)}
+
+
+@pytest.mark.parametrize("ran_first", [False, True])
+def test_hidden_state_recording_hooks_neither_leak_nor_block(ran_first: bool) -> None:
+    """transformers 5 installs hooks recording hidden states on a model's first call that asks for them (and
+    marks the model): a capture must leave neither hooks nor mark behind (kept hooks without the mark were
+    installed twice, every stage recorded twice: Segformer's decode head then read the wrong stages), and
+    hooks the source installed itself, before or after conversion, are no hooks of the user's to refuse."""
+    model, kwargs = segformer()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        expected = reference(**kwargs).logits
+        if ran_first:
+            model(**kwargs)
+        before = snapshot(model)
+        seq = seqify.convert(model, example_inputs=kwargs)
+        assert_unchanged(model, before)
+        assert torch.equal(seq(**kwargs).logits, expected)
+        assert torch.equal(model(**kwargs).logits, expected)  # the source installs its hooks once, as it would
+        assert torch.equal(seq(**kwargs).logits, expected)
+
+
 def _attention_calls(seq: seqify.Sequential) -> list[Any]:
     return [op for layer in seq for op in getattr(layer, "ops", []) if "scaled_dot_product" in str(op.target)]
 

@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import ConversionError, ExampleInputError, ExportError, HookError, SeqifyError
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param, bind_examples
-from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
+from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved, user_hooks
 from .hf_masks import causal_skip
 from .regions import neutral_autocast, prepare_regions
 
@@ -372,9 +372,18 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     updates (BatchNorm statistics) land in the source's buffers.
     """
     name = type(model).__name__
-    hooked = [h for h in HOOK_DICTS if getattr(model, h, None)]
+    hooked = user_hooks(model)
     if hooked:
         raise HookError(f"{name} itself has hooks ({', '.join(hooked)}); remove them before converting")
+    inner = next(((p, m) for p, m in model.named_modules() if p and user_hooks(m)), None)
+    if inner is not None:
+        path, module = inner
+        raise HookError(
+            f"submodule {path!r} ({type(module).__name__}) of {name} has hooks ({', '.join(user_hooks(module))}); "
+            "the torch.export frontend flattens every submodule into graph ops, so its hooks would never run in "
+            "the converted model. Convert with frontend='fx', which keeps a hooked submodule whole as one layer "
+            "whose hooks run, or remove the hooks before converting (and register them on the converted layers)"
+        )
     params, kwargs, dynamic = _bind(model, example_inputs)
     _refuse_cache(model, kwargs)
     ep = _export(model, kwargs, dynamic)

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..errors import ConversionError, ExampleInputError, ExportError, HookError, SeqifyError
 from ..guard import Guard, check_equal
@@ -351,7 +352,9 @@ def _shape_guards(graph: fx.Graph, inputs: list[fx.Node], names: list[str]) -> l
         if not isinstance(val, torch.Tensor):
             continue
         for d, size in enumerate(val.shape):
-            if isinstance(size, torch.SymInt):
+            # A SymInt export specialised (len(x) on a batched tensor: CLIP's loss labels arange(len(logits)))
+            # stays a SymInt of constant value: it is as fixed as an int, and needs its guard too.
+            if isinstance(size, torch.SymInt) and not is_concrete_int(size):
                 continue
             guard = Guard(f"{name}.size({d})", int(size), "torch.export specialised this dimension")
             with graph.inserting_after(node):

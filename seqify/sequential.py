@@ -172,6 +172,14 @@ class Sequential(nn.Sequential):
             return flat[self.entry[0]]
         return tuple(flat[i] for i in self.entry)
 
+    def input_names(self) -> list[str] | None:
+        """The source's name for each tensor :meth:`flatten_inputs` returns, for messages; None where unknown."""
+        try:
+            names = self.input_spec.tensor_names()
+            return [names[i] for i in self.entry]
+        except Exception:
+            return None
+
     def unflatten_outputs(self, carried: Any) -> Any:
         """The source's output structure from what the last layer returns."""
         return self.output_spec.unflatten(carried)

@@ -676,8 +676,11 @@ def test_inputs_and_outputs_without_a_batch_dimension() -> None:
     two = seqify.pipeline(TwoInputs(), devices=CPU2, balance=[1, 2], chunks=2)
     with raises(seqify.BoundaryError, "same batch size along dim 0", "(4, 2), (3, 2)"):
         two(torch.randn(4, 2), torch.randn(3, 2))
+    with raises(seqify.BoundaryError, "Without the batch size 4 first: y (2,)", "expand"):
+        two(torch.randn(4, 2), torch.randn(2))  # y broadcasts: the model runs it, a pipeline cannot split it
     total = seqify.pipeline(Total(), devices=CPU2, balance=[1, 1], chunks=2)
-    with raises(seqify.BoundaryError, "cannot be concatenated along dim 0", "needs a batch dimension first"):
+    with raises(seqify.BoundaryError, "cannot be concatenated along dim 0", "needs a batch dimension first",
+                "The output is a scalar", "pipe.step"):
         total(torch.randn(4, 2))
     assert total.chunks == 2
     total.chunks = 1  # the fix for a scalar output: one micro-batch (or return per-sample values)

@@ -331,6 +331,15 @@ def test_hidden_state_recording_hooks_neither_leak_nor_block(ran_first: bool) ->
         assert torch.equal(seq(**kwargs).logits, expected)
 
 
+def test_a_loss_output_names_itself_when_a_pipeline_cannot_split_it() -> None:
+    """labels= makes the model reduce a loss over the whole batch: a pipeline's error names that output."""
+    model, kwargs = vit()
+    kwargs = {**kwargs, "labels": torch.tensor([0, 2])}
+    pipe = seqify.pipeline(seqify.convert(model.eval(), example_inputs=kwargs), devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(seqify.BoundaryError, match=r"The output \['loss'\] is a scalar.*labels="):
+        pipe(**kwargs)
+
+
 def _attention_calls(seq: seqify.Sequential) -> list[Any]:
     return [op for layer in seq for op in getattr(layer, "ops", []) if "scaled_dot_product" in str(op.target)]
 

@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._symbolic_trace import PH
 from torch.fx.proxy import Scope, ScopeContextManager
 
-from .errors import ExampleInputError, HookError, SeqifyError, StatefulForwardError, UntraceableError
+from .errors import (ExampleInputError, HookError, KeywordArgumentsError, SeqifyError, StatefulForwardError,
+                     UntraceableError)
 from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
@@ -639,9 +640,12 @@ def _bind_examples(
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             if p.name in given and given[p.name]:
                 star = "*" if p.kind == inspect.Parameter.VAR_POSITIONAL else "**"
-                raise ExampleInputError(
-                    f"{name}.forward takes {star}{p.name}; seqify converts forwards with named "
+                error = KeywordArgumentsError if star == "**" else ExampleInputError
+                raise error(
+                    f"{name}.forward takes {star}{p.name}; the fx frontend converts forwards with named "
                     "parameters: wrap the model in a module whose forward names its inputs"
+                    + (", or convert with frontend='export' (or 'auto'), which bakes non-tensor values passed "
+                       f"through **{p.name} (output_hidden_states=True)" if star == "**" else "")
                 )
             continue
         default = EMPTY if p.default is inspect.Parameter.empty else p.default

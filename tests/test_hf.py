@@ -340,6 +340,24 @@ def test_a_loss_output_names_itself_when_a_pipeline_cannot_split_it() -> None:
         pipe(**kwargs)
 
 
+def test_keywords_through_kwargs_are_baked_by_export() -> None:
+    """transformers 5 takes output_hidden_states through **kwargs: fx refuses it (naming export), auto falls
+    back to export, which bakes it, and every call must pass it again."""
+    model, kwargs = vit()
+    model.eval()
+    kwargs = {**kwargs, "output_hidden_states": True}
+    with pytest.raises(seqify.KeywordArgumentsError, match="frontend='export'"):
+        seqify.convert(model, example_inputs=kwargs, frontend="fx")
+    seq = seqify.convert(model, example_inputs=kwargs)
+    assert seq.frontend == "export"
+    with torch.no_grad():
+        assert bit_equal(seq(**kwargs), model(**kwargs)) and len(seq(**kwargs).hidden_states) == 2
+        with pytest.raises(seqify.InputError, match="missing argument 'output_hidden_states'"):
+            seq(pixel_values=kwargs["pixel_values"])
+        bigger = {**kwargs, "pixel_values": torch.randn(B + 1, 3, 16, 16)}  # the batch stays dynamic
+        assert bit_equal(seq(**bigger), model(**bigger))
+
+
 def _attention_calls(seq: seqify.Sequential) -> list[Any]:
     return [op for layer in seq for op in getattr(layer, "ops", []) if "scaled_dot_product" in str(op.target)]
 

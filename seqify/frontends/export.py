@@ -57,7 +57,12 @@ def _bind(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str,
     params: list[Param] = []
     kwargs: dict[str, Any] = {}
     dynamic: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     for p in sig.parameters.values():
+        if p.kind == inspect.Parameter.VAR_KEYWORD and isinstance(given.get(p.name), dict):
+            extra = given[p.name]  # transformers 5 takes output_hidden_states=... through **kwargs
+            dynamic[p.name] = {key: None for key in extra}  # export matches dynamic shapes to the signature
+            continue
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             if given.get(p.name):
                 raise ExampleInputError(
@@ -93,6 +98,16 @@ def _bind(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str,
         dynamic[p.name] = pytree.tree_map(
             lambda x: {0: batch} if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1 else None, value
         ) if isinstance(value, (torch.Tensor, tuple, list, dict)) else None
+    for key, value in extra.items():
+        # A keyword the forward takes through **kwargs: a value baked into the conversion, which every call
+        # must pass again (its default is the forward's own, unknown here); tensors there are refused.
+        if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(value)):
+            raise ExampleInputError(
+                f"example_inputs pass the tensor {key!r} through {name}.forward's **kwargs; seqify converts tensors "
+                "of named parameters: wrap the model in a module whose forward names it"
+            )
+        params.append(Param(key, int(inspect.Parameter.KEYWORD_ONLY), EMPTY, dynamic=False, baked=(value,)))
+        kwargs[key] = value
     return params, kwargs, dynamic
 
 

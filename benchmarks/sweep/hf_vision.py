@@ -92,6 +92,16 @@ def dinov2() -> harness.Built:
     return t.Dinov2Model(cfg), {"pixel_values": px()}
 
 
+def dinov2_hidden() -> harness.Built:
+    model, kwargs = dinov2()
+    return model, {**kwargs, "output_hidden_states": True}  # transformers 5 takes it through **kwargs
+
+
+def clip_loss() -> harness.Built:
+    model, kwargs = clip()
+    return model, {**kwargs, "return_loss": True}  # labels arange(len(logits)): export fixes the batch
+
+
 def siglip_vision() -> harness.Built:
     import transformers as t
     cfg = t.SiglipVisionConfig(image_size=16, patch_size=8, **vit_kw())
@@ -246,8 +256,8 @@ def unet2d_added_cond() -> harness.Built:
 
 REGISTRY = {
     "deit": deit, "beit": beit, "swin": swin, "swinv2": swinv2, "convnext": convnext, "convnextv2": convnextv2,
-    "resnet": resnet, "regnet": regnet, "segformer": segformer, "dinov2": dinov2, "siglip_vision": siglip_vision,
-    "mobilevit": mobilevit, "mobilenetv2": mobilenetv2, "yolos": yolos, "clip": clip, "vitmae": vitmae,
+    "resnet": resnet, "regnet": regnet, "segformer": segformer, "dinov2": dinov2, "dinov2_hidden": dinov2_hidden, "siglip_vision": siglip_vision,
+    "mobilevit": mobilevit, "mobilenetv2": mobilenetv2, "yolos": yolos, "clip": clip, "clip_loss": clip_loss, "vitmae": vitmae,
     "vit_labels": vit_labels,
     "unet1d": unet1d, "vqmodel": vqmodel, "autoencoder_tiny": autoencoder_tiny, "dit": transformer2d, "transformer2d": transformer2d_cross,
     "pixart": pixart, "sd3": sd3, "flux": flux, "controlnet": controlnet,

@@ -40,6 +40,7 @@ __all__ = [
     "VerifyError",
     "DecoratedForwardError",
     "StatefulForwardError",
+    "KeywordArgumentsError",
 ]
 
 
@@ -207,3 +208,9 @@ class DecoratedForwardError(UntraceableError):
 class StatefulForwardError(UntraceableError):
     """The model's own forward changes a Python attribute (``self.calls += 1``): a converted model would
     bake the first value in."""
+
+
+class KeywordArgumentsError(ExampleInputError, UntraceableError):
+    """example_inputs pass values through the forward's ``**kwargs`` (transformers 5 takes
+    ``output_hidden_states`` so): torch.fx binds named parameters only; the export frontend bakes such
+    non-tensor values (``frontend='auto'`` falls back to it)."""

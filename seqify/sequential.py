@@ -172,6 +172,14 @@ class Sequential(nn.Sequential):
             return flat[self.entry[0]]
         return tuple(flat[i] for i in self.entry)
 
+    def input_names(self) -> list[str] | None:
+        """The source's name for each tensor :meth:`flatten_inputs` returns, for messages; None where unknown."""
+        try:
+            names = self.input_spec.tensor_names()
+            return [names[i] for i in self.entry]
+        except Exception:
+            return None
+
     def unflatten_outputs(self, carried: Any) -> Any:
         """The source's output structure from what the last layer returns."""
         return self.output_spec.unflatten(carried)
@@ -208,8 +216,10 @@ class Sequential(nn.Sequential):
             error.add_note(f"in layer {name!r} of the converted {self.source} (seqify.Sequential)")
 
     def _hooks_added(self) -> None:
+        from .trace import recording_hook
+
         for (path, kind), dicts in zip(self._flattened, self._hook_dicts):
-            if any(dicts):
+            if any(not recording_hook(f) for d in dicts for f in d.values()):
                 where = f"submodule {path!r} ({kind})" if path else f"the source model itself ({kind})"
                 raise HookError(
                     f"a hook was registered on {where} after conversion; seqify.convert flattened that module's "

@@ -138,6 +138,23 @@ class InputSpec:
                     )
         return out
 
+    def tensor_names(self) -> list[str]:
+        """The name of each tensor :meth:`flatten` returns (``img_ids``, ``added_cond_kwargs['time_ids']``)."""
+        names: list[str] = []
+        for p in self.params:
+            if not p.dynamic:
+                continue
+            if p.spec is None:
+                names.append(p.name)
+                continue
+            try:
+                tree = pytree.tree_unflatten(list(range(len(p.tensor_leaves))), p.spec)
+                paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+            except Exception:
+                paths = [f"[{i}]" for i in range(len(p.tensor_leaves))]
+            names += [f"{p.name}{path}" for path, is_tensor in zip(paths, p.tensor_leaves) if is_tensor]
+        return names
+
     def _names(self) -> str:
         return ", ".join(p.name for p in self.params)
 
@@ -194,6 +211,19 @@ class OutputSpec:
         flat = carried if isinstance(carried, tuple) else (carried,)
         values = [flat[v] if is_slot else v for is_slot, v in self.leaves]
         return pytree.tree_unflatten(values, self.spec)
+
+    def names(self) -> list[str] | None:
+        """Each slot's place in the source's output (``.loss``, ``[0]``), for messages; None where unknown."""
+        try:
+            tree = pytree.tree_unflatten(list(range(len(self.leaves))), self.spec)
+            paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+        except Exception:
+            return None
+        names = [""] * self.slots
+        for (is_slot, v), path in zip(self.leaves, paths):
+            if is_slot:
+                names[v] = path
+        return names
 
     def flatten(self, output: Any) -> tuple[torch.Tensor, ...]:
         """The inverse of :meth:`unflatten` for an output of this structure (used to merge micro-batches)."""

@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._symbolic_trace import PH
 from torch.fx.proxy import Scope, ScopeContextManager
 
-from .errors import ExampleInputError, HookError, SeqifyError, StatefulForwardError, UntraceableError
+from .errors import (ExampleInputError, HookError, KeywordArgumentsError, SeqifyError, StatefulForwardError,
+                     UntraceableError)
 from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
@@ -57,6 +58,20 @@ _ALL_HOOK_DICTS = _HOOK_DICTS + (
 )
 #: The hook dicts whose hooks a module runs when called (what conversion would drop).
 HOOK_DICTS = _HOOK_DICTS
+
+
+def recording_hook(hook: Any) -> bool:
+    """A hook transformers 5 installs on a model's own modules at its first call that records hidden states
+    (``transformers.utils.output_capturing``): it only appends outputs to a list the decorated forward
+    returns, so torch.export captures what it records as graph outputs, and a converted model, which never
+    runs that forward, has no use for it."""
+    fn = getattr(hook, "__func__", hook)
+    return getattr(fn, "__module__", None) == "transformers.utils.output_capturing"
+
+
+def user_hooks(module: nn.Module) -> list[str]:
+    """The hook dicts of ``module`` that hold a hook a flattening conversion would drop (recording hooks aside)."""
+    return [h for h in HOOK_DICTS if any(not recording_hook(f) for f in getattr(module, h, {}).values())]
 
 
 @dataclass(frozen=True)
@@ -577,12 +592,16 @@ def _readable(text: str, graph: fx.Graph) -> str:
 def preserved(model: nn.Module) -> Iterator[None]:
     """Restore every module's attributes, parameters, buffers, children and flags on exit, and the contents
     of plain dict and list attributes (a cache a forward fills, such as timm's attention-bias cache, must
-    not keep the fake tensors a trace put there)."""
+    not keep the fake tensors a trace put there). Hook dicts (OrderedDicts) are restored too: transformers 5
+    installs output-capturing hooks on a model's first call that records hidden states and marks it with
+    an attribute; keeping the hooks but dropping the mark would install them again on the next call, and
+    every hidden state would then be recorded twice (Segformer's decode head read the wrong stages)."""
     saved = [
         (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
         for m in model.modules()
     ]
-    contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values() if type(v) in (dict, list)]
+    contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values()
+                if type(v) in (dict, list, OrderedDict)]
     try:
         yield
     finally:
@@ -621,9 +640,12 @@ def _bind_examples(
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             if p.name in given and given[p.name]:
                 star = "*" if p.kind == inspect.Parameter.VAR_POSITIONAL else "**"
-                raise ExampleInputError(
-                    f"{name}.forward takes {star}{p.name}; seqify converts forwards with named "
+                error = KeywordArgumentsError if star == "**" else ExampleInputError
+                raise error(
+                    f"{name}.forward takes {star}{p.name}; the fx frontend converts forwards with named "
                     "parameters: wrap the model in a module whose forward names its inputs"
+                    + (", or convert with frontend='export' (or 'auto'), which bakes non-tensor values passed "
+                       f"through **{p.name} (output_hidden_states=True)" if star == "**" else "")
                 )
             continue
         default = EMPTY if p.default is inspect.Parameter.empty else p.default

@@ -183,6 +183,27 @@ def test_shape_branches_resolve_from_example_inputs_and_are_guarded() -> None:
     assert "valid for inputs where" in seq.summary()
 
 
+class Positions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(x) * torch.arange(len(x)).unsqueeze(1)  # len(): a Python int, export fixes the batch
+
+
+def test_a_batch_export_fixes_is_guarded() -> None:
+    """export keeps a batch it had to fix as a SymInt of constant value (CLIP's loss, arange(len(logits))):
+    it is as fixed as an int and guarded, not taken for the dynamic batch (which crashed at batch 3)."""
+    model = Positions().eval()
+    x = torch.randn(2, 4)
+    seq = seqify.convert(model, example_inputs=(x,), frontend="export")
+    assert torch.equal(seq(x), model(x))
+    assert any(g.expr == "x.size(0)" and g.expected == 2 for g in seq.guards), seq.guards
+    with pytest.raises(seqify.SpecializationError, match=r"x.size\(0\)"):
+        seq(torch.randn(3, 4))
+
+
 def test_shape_branch_without_example_inputs_keeps_that_submodule_whole() -> None:
     model = Net()
     x = torch.randn(2, 3, 8, 64)

@@ -304,6 +304,60 @@ def test_self_check_leaves_the_source_alone() -> None:
     assert_unchanged(model, before)  # BatchNorm statistics and attributes as they were
 
 
+def segformer() -> tuple[nn.Module, dict[str, Any]]:
+    cfg = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                                       patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+                                       mlp_ratios=[2, 2], decoder_hidden_size=16, num_labels=3)
+    return transformers.SegformerForSemanticSegmentation(cfg).eval(), {"pixel_values": torch.randn(B, 3, 32, 32)}
+
+
+@pytest.mark.parametrize("ran_first", [False, True])
+def test_hidden_state_recording_hooks_neither_leak_nor_block(ran_first: bool) -> None:
+    """transformers 5 installs hooks recording hidden states on a model's first call that asks for them (and
+    marks the model): a capture must leave neither hooks nor mark behind (kept hooks without the mark were
+    installed twice, every stage recorded twice: Segformer's decode head then read the wrong stages), and
+    hooks the source installed itself, before or after conversion, are no hooks of the user's to refuse."""
+    model, kwargs = segformer()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        expected = reference(**kwargs).logits
+        if ran_first:
+            model(**kwargs)
+        before = snapshot(model)
+        seq = seqify.convert(model, example_inputs=kwargs)
+        assert_unchanged(model, before)
+        assert torch.equal(seq(**kwargs).logits, expected)
+        assert torch.equal(model(**kwargs).logits, expected)  # the source installs its hooks once, as it would
+        assert torch.equal(seq(**kwargs).logits, expected)
+
+
+def test_a_loss_output_names_itself_when_a_pipeline_cannot_split_it() -> None:
+    """labels= makes the model reduce a loss over the whole batch: a pipeline's error names that output."""
+    model, kwargs = vit()
+    kwargs = {**kwargs, "labels": torch.tensor([0, 2])}
+    pipe = seqify.pipeline(seqify.convert(model.eval(), example_inputs=kwargs), devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(seqify.BoundaryError, match=r"The output \['loss'\] is a scalar.*labels="):
+        pipe(**kwargs)
+
+
+def test_keywords_through_kwargs_are_baked_by_export() -> None:
+    """transformers 5 takes output_hidden_states through **kwargs: fx refuses it (naming export), auto falls
+    back to export, which bakes it, and every call must pass it again."""
+    model, kwargs = vit()
+    model.eval()
+    kwargs = {**kwargs, "output_hidden_states": True}
+    with pytest.raises(seqify.KeywordArgumentsError, match="frontend='export'"):
+        seqify.convert(model, example_inputs=kwargs, frontend="fx")
+    seq = seqify.convert(model, example_inputs=kwargs)
+    assert seq.frontend == "export"
+    with torch.no_grad():
+        assert bit_equal(seq(**kwargs), model(**kwargs)) and len(seq(**kwargs).hidden_states) == 2
+        with pytest.raises(seqify.InputError, match="missing argument 'output_hidden_states'"):
+            seq(pixel_values=kwargs["pixel_values"])
+        bigger = {**kwargs, "pixel_values": torch.randn(B + 1, 3, 16, 16)}  # the batch stays dynamic
+        assert bit_equal(seq(**bigger), model(**bigger))
+
+
 def _attention_calls(seq: seqify.Sequential) -> list[Any]:
     return [op for layer in seq for op in getattr(layer, "ops", []) if "scaled_dot_product" in str(op.target)]
 

@@ -15,11 +15,12 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..errors import ConversionError, ExampleInputError, ExportError, HookError, SeqifyError
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param, bind_examples
-from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved
+from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved, user_hooks
 from .hf_masks import causal_skip
 from .regions import neutral_autocast, prepare_regions
 
@@ -57,7 +58,12 @@ def _bind(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str,
     params: list[Param] = []
     kwargs: dict[str, Any] = {}
     dynamic: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     for p in sig.parameters.values():
+        if p.kind == inspect.Parameter.VAR_KEYWORD and isinstance(given.get(p.name), dict):
+            extra = given[p.name]  # transformers 5 takes output_hidden_states=... through **kwargs
+            dynamic[p.name] = {key: None for key in extra}  # export matches dynamic shapes to the signature
+            continue
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             if given.get(p.name):
                 raise ExampleInputError(
@@ -93,6 +99,16 @@ def _bind(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str,
         dynamic[p.name] = pytree.tree_map(
             lambda x: {0: batch} if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1 else None, value
         ) if isinstance(value, (torch.Tensor, tuple, list, dict)) else None
+    for key, value in extra.items():
+        # A keyword the forward takes through **kwargs: a value baked into the conversion, which every call
+        # must pass again (its default is the forward's own, unknown here); tensors there are refused.
+        if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(value)):
+            raise ExampleInputError(
+                f"example_inputs pass the tensor {key!r} through {name}.forward's **kwargs; seqify converts tensors "
+                "of named parameters: wrap the model in a module whose forward names it"
+            )
+        params.append(Param(key, int(inspect.Parameter.KEYWORD_ONLY), EMPTY, dynamic=False, baked=(value,)))
+        kwargs[key] = value
     return params, kwargs, dynamic
 
 
@@ -383,7 +399,9 @@ def _shape_guards(graph: fx.Graph, inputs: list[fx.Node], names: list[str]) -> l
         if not isinstance(val, torch.Tensor):
             continue
         for d, size in enumerate(val.shape):
-            if isinstance(size, torch.SymInt):
+            # A SymInt export specialised (len(x) on a batched tensor: CLIP's loss labels arange(len(logits)))
+            # stays a SymInt of constant value: it is as fixed as an int, and needs its guard too.
+            if isinstance(size, torch.SymInt) and not is_concrete_int(size):
                 continue
             guard = Guard(f"{name}.size({d})", int(size), "torch.export specialised this dimension")
             with graph.inserting_after(node):
@@ -404,9 +422,18 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     updates (BatchNorm statistics) land in the source's buffers.
     """
     name = type(model).__name__
-    hooked = [h for h in HOOK_DICTS if getattr(model, h, None)]
+    hooked = user_hooks(model)
     if hooked:
         raise HookError(f"{name} itself has hooks ({', '.join(hooked)}); remove them before converting")
+    inner = next(((p, m) for p, m in model.named_modules() if p and user_hooks(m)), None)
+    if inner is not None:
+        path, module = inner
+        raise HookError(
+            f"submodule {path!r} ({type(module).__name__}) of {name} has hooks ({', '.join(user_hooks(module))}); "
+            "the torch.export frontend flattens every submodule into graph ops, so its hooks would never run in "
+            "the converted model. Convert with frontend='fx', which keeps a hooked submodule whole as one layer "
+            "whose hooks run, or remove the hooks before converting (and register them on the converted layers)"
+        )
     params, kwargs, dynamic = _bind(model, example_inputs)
     _refuse_cache(model, kwargs)
     ep = _export(model, kwargs, dynamic)

@@ -18,11 +18,12 @@ def is_tensors(value: Any) -> bool:
     )
 
 
-def scatter(value: Any, chunks: int) -> list[Any]:
+def scatter(value: Any, chunks: int, names: list[str] | None = None) -> list[Any]:
     """Split a tensor or tuple of tensors into at most ``chunks`` micro-batches along dim 0.
 
     Sizes differ by at most one (``tensor_split``), so an uneven last micro-batch is fine; ``chunks``
-    larger than the batch is clamped to the batch size.
+    larger than the batch is clamped to the batch size. ``names`` (the model's names of the tensors)
+    make the error name the input without a batch dimension.
     """
     single = isinstance(value, torch.Tensor)
     tensors = (value,) if single else value
@@ -33,9 +34,17 @@ def scatter(value: Any, chunks: int) -> list[Any]:
         )
     sizes = {t.size(0) if t.dim() else None for t in tensors}
     if None in sizes or len(sizes) != 1:
+        hint = ""
+        if names and len(names) == len(tensors):
+            firsts = [t.size(0) if t.dim() else None for t in tensors]
+            batch = max(dict.fromkeys(f for f in firsts if f is not None), key=firsts.count, default=None)
+            odd = [f"{n} {tuple(t.shape)}" for n, t, f in zip(names, tensors, firsts) if f != batch]
+            hint = (f". Without the batch size {batch} first: {', '.join(odd)}; an input shared by every sample "
+                    "cannot be split: pass it with a batch dimension if the model accepts one (x.expand(batch, "
+                    "...)), or convert a wrapper module that holds it and takes only batched inputs")
         raise BoundaryError(
             "every input tensor needs the same batch size along dim 0 to be split into micro-batches; "
-            f"got sizes {[tuple(t.shape) for t in tensors]}"
+            f"got sizes {[tuple(t.shape) for t in tensors]}{hint}"
         )
     batch = sizes.pop()
     chunks = max(1, min(chunks, batch))
@@ -45,8 +54,9 @@ def scatter(value: Any, chunks: int) -> list[Any]:
     return [p[0] if single else tuple(p) for p in zip(*parts)]
 
 
-def gather(outputs: list[Any]) -> Any:
-    """Concatenate micro-batch outputs (tensors or tuples of tensors) along dim 0."""
+def gather(outputs: list[Any], names: list[str] | None = None) -> Any:
+    """Concatenate micro-batch outputs (tensors or tuples of tensors) along dim 0 (``names``: each output's
+    place in the model's output, for the error)."""
     first = outputs[0]
     if len(outputs) == 1:
         return first
@@ -57,13 +67,14 @@ def gather(outputs: list[Any]) -> Any:
     except (RuntimeError, IndexError) as e:
         tensors = first if isinstance(first, tuple) else (first,)
         shapes = [tuple(t.shape) for t in tensors]
-        scalar = any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors)
-        hint = (
-            ". A 0-dimensional output is a loss the model computes itself (a transformers model called with "
-            "labels=...): losses of micro-batches do not join into the batch's. Compute the loss outside the "
-            "model: drop labels= and use pipe.step(inputs, target, loss_fn), or loss_fn(pipe(inputs), target)"
-            if scalar else ""
-        )
+        scalar = next((i for i, t in enumerate(tensors) if t.dim() == 0), None)
+        hint = ""
+        if scalar is not None:
+            where = names[scalar] if names and scalar < len(names) else (f"number {scalar}" if len(tensors) > 1 else "")
+            hint = (f". The output{' ' + where if where else ''} is a scalar, such as a loss reduced over the whole "
+                    "batch, which micro-batches cannot make: leave out what asks for it (labels=...) or convert a "
+                    "wrapper whose forward returns only batched outputs, and compute the loss on the pipeline's "
+                    "output (or train with pipe.step(x, target, loss_fn))")
         raise BoundaryError(
             f"micro-batch outputs cannot be concatenated along dim 0 (output shapes {shapes}): every "
             f"output of a pipelined model needs a batch dimension first{hint}"

@@ -1,0 +1,268 @@
+"""Sweep: Hugging Face vision models and diffusers models no test names, each from a tiny config (no download).
+
+Run: ``python benchmarks/sweep/hf_vision.py [names...] [--trace]``; one line per model (see harness.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
+B = 2
+
+
+def px(size: int = 16, channels: int = 3) -> torch.Tensor:
+    return torch.randn(B, channels, size, size)
+
+
+def vit_kw(**extra: Any) -> dict[str, Any]:
+    return dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, **extra)
+
+
+# ---- transformers -----------------------------------------------------------------------------------------------
+
+def deit() -> harness.Built:
+    import transformers as t
+    cfg = t.DeiTConfig(image_size=16, patch_size=8, num_labels=3, **vit_kw())
+    return t.DeiTForImageClassification(cfg), {"pixel_values": px()}
+
+
+def beit() -> harness.Built:
+    import transformers as t
+    cfg = t.BeitConfig(image_size=16, patch_size=8, use_relative_position_bias=True, use_mean_pooling=True,
+                       **vit_kw())
+    return t.BeitModel(cfg), {"pixel_values": px()}
+
+
+def swin() -> harness.Built:
+    import transformers as t
+    cfg = t.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4)
+    return t.SwinModel(cfg), {"pixel_values": px(32)}
+
+
+def swinv2() -> harness.Built:
+    import transformers as t
+    cfg = t.Swinv2Config(image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4)
+    return t.Swinv2Model(cfg), {"pixel_values": px(32)}
+
+
+def convnext() -> harness.Built:
+    import transformers as t
+    cfg = t.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, drop_path_rate=0.1)
+    return t.ConvNextModel(cfg), {"pixel_values": px(32)}
+
+
+def convnextv2() -> harness.Built:
+    import transformers as t
+    cfg = t.ConvNextV2Config(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2)
+    return t.ConvNextV2Model(cfg), {"pixel_values": px(32)}
+
+
+def resnet() -> harness.Built:
+    import transformers as t
+    cfg = t.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="bottleneck",
+                         num_labels=3)
+    return t.ResNetForImageClassification(cfg), {"pixel_values": px(32)}
+
+
+def regnet() -> harness.Built:
+    import transformers as t
+    cfg = t.RegNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8)
+    return t.RegNetModel(cfg), {"pixel_values": px(32)}
+
+
+def segformer() -> harness.Built:
+    import transformers as t
+    cfg = t.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                            patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                            decoder_hidden_size=16, num_labels=3)
+    return t.SegformerForSemanticSegmentation(cfg), {"pixel_values": px(32)}
+
+
+def dinov2() -> harness.Built:
+    import transformers as t
+    cfg = t.Dinov2Config(image_size=16, patch_size=8, **vit_kw(), layerscale_value=1.0)
+    return t.Dinov2Model(cfg), {"pixel_values": px()}
+
+
+def dinov2_hidden() -> harness.Built:
+    model, kwargs = dinov2()
+    return model, {**kwargs, "output_hidden_states": True}  # transformers 5 takes it through **kwargs
+
+
+def clip_loss() -> harness.Built:
+    model, kwargs = clip()
+    return model, {**kwargs, "return_loss": True}  # labels arange(len(logits)): export fixes the batch
+
+
+def siglip_vision() -> harness.Built:
+    import transformers as t
+    cfg = t.SiglipVisionConfig(image_size=16, patch_size=8, **vit_kw())
+    return t.SiglipVisionModel(cfg), {"pixel_values": px()}
+
+
+def mobilevit() -> harness.Built:
+    import transformers as t
+    cfg = t.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 8, 16, 16, 16, 32],
+                            num_attention_heads=2)
+    return t.MobileViTModel(cfg), {"pixel_values": px(32)}
+
+
+def mobilenetv2() -> harness.Built:
+    import transformers as t
+    cfg = t.MobileNetV2Config(image_size=32, depth_multiplier=0.25)
+    return t.MobileNetV2Model(cfg), {"pixel_values": px(32)}
+
+
+def yolos() -> harness.Built:
+    import transformers as t
+    cfg = t.YolosConfig(image_size=[16, 16], patch_size=8, num_detection_tokens=2, **vit_kw())
+    return t.YolosModel(cfg), {"pixel_values": px()}
+
+
+def clip() -> harness.Built:
+    import transformers as t
+    text = dict(vocab_size=64, max_position_embeddings=16, **vit_kw())
+    vision = dict(image_size=16, patch_size=8, **vit_kw())
+    cfg = t.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
+    ids = torch.randint(0, 64, (B, 8), generator=torch.Generator().manual_seed(1))
+    return t.CLIPModel(cfg), {"input_ids": ids, "pixel_values": px()}
+
+
+def vitmae() -> harness.Built:
+    import transformers as t
+    cfg = t.ViTMAEConfig(image_size=16, patch_size=4, decoder_hidden_size=16, decoder_intermediate_size=32,
+                         decoder_num_hidden_layers=1, decoder_num_attention_heads=2, **vit_kw())
+    return t.ViTMAEModel(cfg), {"pixel_values": px()}
+
+
+def vit_labels() -> harness.Built:
+    import transformers as t
+    cfg = t.ViTConfig(image_size=16, patch_size=8, num_labels=3, **vit_kw())
+    return t.ViTForImageClassification(cfg), {"pixel_values": px(), "labels": torch.tensor([0, 2])}
+
+
+# ---- diffusers --------------------------------------------------------------------------------------------------
+
+def unet1d() -> harness.Built:
+    import diffusers as d
+    # the default Dance Diffusion blocks (attention too); its attention has channels // 32 heads, so 32 channels
+    model = d.UNet1DModel(sample_size=64, in_channels=2, out_channels=2, extra_in_channels=64,
+                          block_out_channels=(32, 32, 32), layers_per_block=1)
+    return model, {"sample": torch.randn(B, 2, 64), "timestep": torch.tensor([3, 7])}
+
+
+def vqmodel() -> harness.Built:
+    import diffusers as d
+    model = d.VQModel(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+                      down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                      layers_per_block=1, norm_num_groups=4, num_vq_embeddings=16, vq_embed_dim=4, sample_size=16)
+    return model, {"sample": px()}
+
+
+def autoencoder_tiny() -> harness.Built:
+    import diffusers as d
+    model = d.AutoencoderTiny(in_channels=3, out_channels=3, encoder_block_out_channels=(8, 8),
+                              decoder_block_out_channels=(8, 8), num_encoder_blocks=(1, 1),
+                              num_decoder_blocks=(1, 1), latent_channels=4)
+    return model, {"sample": px()}
+
+
+def transformer2d() -> harness.Built:
+    import diffusers as d
+    model = d.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                    num_layers=1, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
+                                    norm_num_groups=4)
+    return model, {"hidden_states": torch.randn(B, 4, 8, 8), "timestep": torch.tensor([3, 7]),
+                   "class_labels": torch.tensor([1, 4])}
+
+
+def transformer2d_cross() -> harness.Built:
+    import diffusers as d
+    model = d.Transformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=8, out_channels=8,
+                                 num_layers=1, norm_num_groups=4, cross_attention_dim=12)
+    return model, {"hidden_states": torch.randn(B, 8, 4, 4), "encoder_hidden_states": torch.randn(B, 5, 12)}
+
+
+def pixart() -> harness.Built:
+    import diffusers as d
+    model = d.PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                       num_layers=1, sample_size=8, patch_size=2, cross_attention_dim=16,
+                                       caption_channels=12, norm_num_groups=4)
+    return model, {"hidden_states": torch.randn(B, 4, 8, 8), "timestep": torch.tensor([3, 7]),
+                   "encoder_hidden_states": torch.randn(B, 5, 12),
+                   "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}}
+
+
+def sd3() -> harness.Built:
+    import diffusers as d
+    model = d.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                                    attention_head_dim=8, num_attention_heads=2, joint_attention_dim=12,
+                                    caption_projection_dim=16, pooled_projection_dim=10, pos_embed_max_size=8)
+    return model, {"hidden_states": torch.randn(B, 4, 8, 8), "timestep": torch.tensor([3, 7]),
+                   "encoder_hidden_states": torch.randn(B, 5, 12), "pooled_projections": torch.randn(B, 10)}
+
+
+def flux() -> harness.Built:
+    import diffusers as d
+    model = d.FluxTransformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=1,
+                                     num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+                                     joint_attention_dim=12, pooled_projection_dim=10, guidance_embeds=False,
+                                     axes_dims_rope=(2, 2, 4))
+    seq, txt = 16, 5  # ids with a batch dim (deprecated, diffusers takes ids[0]): 2-d ids have no batch to split
+    return model, {"hidden_states": torch.randn(B, seq, 4), "encoder_hidden_states": torch.randn(B, txt, 12),
+                   "pooled_projections": torch.randn(B, 10), "timestep": torch.tensor([0.3, 0.7]),
+                   "img_ids": torch.randn(1, seq, 3).expand(B, -1, -1), "txt_ids": torch.zeros(B, txt, 3)}
+
+
+def controlnet() -> harness.Built:
+    import diffusers as d
+    model = d.ControlNetModel(in_channels=2, conditioning_channels=3, layers_per_block=1, block_out_channels=(8, 16),
+                              norm_num_groups=4, cross_attention_dim=8, attention_head_dim=4,
+                              down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                              conditioning_embedding_out_channels=(4, 8))
+    return model, {"sample": torch.randn(B, 2, 8, 8), "timestep": torch.tensor([3, 7]),
+                   "encoder_hidden_states": torch.randn(B, 4, 8), "controlnet_cond": torch.randn(B, 3, 16, 16)}
+
+
+def unet2d_class_labels() -> harness.Built:
+    import diffusers as d
+    model = d.UNet2DConditionModel(
+        sample_size=8, in_channels=2, out_channels=2, layers_per_block=1, block_out_channels=(8, 16),
+        norm_num_groups=4, cross_attention_dim=8, attention_head_dim=4, num_class_embeds=5,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    return model, {"sample": torch.randn(B, 2, 8, 8), "timestep": torch.tensor([3, 7]),
+                   "encoder_hidden_states": torch.randn(B, 4, 8), "class_labels": torch.tensor([1, 4])}
+
+
+def unet2d_added_cond() -> harness.Built:
+    import diffusers as d
+    model = d.UNet2DConditionModel(
+        sample_size=8, in_channels=2, out_channels=2, layers_per_block=1, block_out_channels=(8, 16),
+        norm_num_groups=4, cross_attention_dim=8, attention_head_dim=4, addition_embed_type="text_time",
+        addition_time_embed_dim=4, projection_class_embeddings_input_dim=6 + 4 * 2,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    return model, {"sample": torch.randn(B, 2, 8, 8), "timestep": torch.tensor([3, 7]),
+                   "encoder_hidden_states": torch.randn(B, 4, 8),
+                   "added_cond_kwargs": {"text_embeds": torch.randn(B, 6), "time_ids": torch.randn(B, 2)}}
+
+
+REGISTRY = {
+    "deit": deit, "beit": beit, "swin": swin, "swinv2": swinv2, "convnext": convnext, "convnextv2": convnextv2,
+    "resnet": resnet, "regnet": regnet, "segformer": segformer, "dinov2": dinov2, "dinov2_hidden": dinov2_hidden, "siglip_vision": siglip_vision,
+    "mobilevit": mobilevit, "mobilenetv2": mobilenetv2, "yolos": yolos, "clip": clip, "clip_loss": clip_loss, "vitmae": vitmae,
+    "vit_labels": vit_labels,
+    "unet1d": unet1d, "vqmodel": vqmodel, "autoencoder_tiny": autoencoder_tiny, "dit": transformer2d, "transformer2d": transformer2d_cross,
+    "pixart": pixart, "sd3": sd3, "flux": flux, "controlnet": controlnet,
+    "unet2d_class_labels": unet2d_class_labels, "unet2d_added_cond": unet2d_added_cond,
+}
+
+if __name__ == "__main__":
+    raise SystemExit(harness.main(REGISTRY))

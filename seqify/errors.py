@@ -41,6 +41,7 @@ __all__ = [
     "DecoratedForwardError",
     "StatefulForwardError",
     "KeywordArgumentsError",
+    "SourceRaisesError",
 ]
 
 
@@ -214,3 +215,8 @@ class KeywordArgumentsError(ExampleInputError, UntraceableError):
     """example_inputs pass values through the forward's ``**kwargs`` (transformers 5 takes
     ``output_hidden_states`` so): torch.fx binds named parameters only; the export frontend bakes such
     non-tensor values (``frontend='auto'`` falls back to it)."""
+
+
+class SourceRaisesError(ExampleInputError):
+    """The source model itself raises on the example inputs (an id past the vocabulary, an option its
+    config does not support): the inputs are wrong, not the conversion."""

@@ -30,7 +30,7 @@ from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
 from .trace_checks import attributes, check_decorated, writes_since
-from .trace_real import RealRun, buffers_kept, unpatched
+from .trace_real import RealRun, buffers_kept, raises_itself, source_error, unpatched
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved", "attribute", "is_cache"]
 
@@ -836,26 +836,14 @@ def _trace_once(
                 "or list that submodule in leaf_paths=[...]."
             ) from e
         writes = writes_since(model, before)
-    if real is not None and real.error is not None and _source_raises(model, example_inputs):
+    if real is not None and real.error is not None and source_error(
+        model, _caller(model, example_inputs), lambda: preserved(model)) is not None:
         # An opaque submodule's value came from running the source, and the source raised, outside a trace
         # too: the example inputs are wrong, not the trace (a later "value unknown" error would blame the
         # conversion). A source that raises only while traced (transformers builds masks then) is the
         # trace's divergence, which the self-check names.
-        raise ExampleInputError(
-            f"the source {name} itself raises on the example inputs: {real.error}. Pass example_inputs the "
-            "source model runs on (e.g. token ids below the vocabulary size, the shapes its forward expects)"
-        )
+        raise raises_itself(name, real.error)
     return tracer, graph, writes
-
-
-def _source_raises(model: nn.Module, example_inputs: Any) -> bool:
-    """Whether the source raises when run plainly (no trace) on the example; it changes nothing."""
-    try:
-        with preserved(model), buffers_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad():
-            _caller(model, example_inputs)()
-    except Exception:
-        return True
-    return False
 
 
 def _keep_writers(model: nn.Module, writes: dict[str, list[str]], kept: dict[str, Opaque], tracer: _Tracer) -> None:

@@ -13,7 +13,9 @@ from torch import nn
 from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.nn.modules.module import register_module_forward_hook
 
-__all__ = ["RealRun", "unpatched", "buffers_kept", "record_inputs"]
+from .errors import SourceRaisesError
+
+__all__ = ["RealRun", "unpatched", "buffers_kept", "record_inputs", "source_error", "raises_itself"]
 
 
 @contextmanager
@@ -36,6 +38,28 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
             for b, copy in saved:
                 if not torch.equal(b, copy):
                     b.copy_(copy)
+
+
+def source_error(
+    model: nn.Module, call: Callable[[], Any], preserve: Callable[[], AbstractContextManager[None]]
+) -> Exception | None:
+    """What the source raises when ``call`` runs it plainly (no trace) on the example; None where it runs. It
+    changes nothing: attributes by ``preserve()``, buffers copied back, random draws on a forked generator."""
+    try:
+        with unpatched(), preserve(), buffers_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad():
+            call()
+    except Exception as e:
+        return e
+    return None
+
+
+def raises_itself(name: str, error: Exception | str) -> SourceRaisesError:
+    """The error for example inputs the source itself cannot run: the inputs are wrong, not the conversion."""
+    what = error if isinstance(error, str) else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return SourceRaisesError(
+        f"the source {name} itself raises on the example inputs: {what}. Pass example_inputs the source model "
+        "runs on (e.g. token ids below the vocabulary size, the shapes and options its forward expects)"
+    )
 
 
 def _kept(m: nn.Module) -> bool:

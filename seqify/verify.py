@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import ExampleInputError, VerifyError
+from .trace_real import raises_itself
 
 __all__ = ["bit_equal", "close", "split_inputs", "first_difference", "check"]
 
@@ -129,11 +130,7 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
         try:
             expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
         except Exception as e:  # the inputs are wrong, not the conversion: say so, not "report a seqify bug"
-            raise ExampleInputError(
-                f"the source {type(source).__name__} itself raises on the example inputs: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}. Pass example_inputs the source model runs on "
-                "(e.g. token ids below the vocabulary size, the shapes its forward expects)"
-            ) from e
+            raise raises_itself(type(source).__name__, e) from e
     with _state_kept(source):
         got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed))
     same = bit_equal if _on_cpu(expected) else close  # bit-equal on the CPU; allclose on accelerators

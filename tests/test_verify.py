@@ -133,3 +133,26 @@ def test_a_source_that_raises_inside_an_opaque_module_is_named_not_an_unknown_va
     # before: "the model returns 'getitem', a Python value computed at run time (UNKNOWN in the example)"
     with pytest.raises(seqify.ExampleInputError, match=r"source Outer itself raises .*RuntimeError"):
         seqify.convert(Outer(), example_inputs=(torch.randn(2, 4),), frontend="fx")
+
+
+class NeedsToken(nn.Module):
+    """BEiT without use_mask_token: given bool_masked_pos, the source itself fails (its mask token is None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.token: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None:
+            x = x + self.token.expand_as(x)  # type: ignore[union-attr]
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("frontend", ["export", "auto"])
+def test_a_failed_capture_of_a_source_that_itself_raises_names_the_inputs(frontend: str) -> None:
+    # before: ExportError "torch.export cannot capture NeedsToken.forward" with advice about data-dependent code
+    example = {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}
+    with pytest.raises(seqify.SourceRaisesError, match=r"source NeedsToken itself raises .*AttributeError"):
+        seqify.convert(NeedsToken(), example_inputs=example, frontend=frontend)
+    seqify.convert(NeedsToken(), example_inputs={"x": torch.randn(2, 4)}, frontend=frontend)

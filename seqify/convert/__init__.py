@@ -8,7 +8,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..errors import ConversionError, DecoratedForwardError, OptionError, SeqifyError, UntraceableError, VerifyError
+from ..errors import (
+    ConversionError, DecoratedForwardError, OptionError, SeqifyError, SourceRaisesError, UntraceableError, VerifyError,
+)
 from ..sequential import ExportedInfo, Sequential
 from ..trace import Opaque, Traced, preserved, trace
 from ..verify import check
@@ -129,7 +131,9 @@ def convert(
     try:
         return _via_export(model, example_inputs, check_modes=check_modes, verify=verify)
     except SeqifyError as e:
-        if isinstance(fx_error, SeqifyError) and not isinstance(fx_error, DecoratedForwardError):
+        if isinstance(fx_error, SeqifyError) and not isinstance(fx_error, DecoratedForwardError) and not (
+            isinstance(e, SourceRaisesError)  # the inputs are wrong: that is the fix, not fx's advice
+        ):
             # Both failed: fx's error names the line and the fix (a branch on values, say); export adds a note.
             fx_error.args = (f"{fx_error.args[0] if fx_error.args else fx_error}\n(the export frontend failed "
                              f"too: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",)

@@ -21,6 +21,7 @@ from ..errors import ConversionError, ExampleInputError, ExportError, HookError,
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved, user_hooks
+from ..trace_real import raises_itself, source_error
 from .hf_masks import causal_skip
 from .regions import neutral_autocast, prepare_regions
 
@@ -213,6 +214,9 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
         _refuse_writes(model, seen)
         return ep
     assert last is not None
+    failed = source_error(model, lambda: model(**kwargs), lambda: preserved(model))
+    if failed is not None:  # the example inputs are wrong (BEiT's bool_masked_pos without a mask token)
+        raise raises_itself(name, failed) from failed
     config = getattr(model, "config", None)
     if "use_cache" not in kwargs and getattr(config, "use_cache", False) and "use_cache" in inspect.signature(model.forward).parameters:
         raise ExampleInputError(_CACHE.format(name=name, source="model.config.use_cache")) from last

@@ -381,7 +381,10 @@ def stage(
 
             probe = sample if sample is not None else example_inputs
             parts = len(schedule.placement) if isinstance(schedule, Schedule) else world * per_rank
-            shared[0] = make_plan(model, parts, sample=probe, by=balance or "params", progress=False).balance
+            # 'time' and 'memory' are measured where the partitions run (rank 0's device): timed on the CPU a
+            # GPU job was balanced for the CPU, and slowly (torchrun gives each process one thread)
+            shared[0] = make_plan(model, parts, sample=probe, by=balance or "params", device=device,
+                                  progress=False).balance
         dist.broadcast_object_list(shared, src=0)
         counts = list(shared[0])
     else:

@@ -140,13 +140,13 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     model = build(args.model).train()
     seq = seqify.convert(model)
-    if args.balance in ("params", "flops"):
+    if args.balance in ("params", "flops", "time"):
         balance: list[int] | str = args.balance
     else:
         balance = [int(b) for b in args.balance.split(",")]
     stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
                      graphs=args.graphs, loops=args.loops,
-                     sample=torch.randn(2, 3, 32, 32) if args.balance == "flops" else None)
+                     sample=torch.randn(2, 3, 32, 32) if args.balance in ("flops", "time") else None)
     if rank == args.fail_rank:
         raise RuntimeError(f"planned failure on rank {rank}")
     if args.steps > 1 or args.resume:

@@ -62,6 +62,7 @@ def _reference(name: str, chunks: int, batch: int, replicas: int) -> tuple[list[
     [
         ("resnet18", 2, "params", "never", "gpipe", 1),
         ("resnet18", 3, "flops", "except_last", "1f1b", 1),
+        ("resnet18", 2, "time", "never", "gpipe", 1),  # rank 0 times the layers on its own device, then broadcasts
         ("unet", 2, "params", "always", "1f1b", 1),
         ("unet", 3, "params", "never", "gpipe", 1),
         # BatchNorm, in-place ReLUs and long skips, 2 partitions per rank in a V, split backward, recompute

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,11 +19,12 @@ def is_tensors(value: Any) -> bool:
     )
 
 
-def scatter(value: Any, chunks: int, names: list[str] | None = None) -> list[Any]:
+def scatter(value: Any, chunks: int, names: Callable[[], list[str] | None] | None = None) -> list[Any]:
     """Split a tensor or tuple of tensors into at most ``chunks`` micro-batches along dim 0.
 
     Sizes differ by at most one (``tensor_split``), so an uneven last micro-batch is fine; ``chunks``
-    larger than the batch is clamped to the batch size. ``names`` (the model's names of the tensors)
+    larger than the batch is clamped to the batch size. ``names`` (gives the model's names of the tensors;
+    called only for the error)
     make the error name the input without a batch dimension.
     """
     single = isinstance(value, torch.Tensor)
@@ -35,10 +37,11 @@ def scatter(value: Any, chunks: int, names: list[str] | None = None) -> list[Any
     sizes = {t.size(0) if t.dim() else None for t in tensors}
     if None in sizes or len(sizes) != 1:
         hint = ""
-        if names and len(names) == len(tensors):
+        known = names() if names is not None else None
+        if known and len(known) == len(tensors):
             firsts = [t.size(0) if t.dim() else None for t in tensors]
             batch = max(dict.fromkeys(f for f in firsts if f is not None), key=firsts.count, default=None)
-            odd = [f"{n} {tuple(t.shape)}" for n, t, f in zip(names, tensors, firsts) if f != batch]
+            odd = [f"{n} {tuple(t.shape)}" for n, t, f in zip(known, tensors, firsts) if f != batch]
             hint = (f". Without the batch size {batch} first: {', '.join(odd)}; an input shared by every sample "
                     "cannot be split: pass it with a batch dimension if the model accepts one (x.expand(batch, "
                     "...)), or convert a wrapper module that holds it and takes only batched inputs")
@@ -54,7 +57,7 @@ def scatter(value: Any, chunks: int, names: list[str] | None = None) -> list[Any
     return [p[0] if single else tuple(p) for p in zip(*parts)]
 
 
-def gather(outputs: list[Any], names: list[str] | None = None) -> Any:
+def gather(outputs: list[Any], names: Callable[[], list[str] | None] | None = None) -> Any:
     """Concatenate micro-batch outputs (tensors or tuples of tensors) along dim 0 (``names``: each output's
     place in the model's output, for the error)."""
     first = outputs[0]
@@ -70,7 +73,8 @@ def gather(outputs: list[Any], names: list[str] | None = None) -> Any:
         scalar = next((i for i, t in enumerate(tensors) if t.dim() == 0), None)
         hint = ""
         if scalar is not None:
-            where = names[scalar] if names and scalar < len(names) else (f"number {scalar}" if len(tensors) > 1 else "")
+            known = names() if names is not None else None
+            where = known[scalar] if known and scalar < len(known) else (f"number {scalar}" if len(tensors) > 1 else "")
             hint = (f". The output{' ' + where if where else ''} is a scalar, such as a loss reduced over the whole "
                     "batch, which micro-batches cannot make: leave out what asks for it (labels=...) or convert a "
                     "wrapper whose forward returns only batched outputs, and compute the loss on the pipeline's "

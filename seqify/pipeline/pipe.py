@@ -187,7 +187,7 @@ class Pipeline(nn.Module):
         else:
             raise BoundaryError("a plain nn.Sequential pipeline takes one argument: a tensor or a tuple of tensors")
         carried = self._transfer(carried, self.devices[0])
-        batches = scatter(carried, self.chunks, model.input_names() if isinstance(model, Sequential) else None)
+        batches = scatter(carried, self.chunks, model.input_names if isinstance(model, Sequential) else None)
         if self._copy_input:
             batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
         saved = self._save_statistics() if self._statistics else None
@@ -196,7 +196,7 @@ class Pipeline(nn.Module):
             if replay is not None:
                 out = run(replay, [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches])
             else:
-                out = gather(self._run(batches), model.output_spec.names() if isinstance(model, Sequential) else None)
+                out = gather(self._run(batches), model.output_spec.names if isinstance(model, Sequential) else None)
         except BaseException:
             if saved:
                 self._restore_statistics(saved)
@@ -232,7 +232,7 @@ class Pipeline(nn.Module):
             loss.backward()
             return loss.detach()
         carried = self._transfer(carried, self.devices[0])
-        batches = scatter(carried, self.chunks, model.input_names() if isinstance(model, Sequential) else None)
+        batches = scatter(carried, self.chunks, model.input_names if isinstance(model, Sequential) else None)
         if self._copy_input:
             batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
         sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]

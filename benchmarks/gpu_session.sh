@@ -30,7 +30,9 @@ case "${1:-tests}" in
     timeout 280 python3 benchmarks/unet_memory.py 2>&1 | tee "$OUT/unet-memory.log" | tail -20
     ;;
   llama-bf16)
-    timeout 540 python3 benchmarks/llama_bench.py --precision bf16 --chunks 4 --steps 3 --warmup 1 --out "$OUT/llama-bf16.json" 2>&1 | tee "$OUT/llama-bf16.log" | tail -30
+    timeout 90 python3 benchmarks/probe/skip_values.py --device cuda --bf16 2>&1 | tee "$OUT/llama-skips.log" | tail -12
+    timeout 480 python3 benchmarks/llama_bench.py --precision bf16 --balance time --chunks 8 16 --loops 1 \
+      --schedules gpipe 1f1b zb-h1 --graphs both --steps 3 --warmup 1 --out "$OUT/llama-bf16.json" 2>&1 | tee "$OUT/llama-bf16.log" | tail -30
     ;;
   llama)
     timeout 560 python3 benchmarks/llama_bench.py --precision fp32 --steps 3 --warmup 1 --out "$OUT/llama.json" 2>&1 | tee "$OUT/llama.log" | tail -40

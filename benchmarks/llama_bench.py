@@ -96,13 +96,18 @@ def trainer(model: nn.Module, ids: torch.Tensor, devs: list[torch.device], adam:
     opt = torch.optim.Adam(params, lr=1e-5) if adam else torch.optim.SGD(params, lr=1e-3)
     autocast = devs[0].type == "cuda" and PRECISION == "bf16"
     out_device = devs[-1]
+    owns_step = isinstance(model, seqify.Pipeline)  # the pipeline's schedule runs the loss per micro-batch
 
     def step() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         with torch.autocast(devs[0].type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=ids).logits
-        loss = loss_of(logits, ids.to(out_device))
-        loss.backward()
+            if owns_step:
+                loss = model.step(ids, ids, lambda out, t: loss_of(out.logits, t))
+            else:
+                logits = model(input_ids=ids).logits
+        if not owns_step:
+            loss = loss_of(logits, ids.to(out_device))
+            loss.backward()
         opt.step()
         return loss.detach()
 
@@ -137,21 +142,32 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"# converted in {time.perf_counter() - start:.1f} s: {len(seq)} layers, frontend {seq.frontend}", flush=True)
     if not adam:
         rows.append(timed("seqify converted, one device", trainer(seq, ids, devs[:1], adam), devs[:1], args))
-    plan = seqify.balance(seq, 2, {"input_ids": ids[:2]}, by="params", progress=False)
-    settings = [(c, g, loops) for c in args.chunks for g in (False, True) for loops in (1, 2)]
+    for d in {d for d in devs if d.type == "cuda"}:  # the one-device rows' cache is not the pipeline's
+        with torch.cuda.device(d):
+            torch.cuda.empty_cache()
+    start = time.perf_counter()
+    micro = {"input_ids": ids[: max(1, args.batch // max(args.chunks))]}
+    plans = {loops: seqify.balance(seq, 2 * loops, micro, by=args.balance, progress=False).balance for loops in args.loops}
+    print(f"# balance by {args.balance} in {time.perf_counter() - start:.1f} s: {plans}", flush=True)
+    modes = {"eager": [False], "graphs": [True], "both": [False, True]}[args.graphs]
+    settings = [(c, s, g, loops) for c in args.chunks for s in args.schedules for g in modes for loops in args.loops
+                if not (loops == 1 and s == "interleaved")]
     if args.device == "cpu" or args.size == "8b":
-        settings = [(args.chunks[0], False, 1)]
-    for chunks, graphs, loops in settings:
-        name = f"seqify.pipeline 2 devices, chunks={chunks}, {'graphs' if graphs else 'eager'}, loops={loops}"
+        settings = settings[:1]
+    for chunks, schedule, graphs, loops in settings:
+        name = f"seqify.pipeline 2 devices, {schedule}, chunks={chunks}, {'graphs' if graphs else 'eager'}, loops={loops}"
         try:
-            pipe = seqify.pipeline(seq, devices=devs, balance=plan.balance if loops == 1 else "params",
-                                   chunks=chunks, graphs=graphs, loops=loops, example_inputs={"input_ids": ids},
-                                   checkpoint="never")
+            pipe = seqify.pipeline(seq, devices=devs, balance=plans[loops],
+                                   chunks=chunks, graphs=graphs, loops=loops, schedule=schedule,
+                                   example_inputs={"input_ids": ids}, checkpoint="never")
             rows.append(timed(name, trainer(pipe, ids.to(devs[0]), devs, adam), devs, args))
+            if pipe.graph_error:
+                rows[-1]["graph_error"] = pipe.graph_error.strip().splitlines()[-1]
         except Exception as e:  # one setting failing (e.g. out of memory) still reports the others
             rows.append({"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
             print(json.dumps(rows[-1]), flush=True)
         finally:
+            pipe = None
             for d in {d for d in devs if d.type == "cuda"}:
                 with torch.cuda.device(d):
                     torch.cuda.empty_cache()
@@ -187,6 +203,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe"], choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    parser.add_argument("--graphs", choices=["eager", "graphs", "both"], default="both")
+    parser.add_argument("--loops", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--balance", choices=["params", "time", "memory", "flops"], default="params",
+                        help="how seqify.balance cuts the converted model (time and memory measure it on cuda:0)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                         help="bf16 autocast (default) or fp32 throughout")
     parser.add_argument("--steps", type=int, default=5)

@@ -77,9 +77,14 @@ class _Flat(nn.Module):
         skips = {**popped, **self.given}
         y, out = wrap(stage.fresh, x, skips) if wrap else stage.fresh(x, skips)
         kept = {key: out[key] for key in stage.stashes if not isinstance(out[key], torch.Tensor)}
-        if not is_tensors(y) or any(key not in self.sized for key in kept):
-            what = type(y).__name__ if not is_tensors(y) else "a skip that is not a tensor (nor a size)"
-            raise Unreplayable(f"partition {stage.index} returns {what}; only tensors and tuples of tensors replay")
+        if not is_tensors(y):
+            raise Unreplayable(f"partition {stage.index} returns {type(y).__name__}; only tensors and tuples of "
+                               "tensors replay")
+        unfixed = [key for key in kept if key not in self.sized]
+        if unfixed:
+            key = unfixed[0]
+            raise Unreplayable(f"partition {stage.index} stashes skip {key[1]!r}, a {type(out[key]).__name__} that is "
+                               "not a tensor nor a size; only tensors and tuples of tensors replay")
         self.kept = kept
         ys = (y,) if isinstance(y, torch.Tensor) else tuple(y)
         self.returns = None if isinstance(y, torch.Tensor) else len(ys)

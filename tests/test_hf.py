@@ -512,3 +512,20 @@ def test_opt_converts_exactly() -> None:
     seq = assert_exact(model, (), kwargs=kwargs, train=False,
                        convert=lambda m: seqify.convert(m, example_inputs=kwargs))
     assert seq.frontend == "export"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_converted_layers_run_on_any_device_not_the_examples(family: str) -> None:
+    """torch.export bakes the example's device into ops (``t.to(x.device)`` in a rotary embedding's no_grad
+    block, ``arange(device=...)``); converted layers must make their values where they run. On the meta
+    device any value still made on the CPU fails ("cannot copy out of meta tensor")."""
+    torch.manual_seed(0)
+    model, kwargs = FAMILIES[family]()
+    seq = seqify.convert(model.eval(), example_inputs=kwargs, frontend="export")
+    with torch.no_grad():
+        want = pytree.tree_leaves(model(**kwargs))
+        meta = copy.deepcopy(seq).to("meta")
+        got = pytree.tree_leaves(meta(**{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}))
+    assert [tuple(t.shape) for t in got if isinstance(t, torch.Tensor)] == \
+        [tuple(t.shape) for t in want if isinstance(t, torch.Tensor)]
+    assert all(t.device.type == "meta" for t in got if isinstance(t, torch.Tensor))

@@ -23,7 +23,7 @@ from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved, user_hooks
 from ..trace_real import raises_itself, source_error
 from .hf_masks import causal_skip
-from .regions import neutral_autocast, prepare_regions
+from .regions import graphs as regions, neutral_autocast, prepare_regions
 
 __all__ = ["export_trace"]
 
@@ -378,11 +378,20 @@ def on_device_of(like: torch.Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
     return op(*args, **kwargs, device=like.device)
 
 
-def _devices(graph: fx.Graph, device: torch.device) -> None:
-    """Rewrite ops that name the example's device to take the device of a tensor they travel with."""
+def at_device_of(like: torch.Tensor, op: Any, at: int, *args: Any, **kwargs: Any) -> Any:
+    """``op(*args, **kwargs)`` with its ``at``-th argument (a device export baked in) replaced by ``like``'s device."""
+    return op(*args[:at], like.device, *args[at + 1:], **kwargs)
+
+
+def _devices(graph: fx.Graph, device: torch.device) -> bool:
+    """Rewrite ops that name the example's device to take the device of a tensor they travel with;
+    whether any did."""
     previous: fx.Node | None = None
+    changed = False
     for node in list(graph.nodes):
         here = node.kwargs.get("device") if node.op == "call_function" else None
+        at = next((i for i, a in enumerate(node.args) if isinstance(a, torch.device) and a == device), None) \
+            if node.op == "call_function" else None
         if isinstance(here, (torch.device, str)) and torch.device(here) == device:
             tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
             like = tensors[0] if tensors else previous
@@ -391,8 +400,15 @@ def _devices(graph: fx.Graph, device: torch.device) -> None:
                 node.args = (like, node.target, *node.args)
                 node.kwargs = kwargs
                 node.target = on_device_of
+                changed = True
+        elif at is not None and previous is not None:
+            # t.to(x.device) (aten.to.device): the device of the value computed last, as x is in the source
+            node.args = (previous, node.target, at, *node.args)
+            node.target = at_device_of
+            changed = True
         if node.op in ("placeholder", "call_function", "call_module") and isinstance(node.meta.get("val"), torch.Tensor):
             previous = node
+    return changed
 
 
 def _shape_guards(graph: fx.Graph, inputs: list[fx.Node], names: list[str]) -> list[Guard]:
@@ -451,7 +467,13 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     prepare_regions(graph, constants, example.device.type if example is not None else None)
     _module_calls(graph, model)
     if example is not None:
-        _devices(graph, example.device)
+        # Also inside the regions the graph calls (a no_grad or autocast block such as a rotary embedding's):
+        # a device baked there would pin a layer to the example's device wherever the layer runs.
+        for region in regions(graph, constants):
+            if _devices(region, example.device) and region is not graph:
+                owner = region.owning_module
+                if isinstance(owner, fx.GraphModule):
+                    owner.recompile()
     input_names = [k for k, v in kwargs.items() for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]
     guards = _shape_guards(graph, inputs, input_names)
     out = next(n for n in graph.nodes if n.op == "output")

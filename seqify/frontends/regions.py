@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["neutral_autocast", "autocast_region", "grad_region", "prepare_regions"]
+__all__ = ["neutral_autocast", "autocast_region", "grad_region", "graphs", "prepare_regions"]
 
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
 _GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
@@ -74,7 +74,8 @@ def grad_region(enabled: bool, body: Any, *args: Any) -> Any:
         return body(*args)
 
 
-def _graphs(root: fx.Graph, constants: dict[str, Any]) -> Iterator[fx.Graph]:
+def graphs(root: fx.Graph, constants: dict[str, Any]) -> Iterator[fx.Graph]:
+    """``root`` and the graphs of the regions (GraphModules) among ``constants``, nested ones too."""
     yield root
     for value in constants.values():
         if isinstance(value, fx.GraphModule):
@@ -89,7 +90,7 @@ def prepare_regions(root: fx.Graph, constants: dict[str, Any], captured_on: str 
     ``wrap_with_set_grad_enabled`` node at :func:`grad_region`; drop export's dtype and device asserts
     inside those regions (the graph's own are dropped already): they fix the capture's dtypes, which
     autocast changes."""
-    for graph in _graphs(root, constants):
+    for graph in graphs(root, constants):
         changed = False
         for node in list(graph.nodes):
             if node.op != "call_function":

@@ -46,7 +46,8 @@ def balance(
         by: the cost model: ``'time'`` (measured forward+backward seconds on ``device``), ``'memory'``
             (measured bytes), ``'flops'`` (forward+backward FLOPs from shapes on fake tensors: no compute,
             no device) or ``'params'`` (parameter count).
-        device: where ``time`` and ``memory`` are measured; CPU when None.
+        device: where ``time`` and ``memory`` are measured; default the one device the model's parameters
+            and buffers are on (a model on a GPU is measured there), else the CPU.
         memory_cap: bytes each stage may hold (parameters and buffers plus activations for ``sample``);
             :class:`NoPlanFitsError` says the smallest cap that works when none does.
         transfer_cost: cost (in the unit of ``by``) per byte crossing a stage's incoming cut; defaults
@@ -85,6 +86,8 @@ def balance(
                 "sample; balance by='params' (no data needed), or materialise the weights first "
                 "(model.to_empty(device='cpu'), then initialise them or load a checkpoint)"
             )
+    if device is None and by in ("time", "memory"):
+        device = home(model)
     measured = costs(model, by, sample, device, progress=progress)
     where = str(device_of(device)) if by in ("time", "memory") else None
     return split(
@@ -162,3 +165,9 @@ def split(
         device=device,
         measured=measured.measured,
     )
+
+
+def home(model: nn.Module) -> torch.device | None:
+    """The one device all of ``model``'s parameters and buffers are on; None when they are spread or absent."""
+    found = {t.device for t in [*model.parameters(), *model.buffers()]}
+    return found.pop() if len(found) == 1 else None

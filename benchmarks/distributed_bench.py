@@ -46,7 +46,9 @@ def main() -> None:
             torch.manual_seed(0)
             seq = seqify.convert(torchvision.models.resnet101())
             stage = sd.stage(seq, balance=args.balance, chunks=chunks, schedule=schedule, graphs=graphs,
-                             loops=args.loops, sample=torch.randn(2, 3, args.res, args.res))
+                             loops=args.loops,
+                             # balanced for the micro-batch the step runs (time at batch 2 is launch overhead)
+                             sample=torch.randn(max(1, args.batch // chunks), 3, args.res, args.res))
             opt = torch.optim.SGD(stage.parameters(), lr=0.01)
             x = torch.randn(args.batch, 3, args.res, args.res, device=stage.device)
             y = torch.randint(0, 1000, (args.batch,), device=stage.device)

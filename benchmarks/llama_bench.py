@@ -150,14 +150,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     plans = {loops: seqify.balance(seq, 2 * loops, micro, by=args.balance, progress=False).balance for loops in args.loops}
     print(f"# balance by {args.balance} in {time.perf_counter() - start:.1f} s: {plans}", flush=True)
     modes = {"eager": [False], "graphs": [True], "both": [False, True]}[args.graphs]
-    settings = [(c, s, g, loops) for c in args.chunks for s in args.schedules for g in modes for loops in args.loops
+    settings = [(c, s, g, loops, shift) for c in args.chunks for s in args.schedules for g in modes
+                for loops in args.loops for shift in (args.shift if loops == 1 else [0])
                 if not (loops == 1 and s == "interleaved")]
     if args.device == "cpu" or args.size == "8b":
         settings = settings[:1]
-    for chunks, schedule, graphs, loops in settings:
-        name = f"seqify.pipeline 2 devices, {schedule}, chunks={chunks}, {'graphs' if graphs else 'eager'}, loops={loops}"
+    for chunks, schedule, graphs, loops, shift in settings:
+        cut = list(plans[loops])
+        if shift:  # move the cut by `shift` layers (positive: more on the first device) to check the balance
+            cut = [cut[0] + shift, cut[1] - shift]
+        name = (f"seqify.pipeline 2 devices, {schedule}, chunks={chunks}, {'graphs' if graphs else 'eager'}, "
+                f"loops={loops}{f', balance {cut}' if shift else ''}")
         try:
-            pipe = seqify.pipeline(seq, devices=devs, balance=plans[loops],
+            pipe = seqify.pipeline(seq, devices=devs, balance=cut,
                                    chunks=chunks, graphs=graphs, loops=loops, schedule=schedule,
                                    example_inputs={"input_ids": ids}, checkpoint="never")
             rows.append(timed(name, trainer(pipe, ids.to(devs[0]), devs, adam), devs, args))
@@ -206,6 +211,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--schedules", nargs="+", default=["gpipe"], choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
     parser.add_argument("--graphs", choices=["eager", "graphs", "both"], default="both")
     parser.add_argument("--loops", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--shift", type=int, nargs="+", default=[0],
+                        help="also run loops=1 with the cut moved by these many layers (balance check)")
     parser.add_argument("--balance", choices=["params", "time", "memory", "flops"], default="params",
                         help="how seqify.balance cuts the converted model (time and memory measure it on cuda:0)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from .dist_sizes import KINDS, decode, encode, is_size
 from .errors import BoundaryError, PeerError, SeqifyError
 
-__all__ = ["Link", "Key", "ACTIVATION", "SKIP", "GRAD", "SKIP_GRAD", "peer", "leaves", "grads_for", "like_grads"]
+__all__ = ["Link", "Key", "ACTIVATION", "SKIP", "GRAD", "SKIP_GRAD", "directions", "peer", "leaves", "grads_for",
+           "like_grads"]
 
 Key = tuple[int, int, int]  # (what, partition or route, micro-batch)
 ACTIVATION, SKIP, GRAD, SKIP_GRAD = 0, 1, 2, 3  # what a message carries
@@ -83,9 +84,12 @@ class Link:
     Every message a rank waits for was sent by an action that comes earlier in the shared schedule, so
     as long as sends never block (they are ``isend``) no two ranks wait on each other."""
 
-    def __init__(self, device: torch.device, me: str = "this rank") -> None:
+    def __init__(self, device: torch.device, me: str = "this rank", directions: tuple[Any, Any] | None = None) -> None:
         self.device = device
         self.me = me
+        # (to higher ranks, to lower ranks): process groups that each carry one direction only (see directions())
+        self.directions = directions
+        self.rank = dist.get_rank() if directions is not None else -1
         self.pending: list[tuple[Any, torch.Tensor, int]] = []
         self.inbox: dict[tuple[int, Key], Any] = {}
 
@@ -126,11 +130,16 @@ class Link:
         sent = [header.to(self.device)] + [t.detach().contiguous() for t in tensors]
         with peer(self.me, dst, f"sending {_describe(key)}"):
             for t in sent:
-                self.pending.append((dist.isend(t, dst), t, dst))
+                self.pending.append((dist.isend(t, dst, group=self._group(dst > self.rank)), t, dst))
+
+    def _group(self, upward: bool) -> Any:
+        if self.directions is None:
+            return None
+        return self.directions[0] if upward else self.directions[1]
 
     def _recv(self, t: torch.Tensor, src: int, what: str) -> None:
         with peer(self.me, src, what):
-            dist.irecv(t, src).wait()
+            dist.irecv(t, src, group=self._group(src < self.rank)).wait()
 
     def _next(self, src: int, wanted: Key) -> tuple[Key, Any]:
         """The next message from ``src``, whichever it is."""
@@ -175,3 +184,22 @@ class Link:
             raise PeerError(f"{self.me} ends the step with {len(self.inbox)} unread message(s) ({_describe(key)} "
                             f"from rank {src}): the ranks run different schedules; build every rank's stage with "
                             "the same schedule and chunks")
+
+
+_DIRECTIONS: list[Any] = []  # [the default group they were made in, to higher ranks, to lower ranks]
+
+
+def directions() -> tuple[Any, Any]:
+    """Two process groups over every rank, one for messages to higher ranks and one for messages to lower
+    ranks (created once per process; every rank must call this, as it calls ``seqify.distributed.stage``).
+
+    NCCL runs the sends and receives between two ranks of one group in order on one stream, and a large send
+    finishes only once its receiver runs: with activations going one way while gradients come back (1F1B),
+    rank 0 queued behind its send of an activation and rank 1 queued behind its send of a gradient would each
+    wait for the other's receive, queued behind the send. With one direction per group, a stream holds only
+    sends (sender) or only receives (receiver) of one ordered sequence, so no two ranks wait on each other."""
+    world = dist.group.WORLD
+    if not _DIRECTIONS or _DIRECTIONS[0] is not world:  # first use, or a new default group since
+        everyone = list(range(dist.get_world_size()))
+        _DIRECTIONS[:] = [world, dist.new_group(everyone), dist.new_group(everyone)]
+    return _DIRECTIONS[1], _DIRECTIONS[2]

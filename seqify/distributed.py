@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .dist_checkpoint import load, merge, save
-from .dist_link import Link, leaves, peer
+from .dist_link import Link, directions, leaves, peer
 from .dist_replay import RankPrograms, program_step
 from .dist_schedule import RankRun
 from .errors import BalanceError, BoundaryError, DeviceError, ScheduleError
@@ -173,6 +173,8 @@ class DistributedStage(nn.Module):
             self.norms[p] = list(norms_of(part))
             self.params[p] = [w for w in part.parameters() if w.requires_grad]
         self._dp_group: Any = None
+        # one process group per message direction (seqify.dist_link.directions); None: the default group
+        self._directions: tuple[Any, Any] | None = None
         self._plans: dict[int, Schedule] = {}  # per micro-batch count: built once
         self.graphs = graphs
         self.runner = self.runners[self.owned[0]]
@@ -283,7 +285,7 @@ class DistributedStage(nn.Module):
         sizes = self._sizes(micro)
         m = len(sizes)
         targets = scatter(target.to(self.device), m) if self.is_last and target is not None else [None] * m
-        link = Link(self.device, self.me)
+        link = Link(self.device, self.me, self._directions)
         grad = torch.is_grad_enabled()
         if not grad:
             return self._forward_only(micro, sizes, link, targets, loss_fn)
@@ -330,7 +332,7 @@ class DistributedStage(nn.Module):
         """Inference over the pipeline: the output (source structure) on the last partition's rank, None elsewhere."""
         micro = self._micro_inputs(inputs if len(inputs) != 1 else inputs[0]) if self.is_first else []
         sizes = self._sizes(micro)
-        outs = self._forward_only(micro, sizes, Link(self.device, self.me), [None] * len(sizes), None)
+        outs = self._forward_only(micro, sizes, Link(self.device, self.me, self._directions), [None] * len(sizes), None)
         if not self.is_last:
             return None
         out = gather(outs)
@@ -403,6 +405,7 @@ def stage(
     result = DistributedStage(model, counts, index=rank % ranks, replica=rank // ranks, replicas=replicas,
                               device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                               graphs=graphs, loops=loops)
+    result._directions = directions()
     if replicas > 1:
         for s in range(ranks):
             group = dist.new_group([d * ranks + s for d in range(replicas)])

@@ -38,7 +38,7 @@ case "${1:-tests}" in
     timeout 560 python3 benchmarks/llama_bench.py --precision fp32 --steps 3 --warmup 1 --out "$OUT/llama.json" 2>&1 | tee "$OUT/llama.log" | tail -40
     ;;
   dist)
-    timeout 560 torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 \
-      --schedules gpipe 1f1b --graphs both --out "$OUT" 2>&1 | tee "$OUT/dist.log" | tail -40
+    timeout 560 torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 16 \
+      --schedules gpipe 1f1b --balance time --graphs on --out "$OUT" 2>&1 | tee "$OUT/dist.log" | grep '^{'
     ;;
 esac

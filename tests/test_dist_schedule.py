@@ -182,3 +182,39 @@ def test_a_message_left_unread_at_the_end_of_a_step_says_the_ranks_disagree() ->
     link.inbox[(0, (GRAD, 2, 3))] = torch.zeros(2)
     with pytest.raises(seqify.PeerError, match=r"gradients for partition 2, micro-batch 3 from rank 0.*same schedule"):
         link.flush()
+
+
+def test_each_direction_travels_on_its_own_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCCL orders a group's sends and receives between two ranks on one stream, so activations going up and
+    # gradients coming down on one group can each wait behind the other; the link keeps the two apart.
+    import torch.distributed as dist
+
+    from seqify.dist_link import ACTIVATION, GRAD, Link
+
+    used: list[tuple[str, int, str]] = []
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    def isend(t: torch.Tensor, dst: int, group: Any = None) -> Done:
+        used.append(("send", dst, group))
+        return Done()
+
+    def irecv(t: torch.Tensor, src: int, group: Any = None) -> Done:
+        used.append(("recv", src, group))
+        t.zero_()
+        t[3] = 2  # a header (key (0, 0, 0)) of a message carrying None: no tensors follow
+        return Done()
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "isend", isend)
+    monkeypatch.setattr(dist, "irecv", irecv)
+    link = Link(torch.device("cpu"), "rank 1", ("up", "down"))
+    link.send((ACTIVATION, 1, 0), torch.ones(2), dst=2)  # to a higher rank
+    link.send((GRAD, 1, 0), torch.ones(2), dst=0)  # to a lower rank
+    assert [g for _, _, g in used] == ["up", "up", "down", "down"]  # header and tensor each
+    used.clear()
+    link._next(0, (ACTIVATION, 0, 0))  # from a lower rank: it sends upward
+    link._next(2, (GRAD, 2, 0))  # from a higher rank: downward
+    assert {(src, g) for _, src, g in used} == {(0, "up"), (2, "down")}

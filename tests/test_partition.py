@@ -409,3 +409,24 @@ def test_progress_bar_only_when_asked_and_watched(monkeypatch: pytest.MonkeyPatc
     assert list(progress(range(3), 3, "off", False)) == [0, 1, 2] and err.getvalue() == ""
     assert list(progress(range(3), 3, "shown", True)) == [0, 1, 2]
     assert "shown [" in err.getvalue() and "3/3" in err.getvalue()
+
+
+def test_time_is_measured_on_the_models_own_device_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A model on a GPU is timed there, not copied layer by layer to the CPU; a spread or parameterless
+    # model falls back to the CPU. (Meta stands in for "another device" on a machine without a GPU.)
+    from seqify.partition import balancer
+
+    seen: list[object] = []
+    monkeypatch.setattr(balancer, "costs", lambda model, by, sample, device, progress: seen.append(device) or
+                        (_ for _ in ()).throw(RuntimeError("stop")))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match="stop"):
+        seqify.balance(model, 2, torch.zeros(2, 4), by="time")
+    assert seen == [torch.device("cpu")]
+    assert balancer.home(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))) is None
+    assert balancer.home(nn.Sequential(nn.ReLU())) is None
+    assert balancer.home(nn.Sequential(nn.Linear(2, 2).to("meta"))) == torch.device("meta")
+    seen.clear()
+    with pytest.raises(RuntimeError, match="stop"):
+        seqify.balance(model, 2, torch.zeros(2, 4), by="time", device="cpu")
+    assert seen == ["cpu"]

@@ -78,6 +78,7 @@ class OpaqueInfo:
     path: str
     type: str
     reason: str
+    diverged: bool = False  # an op in it failed on the example values while tracing (another path than the source's)
 
     def __str__(self) -> str:
         return f"{self.layer} <- {self.path} ({self.type}): {self.reason}"

@@ -74,6 +74,10 @@ def user_hooks(module: nn.Module) -> list[str]:
     return [h for h in HOOK_DICTS if any(not recording_hook(f) for f in getattr(module, h, {}).values())]
 
 
+class Diverged(fx.proxy.TraceError):
+    """An op fails on the example values while tracing: the traced code is not the path the source runs."""
+
+
 @dataclass(frozen=True)
 class Opaque:
     """A submodule kept whole as one layer, and why."""
@@ -82,6 +86,7 @@ class Opaque:
     type: str
     reason: str
     untraceable: bool = False  # fx failed inside its forward (not hooks, writes or modes): export may capture it
+    diverged: bool = False  # an op in it failed on the example values: the traced code took another path
 
     def __str__(self) -> str:
         return f"{self.path} ({self.type}): {self.reason}"
@@ -437,7 +442,7 @@ class _Tracer(fx.Tracer):
             if not unknown and node.op in ("call_function", "call_method") and not _fake_limit(e):
                 # The source would fail here too: tracing took a path the source does not take on this
                 # example (e.g. `torch.is_tensor(x)` is False for fx's stand-in). Never bake it into a layer.
-                raise fx.proxy.TraceError(
+                raise Diverged(
                     f"`{_expr(node)}` = {_call_text(node)} fails on the example values ({_first_line(e)}), so "
                     f"the traced code is not what the source runs; at {self._where()}"
                 ) from e
@@ -552,7 +557,8 @@ class _Tracer(fx.Tracer):
                         del self.flattened[inner]
                     site = _error_site(e)
                     reason = f"{_first_line(e)} at {site}" if site else _first_line(e)
-                    self.opaque[path] = Opaque(path, type(m).__name__, reason, untraceable=True)
+                    self.opaque[path] = Opaque(path, type(m).__name__, reason, untraceable=True,
+                                               diverged=isinstance(e, Diverged))
                     return self._leaf_call(path, calls, args, kwargs)
             finally:
                 self.module_stack.pop(key, None)

@@ -213,7 +213,7 @@ def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False, frontend:
         for node in step.nodes:
             if node.op == "call_module" and node.target in opaque_paths:
                 o = opaque_paths[node.target]
-                opaque.append(OpaqueInfo(step.name, o.path, o.type, o.reason))
+                opaque.append(OpaqueInfo(step.name, o.path, o.type, o.reason, o.diverged))
     unused = _Unused()
     holder = nn.Module()
     holder._modules.update(layers)

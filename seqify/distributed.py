@@ -230,7 +230,7 @@ class DistributedStage(nn.Module):
             carried = carried.to(self.device)
         else:
             carried = tuple(t.to(self.device) for t in carried)
-        return scatter(carried, self.chunks)
+        return scatter(carried, self.chunks, model.input_names if isinstance(model, Sequential) else None)
 
     def _sizes(self, micro: list[Any]) -> list[int]:
         """Every rank learns the micro-batch sizes the first partition's rank made (for loss weights and
@@ -335,8 +335,9 @@ class DistributedStage(nn.Module):
         outs = self._forward_only(micro, sizes, Link(self.device, self.me, self._directions), [None] * len(sizes), None)
         if not self.is_last:
             return None
-        out = gather(outs)
-        return self.model.unflatten_outputs(out) if isinstance(self.model, Sequential) else out
+        model = self.model
+        out = gather(outs, model.output_spec.names if isinstance(model, Sequential) else None)
+        return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
 
 
 def stage(

@@ -268,7 +268,8 @@ class Pipeline(nn.Module):
         model = self.model
         carried = model.flatten_inputs(*sample) if isinstance(model, Sequential) and isinstance(sample, tuple) else (
             model.flatten_inputs(sample) if isinstance(model, Sequential) else sample)
-        batches = scatter(self._transfer(carried, self.devices[0]), self.chunks)
+        batches = scatter(self._transfer(carried, self.devices[0]), self.chunks,
+                          model.input_names if isinstance(model, Sequential) else None)
         key = tuple((tuple(t.shape), t.dtype) for t in ((batches[0],) if isinstance(batches[0], torch.Tensor)
                                                           else batches[0]))
         if self._memory is None or self._memory[0] != key:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call (nvidia-h200-x2 for the pipeline rows; one-GPU kinds put partitions on one GPU):
 # install seqify without dependencies (the image has torch, torchvision, transformers, networkx), then run
-# the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist). Output goes to $OUT.
+# the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist, side-by-side). Output goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
@@ -40,5 +40,15 @@ case "${1:-tests}" in
   dist)
     timeout 560 torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 16 \
       --schedules gpipe 1f1b --balance time --graphs on --out "$OUT" 2>&1 | tee "$OUT/dist.log" | grep '^{'
+    ;;
+  side-by-side)  # issue 15's comparison in one call: one GPU, in-process 1F1B graphs, seqify.distributed, torch pipelining
+    timeout 200 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 8 16 --schedule 1f1b \
+      --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$OUT" > "$OUT/inproc.log" 2>&1
+    timeout 200 torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 16 \
+      --schedules 1f1b --balance time --graphs on --steps 6 --warm 2 --out "$OUT" > "$OUT/dist.log" 2>&1
+    timeout 150 torchrun --nproc-per-node 2 benchmarks/torchpp_anchor.py --batch 256 --chunks 4 8 16 --steps 6 \
+      --warm 2 --out "$OUT" > "$OUT/torchpp.log" 2>&1
+    python3 benchmarks/side_by_side.py "$OUT/pipeline_bench_fp32.json" "$OUT/distributed.json" "$OUT/torchpp.json" \
+      | tee "$OUT/side-by-side.txt"
     ;;
 esac

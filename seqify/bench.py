@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ class Row:
     chosen: bool = False
     schedule: str = "-"
     memory_per_device: tuple[int, ...] = ()
+    # measured peaks per CUDA device the row ran on (empty on the CPU): the caching allocator's allocated
+    # and reserved bytes, from an empty cache and reset peak counters
+    allocated_per_device: tuple[int, ...] = ()
+    reserved_per_device: tuple[int, ...] = ()
 
 
 @dataclass
@@ -51,19 +56,21 @@ class Bench:
         lines = [f"seqify bench {self.spec}: batch {self.batch}, one device ({self.devices[0]}) against a pipeline "
                  f"over {', '.join(self.devices)}; the tuned configuration is marked *", "",
                  "| | configuration | schedule | predicted ms | measured ms | error | predicted peak MiB per device "
-                 "| samples/s | vs one device |",
-                 "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                 "| measured peak MiB allocated / reserved, per device | samples/s | vs one device |",
+                 "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows:
             predicted = f"{r.predicted_s * 1e3:.2f}" if r.predicted_s is not None else "-"
             peak = megabytes(r.memory_per_device) if r.memory_per_device else "-"
+            measured = "; ".join(f"{a / 2**20:.0f} / {b / 2**20:.0f}" for a, b in
+                                 zip(r.allocated_per_device, r.reserved_per_device)) or "-"
             head = f"| {'*' if r.chosen else ''} | {r.name} | {r.schedule} | {predicted}"
             if r.measured_s is None:
-                lines.append(f"{head} | out of memory | - | {peak} | - | - |")
+                lines.append(f"{head} | out of memory | - | {peak} | - | - | - |")
                 continue
             error = f"{(r.predicted_s / r.measured_s - 1) * 100:+.0f}%" if r.predicted_s is not None else "-"
             ratio = f"{base / r.measured_s:.2f}x" if base else "-"
-            lines.append(f"{head} | {r.measured_s * 1e3:.2f} | {error} | {peak} | {self.batch / r.measured_s:.1f} | "
-                         f"{ratio} |")
+            lines.append(f"{head} | {r.measured_s * 1e3:.2f} | {error} | {peak} | {measured} | "
+                         f"{self.batch / r.measured_s:.1f} | {ratio} |")
         return "\n".join(lines)
 
 
@@ -81,9 +88,12 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     # pipeline row (not the baseline) copy it over every step (77 MB for ResNet-101 at batch 128: ~10 ms).
     sample = sample.to(placed[0])
     base: float | None = None
+    peaks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # trial index (-1: one device) -> measured peaks
     with _kept(model):
         try:
-            base = step_seconds(model.to(placed[0]).train(), sample.to(placed[0]), placed[:1], steps=steps, warm=warm)
+            with _peaks(placed[:1]) as got:
+                base = step_seconds(model.to(placed[0]).train(), sample.to(placed[0]), placed[:1], steps=steps, warm=warm)
+            peaks[-1] = got()
         except torch.OutOfMemoryError:  # what pipelines are for: the row says so
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -91,25 +101,53 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
                memory_cap=memory_cap, schedule=schedule)
     trials = list(cfg.trials)
     todo = [k for k, t in enumerate(trials) if t.measured_s is None][:alternatives]
+    # The tuner timed its choice but took no memory: on CUDA it runs once more here for its peaks.
+    again = [k for k, t in enumerate(trials) if _is(t, cfg) and t.measured_s is not None] if _on_cuda(placed) else []
     oom: set[int] = set()
     with _kept(model):
-        for k in progress(todo, len(todo), "seqify bench: timing the alternatives", show):
+        for k in progress(again + todo, len(again + todo), "seqify bench: timing the alternatives", show):
             t = trials[k]
+            pipe = None
             try:
-                pipe = pipeline(model, **_options(t, placed)).train()
-                trials[k] = replace(t, measured_s=step_seconds(pipe, sample, placed, steps=steps,
-                                                               warm=warm + (1 if t.graphs else 0)))
+                with _peaks(placed) as got:
+                    pipe = pipeline(model, **_options(t, placed)).train()
+                    seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
+                peaks[k] = got()
+                if k in todo:
+                    trials[k] = replace(t, measured_s=seconds)
             except torch.OutOfMemoryError:
-                pipe = None
                 oom.add(k)
             del pipe
-    result = Bench(spec, int(sample.shape[0]), [str(d) for d in placed], cfg, [Row(f"one device ({placed[0]})", None, base)])
-    chosen = [t for t in trials if _is(t, cfg)]
-    others = [t for k, t in enumerate(trials) if not _is(t, cfg) and (t.measured_s is not None or k in oom)]
-    for t in chosen + others:
+    one = peaks.get(-1, ((), ()))
+    result = Bench(spec, int(sample.shape[0]), [str(d) for d in placed], cfg,
+                   [Row(f"one device ({placed[0]})", None, base, allocated_per_device=one[0], reserved_per_device=one[1])])
+    chosen = [k for k, t in enumerate(trials) if _is(t, cfg)]
+    others = [k for k, t in enumerate(trials) if not _is(t, cfg) and (t.measured_s is not None or k in oom)]
+    for k in chosen + others:
+        t = trials[k]
+        allocated, reserved = peaks.get(k, ((), ()))
         result.rows.append(Row(t.layout(), t.predicted_s, t.measured_s, chosen=_is(t, cfg), schedule=t.schedule or "gpipe",
-                               memory_per_device=t.memory_per_device or (t.memory_bytes,)))
+                               memory_per_device=t.memory_per_device or (t.memory_bytes,),
+                               allocated_per_device=allocated, reserved_per_device=reserved))
     return result
+
+
+def _on_cuda(devices: Sequence[torch.device]) -> list[torch.device]:
+    """The distinct CUDA devices among ``devices``, in order."""
+    return list(dict.fromkeys(d for d in devices if d.type == "cuda"))
+
+
+@contextmanager
+def _peaks(devices: Sequence[torch.device]) -> Iterator[Callable[[], tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Measure the peak allocated and reserved bytes per CUDA device of the block, from an emptied cache;
+    the value yielded returns them once the block is done (empty on the CPU)."""
+    cuda = _on_cuda(devices)
+    for d in cuda:
+        with torch.cuda.device(d):
+            torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(d)
+    yield lambda: (tuple(torch.cuda.max_memory_allocated(d) for d in cuda),
+                   tuple(torch.cuda.max_memory_reserved(d) for d in cuda))
 
 
 def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:

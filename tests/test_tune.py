@@ -3,8 +3,10 @@ and the step-time model's bubble. No timing is asserted: only that predictions a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -237,10 +239,11 @@ def test_bench_spec_on_cpu_shows_baseline_tuned_and_alternatives(tmp_path, capsy
     assert sum(r.startswith("| * |") for r in rows) == 1  # the tuned one
     assert len(rows) == 4  # baseline, tuned, two timed alternatives
     for r in rows[1:]:  # schedule, predicted and measured milliseconds side by side, peak MiB per device
-        schedule, predicted, measured, _, peak = (c.strip() for c in r.split("|")[3:8])
+        schedule, predicted, measured, _, peak, measured_peak = (c.strip() for c in r.split("|")[3:9])
         assert schedule in ("gpipe", "1f1b", "interleaved", "zb-h1")
         assert float(predicted) > 0 and float(measured) > 0
         assert len(peak.split(" / ")) == 2 and all(float(v) >= 0 for v in peak.split(" / "))
+        assert measured_peak == "-"  # the CPU has no allocator peaks to read
     assert out.with_suffix(".png").is_file() == plot.available()
 
 
@@ -284,6 +287,23 @@ def test_tune_on_two_gpus_is_exact_and_reports_predictions() -> None:
     want = torch.cat([source(part) for part in x.to("cuda:0").tensor_split(cfg.chunks)])
     got = pipe(x)
     torch.testing.assert_close(got.to("cuda:0"), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_bench_on_two_gpus_measures_memory_for_every_row() -> None:
+    """Every row that ran (the one-GPU baseline, the tuned pipeline, the alternatives) has measured peaks:
+    one device for the baseline, two for pipelines, reserved at least allocated."""
+    from seqify.bench import bench
+
+    _, seq, _ = source_and_seq()
+    x = torch.randn(64, 6, dtype=torch.float64)
+    result = bench(seq, x, ["cuda:0", "cuda:1"], top=1, alternatives=1, steps=1, warm=0, cache=False, show=False)
+    ran = [r for r in result.rows if r.measured_s is not None]
+    assert len(ran[0].allocated_per_device) == 1 and all(len(r.allocated_per_device) == 2 for r in ran[1:])
+    assert all(0 < a <= b for r in ran for a, b in zip(r.allocated_per_device, r.reserved_per_device))
+    baseline = [c.strip() for c in str(result).splitlines()[4].split("|")]
+    assert baseline[2].startswith("one device") and baseline[8] != "-"  # the baseline row shows its measured peaks
 
 
 def test_the_tuner_module_is_importable_under_its_own_name() -> None:
@@ -469,3 +489,22 @@ def test_auto_tunes_the_schedule_unless_one_is_given() -> None:
         seqify.tune(seq, x, devices=CPU2, schedule="fast", show=False)
     with pytest.raises(seqify.TuneError, match="schedule='1f1b' applies to loops=1"):
         seqify.tune(seq, x, devices=CPU2, schedule="1f1b", loops=2, top=0, show=False)
+
+
+def test_bench_reads_each_cuda_devices_peaks_from_an_emptied_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    from seqify import bench
+
+    calls: list[tuple[str, Any]] = []
+    peaks = {0: (5, 7), 1: (2, 3)}
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty", None)))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d.index)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[d.index][0])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks[d.index][1])
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 0), torch.device("cpu")]
+    with bench._peaks(devices) as got:
+        assert calls == [("empty", None), ("reset", 0), ("empty", None), ("reset", 1)]
+    assert got() == ((5, 2), (7, 3))
+    row = bench.Row("x", 0.1, 0.1, allocated_per_device=(5 * 2**20, 2 * 2**20), reserved_per_device=(7 * 2**20, 3 * 2**20))
+    table = str(bench.Bench("m", 8, ["cuda:0", "cuda:1"], None, [bench.Row("one", None, 0.2), row]))  # type: ignore[arg-type]
+    assert "| 5 / 7; 2 / 3 |" in table

@@ -18,7 +18,7 @@ from ..progress import progress as bar
 from ..skip.namespace import SkipKey
 from ..skip.tracker import SkipTracker, use_tracker
 from .errors import BalanceError
-from .walk import Layers, Skips, apply, fresh, nbytes, roots, storage
+from .walk import Layers, Skips, apply, fresh, nbytes, roots, saved_bytes
 
 __all__ = ["Profile", "profile", "device_of"]
 
@@ -90,15 +90,7 @@ def profile(
             x = apply(lambda t: t.to(dev), first)
             for i, layer in enumerate(bar(layers.modules, len(layers), f"seqify profile ({dev})", progress)):
                 module = layer if _on(layer, dev) else copy.deepcopy(layer).to(dev)
-                state = {storage(t) for t in list(module.parameters()) + list(module.buffers())}
-                kept: dict[int, int] = {}
-
-                def pack(t: torch.Tensor) -> torch.Tensor:
-                    key = storage(t)
-                    if key not in state:
-                        kept[key] = t.untyped_storage().nbytes()
-                    return t
-
+                pack, kept = saved_bytes(module)
                 try:
                     step = _step(module, layer, x, skips, dev, pack, 0)
                     hold = int(rate * min(max(2 * step.queued, 2e-4), 0.05))  # GPU busy while we queue

@@ -16,7 +16,7 @@ from ..progress import progress as bar
 from ..skip.namespace import SkipKey
 from ..skip.tracker import use_tracker
 from .errors import BalanceError
-from .walk import Layers, Skips, apply, fresh, nbytes, storage
+from .walk import Layers, Skips, apply, fresh, nbytes, saved_bytes
 
 __all__ = ["Shapes", "propagate"]
 
@@ -61,15 +61,7 @@ def propagate(layers: Layers, first: Any, *, progress: bool = False) -> Shapes:
     with torch.random.fork_rng(devices=[]):
         for i, layer in enumerate(bar(layers.modules, len(layers), "seqify shapes", progress)):
             fake = _fake_module(layer, mode, clones)
-            state = {storage(t) for t in list(fake.parameters()) + list(fake.buffers())}
-            kept: dict[int, int] = {}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                key = storage(t)
-                if key not in state:
-                    kept[key] = t.untyped_storage().nbytes()
-                return t
-
+            pack, kept = saved_bytes(fake)
             try:
                 with mode:
                     inputs, _ = fresh(x)

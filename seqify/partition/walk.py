@@ -16,7 +16,8 @@ from ..skip.skippable import pop_keys
 from ..skip.tracker import SkipTracker
 from .errors import BalanceError
 
-__all__ = ["Layers", "Skips", "layers", "first_input", "apply", "tensors", "nbytes", "storage", "fresh", "roots", "owned"]
+__all__ = ["Layers", "Skips", "layers", "first_input", "apply", "tensors", "nbytes", "storage", "saved_bytes", "fresh",
+           "roots", "owned"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,21 @@ def nbytes(value: Any) -> int:
 def storage(t: torch.Tensor) -> int:
     """An identity of ``t``'s storage, the same for all its views (real or fake)."""
     return int(t.untyped_storage()._cdata)
+
+
+def saved_bytes(module: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[int, int]]:
+    """A ``saved_tensors_hooks`` pack function and the bytes it records per storage: every storage autograd
+    saves for backward that is not one of ``module``'s own parameters or buffers."""
+    state = {storage(t) for t in list(module.parameters()) + list(module.buffers())}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage(t)
+        if key not in state:
+            kept[key] = t.untyped_storage().nbytes()
+        return t
+
+    return pack, kept
 
 
 def fresh(value: Any) -> tuple[Any, list[torch.Tensor]]:

@@ -147,11 +147,7 @@ class InputSpec:
             if p.spec is None:
                 names.append(p.name)
                 continue
-            try:
-                tree = pytree.tree_unflatten(list(range(len(p.tensor_leaves))), p.spec)
-                paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
-            except Exception:
-                paths = [f"[{i}]" for i in range(len(p.tensor_leaves))]
+            paths = key_paths(p.spec, len(p.tensor_leaves)) or [f"[{i}]" for i in range(len(p.tensor_leaves))]
             names += [f"{p.name}{path}" for path, is_tensor in zip(paths, p.tensor_leaves) if is_tensor]
         return names
 
@@ -193,6 +189,16 @@ class InputSpec:
         return values
 
 
+def key_paths(spec: pytree.TreeSpec, leaves: int) -> list[str] | None:
+    """Each leaf's place in a structure of ``spec`` (``['time_ids']``, ``.loss``, ``[0]``); None where the
+    structure cannot be rebuilt with stand-in leaves (a node type whose unflatten checks its values)."""
+    try:
+        tree = pytree.tree_unflatten(list(range(leaves)), spec)
+        return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+    except Exception:
+        return None
+
+
 class OutputSpec:
     """Rebuilds the source's output structure from the flat tuple the last layer returns."""
 
@@ -214,10 +220,8 @@ class OutputSpec:
 
     def names(self) -> list[str] | None:
         """Each slot's place in the source's output (``.loss``, ``[0]``), for messages; None where unknown."""
-        try:
-            tree = pytree.tree_unflatten(list(range(len(self.leaves))), self.spec)
-            paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
-        except Exception:
+        paths = key_paths(self.spec, len(self.leaves))
+        if paths is None:
             return None
         names = [""] * self.slots
         for (is_slot, v), path in zip(self.leaves, paths):

@@ -92,7 +92,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     with _kept(model):
         try:
             with _peaks(placed[:1]) as got:
-                base = step_seconds(model.to(placed[0]).train(), sample.to(placed[0]), placed[:1], steps=steps, warm=warm)
+                base = step_seconds(model.to(placed[0]).train(), sample, placed[:1], steps=steps, warm=warm)
             peaks[-1] = got()
         except torch.OutOfMemoryError:  # what pipelines are for: the row says so
             if torch.cuda.is_available():

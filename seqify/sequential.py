@@ -178,7 +178,7 @@ class Sequential(nn.Sequential):
         try:
             names = self.input_spec.tensor_names()
             return [names[i] for i in self.entry]
-        except Exception:
+        except IndexError:  # names and flat inputs disagree: no names rather than wrong ones
             return None
 
     def unflatten_outputs(self, carried: Any) -> Any:

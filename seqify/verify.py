@@ -181,7 +181,7 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
         raise
     except Exception as e:
         note = f" (from the {frontend} frontend)" if frontend else ""
-        diverged = [o for o in getattr(seq, "opaque", ()) if getattr(o, "diverged", False)]
+        diverged = [o for o in getattr(seq, "opaque", ()) if o.diverged]
         cause = (
             f". The trace kept {diverged[0].path} whole because an op in it failed on the example values: the "
             "traced code before it took a path the source does not take on this example (transformers builds "

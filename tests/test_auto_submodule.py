@@ -287,15 +287,19 @@ class WholeUse(nn.Module):
         return torch.cat(self.block(x), 1) + 1
 
 
+class _Projected(nn.Module):
+    """A tiny Llama body (fx cannot trace it) fed by a projection fx can: subclasses say what it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = llama()
+        self.proj = nn.Linear(4, 16)
+
+
 def test_returning_the_body_output_and_whole_uses() -> None:
     x = torch.randn(2, 4, 6, 6)
 
-    class Returns(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = llama()
-            self.proj = nn.Linear(4, 16)
-
+    class Returns(_Projected):
         def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> Any:
             return self.body(inputs_embeds=self.proj(x), attention_mask=attention_mask)
 
@@ -316,12 +320,7 @@ def test_returning_fields_of_the_body_output_that_export_returns_as_none() -> No
     """Bloom's and GPT-J's heads return ``outputs.hidden_states`` and ``outputs.attentions`` of a body fx
     cannot trace: export's graph has None there, and the model's output must read None, not erased nodes."""
 
-    class Fields(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = llama()
-            self.proj = nn.Linear(4, 16)
-
+    class Fields(_Projected):
         def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> Any:
             out = self.body(inputs_embeds=self.proj(x), attention_mask=attention_mask)
             return {"h": out.last_hidden_state, "hidden_states": out.hidden_states, "attentions": out.attentions}

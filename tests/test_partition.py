@@ -413,20 +413,25 @@ def test_progress_bar_only_when_asked_and_watched(monkeypatch: pytest.MonkeyPatc
 
 def test_time_is_measured_on_the_models_own_device_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     # A model on a GPU is timed there, not copied layer by layer to the CPU; a spread or parameterless
-    # model falls back to the CPU. (Meta stands in for "another device" on a machine without a GPU.)
+    # model falls back to the CPU; an explicit device wins. (No GPU here: the model's device is stubbed for
+    # the plumbing, and home() is checked on the meta device.)
     from seqify.partition import balancer
 
     seen: list[object] = []
-    monkeypatch.setattr(balancer, "costs", lambda model, by, sample, device, progress: seen.append(device) or
-                        (_ for _ in ()).throw(RuntimeError("stop")))
+
+    def costs(model: nn.Module, by: str, sample: object, device: object, progress: bool) -> None:
+        seen.append(device)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(balancer, "costs", costs)
+    monkeypatch.setattr(balancer, "home", lambda model: torch.device("cuda", 3))
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    with pytest.raises(RuntimeError, match="stop"):
-        seqify.balance(model, 2, torch.zeros(2, 4), by="time")
-    assert seen == [torch.device("cpu")]
+    for by, device in (("time", None), ("memory", None), ("time", "cpu"), ("flops", None)):
+        with pytest.raises(RuntimeError, match="stop"):
+            seqify.balance(model, 2, torch.zeros(2, 4), by=by, device=device)
+    assert seen == [torch.device("cuda", 3), torch.device("cuda", 3), "cpu", None]
+    monkeypatch.undo()
+    assert balancer.home(model) == torch.device("cpu")
     assert balancer.home(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))) is None
     assert balancer.home(nn.Sequential(nn.ReLU())) is None
     assert balancer.home(nn.Sequential(nn.Linear(2, 2).to("meta"))) == torch.device("meta")
-    seen.clear()
-    with pytest.raises(RuntimeError, match="stop"):
-        seqify.balance(model, 2, torch.zeros(2, 4), by="time", device="cpu")
-    assert seen == ["cpu"]

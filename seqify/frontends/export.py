@@ -390,8 +390,9 @@ def _devices(graph: fx.Graph, device: torch.device) -> bool:
     changed = False
     for node in list(graph.nodes):
         here = node.kwargs.get("device") if node.op == "call_function" else None
-        at = next((i for i, a in enumerate(node.args) if isinstance(a, torch.device) and a == device), None) \
-            if node.op == "call_function" else None
+        at = None
+        if node.op == "call_function" and here is None:
+            at = next((i for i, a in enumerate(node.args) if isinstance(a, torch.device) and a == device), None)
         if isinstance(here, (torch.device, str)) and torch.device(here) == device:
             tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
             like = tensors[0] if tensors else previous

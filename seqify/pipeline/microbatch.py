@@ -23,9 +23,8 @@ def scatter(value: Any, chunks: int, names: Callable[[], list[str] | None] | Non
     """Split a tensor or tuple of tensors into at most ``chunks`` micro-batches along dim 0.
 
     Sizes differ by at most one (``tensor_split``), so an uneven last micro-batch is fine; ``chunks``
-    larger than the batch is clamped to the batch size. ``names`` (gives the model's names of the tensors;
-    called only for the error)
-    make the error name the input without a batch dimension.
+    larger than the batch is clamped to the batch size. ``names`` returns the model's name of each tensor;
+    it is called only to name, in the error, an input without the batch dimension.
     """
     single = isinstance(value, torch.Tensor)
     tensors = (value,) if single else value
@@ -74,7 +73,7 @@ def gather(outputs: list[Any], names: Callable[[], list[str] | None] | None = No
         hint = ""
         if scalar is not None:
             known = names() if names is not None else None
-            where = known[scalar] if known and scalar < len(known) else (f"number {scalar}" if len(tensors) > 1 else "")
+            where = known[scalar] if known and scalar < len(known) else (f"at position {scalar}" if len(tensors) > 1 else "")
             hint = (f". The output{' ' + where if where else ''} is a scalar, such as a loss reduced over the whole "
                     "batch, which micro-batches cannot make: leave out what asks for it (labels=...) or convert a "
                     "wrapper whose forward returns only batched outputs, and compute the loss on the pipeline's "

@@ -80,9 +80,8 @@ class _Flat(nn.Module):
         if not is_tensors(y):
             raise Unreplayable(f"partition {stage.index} returns {type(y).__name__}; only tensors and tuples of "
                                "tensors replay")
-        unfixed = [key for key in kept if key not in self.sized]
-        if unfixed:
-            key = unfixed[0]
+        if any(key not in self.sized for key in kept):  # runs per micro-batch: find the culprit only on error
+            key = next(key for key in kept if key not in self.sized)
             raise Unreplayable(f"partition {stage.index} stashes skip {key[1]!r}, a {type(out[key]).__name__} that is "
                                "not a tensor nor a size; only tensors and tuples of tensors replay")
         self.kept = kept

@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--schedules", nargs="+", default=["gpipe"], help="shared schedules: gpipe 1f1b interleaved zb-h1")
     p.add_argument("--loops", type=int, default=1, help="partitions per process (interleaved; zb-h1: 2 in a V)")
     p.add_argument("--graphs", choices=["off", "on", "both"], default="off", help="rows with graphs=True too")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast around each step (rows tagged -bf16)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     sd.init()
@@ -41,7 +42,7 @@ def main() -> None:
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     for schedule, graphs, chunks in [(s, g, c) for s in args.schedules for g in modes for c in args.chunks]:
         loops = f"-loops{args.loops}" if args.loops > 1 else ""
-        name = f"seqify-distributed-{schedule}{loops}{'-graphs' if graphs else ''}-c{chunks}"
+        name = f"seqify-distributed-{schedule}{loops}{'-graphs' if graphs else ''}-c{chunks}{'-bf16' if args.bf16 else ''}"
         try:
             torch.manual_seed(0)
             seq = seqify.convert(torchvision.models.resnet101())
@@ -55,7 +56,8 @@ def main() -> None:
 
             def step() -> None:
                 opt.zero_grad(set_to_none=True)
-                stage.step(x if stage.is_first else None, y if stage.is_last else None, loss_fn=F.cross_entropy)
+                with torch.autocast(stage.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                    stage.step(x if stage.is_first else None, y if stage.is_last else None, loss_fn=F.cross_entropy)
                 opt.step()
 
             sec, peaks = ranks.measure(step, args.warm, args.steps, stage.device)
@@ -64,7 +66,7 @@ def main() -> None:
         except Exception as e:  # one broken configuration must not hide the rest
             r = ranks.error_row(name, e)
         ranks.report(rows, r)
-    ranks.finish(rows, os.path.join(args.out, "distributed.json"))
+    ranks.finish(rows, os.path.join(args.out, "distributed-bf16.json" if args.bf16 else "distributed.json"))
 
 
 if __name__ == "__main__":

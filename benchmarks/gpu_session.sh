@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-tool call (nvidia-h200-x2 for the pipeline rows; one-GPU kinds put partitions on one GPU):
 # install seqify without dependencies (the image has torch, torchvision, transformers, networkx), then run
-# the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist, side-by-side). Output goes to $OUT.
+# the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist, side-by-side [fp32|bf16],
+# check [SECONDS], families SECONDS [FAMILY...]). Output goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
@@ -42,13 +43,23 @@ case "${1:-tests}" in
       --schedules gpipe 1f1b --balance time --graphs on --out "$OUT" 2>&1 | tee "$OUT/dist.log" | grep '^{'
     ;;
   side-by-side)  # issue 15's comparison in one call: one GPU, in-process 1F1B graphs, seqify.distributed, torch pipelining
-    timeout 200 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 8 16 --schedule 1f1b \
-      --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$OUT" > "$OUT/inproc.log" 2>&1
+    p=${2:-fp32}; flag=(); tag=""; [ "$p" = bf16 ] && flag=(--bf16) && tag=-bf16
+    timeout 200 python3 benchmarks/pipeline_bench.py --batch 256 --precision "$p" --chunks 4 8 16 --schedule 1f1b \
+      --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$OUT" > "$OUT/inproc$tag.log" 2>&1
     timeout 200 torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 16 \
-      --schedules 1f1b --balance time --graphs on --steps 6 --warm 2 --out "$OUT" > "$OUT/dist.log" 2>&1
-    timeout 150 torchrun --nproc-per-node 2 benchmarks/torchpp_anchor.py --batch 256 --chunks 4 8 16 --steps 6 \
-      --warm 2 --out "$OUT" > "$OUT/torchpp.log" 2>&1
-    python3 benchmarks/side_by_side.py "$OUT/pipeline_bench_fp32.json" "$OUT/distributed.json" "$OUT/torchpp.json" \
-      | tee "$OUT/side-by-side.txt"
+      --schedules 1f1b --balance time --graphs on --steps 6 --warm 2 "${flag[@]}" --out "$OUT" > "$OUT/dist$tag.log" 2>&1
+    timeout 170 torchrun --nproc-per-node 2 benchmarks/torchpp_anchor.py --batch 256 --chunks 4 8 16 --cuts 0 3 \
+      --steps 6 --warm 2 "${flag[@]}" --out "$OUT" > "$OUT/torchpp$tag.log" 2>&1
+    python3 benchmarks/side_by_side.py "$OUT/pipeline_bench_$p.json" "$OUT/distributed$tag.json" "$OUT/torchpp$tag.json" \
+      | tee "$OUT/side-by-side$tag.txt"
+    ;;
+  check)  # every GPU test, seqify installed as a package (subprocess and torchrun workers import it)
+    timeout "${2:-330}" python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests --timeout 240 2>&1 \
+      | tee "$OUT/gpu-check.log" | tail -30
+    ;;
+  families)  # issue 14: every zoo family with the automatic configuration; $2: seconds, then family names
+    budget=${2:-400}; shift 2
+    timeout $((budget + 170)) python3 benchmarks/families_pipeline.py --budget "$budget" --out "$OUT/families.jsonl" \
+      ${1:+--families "$@"} 2>&1 | grep -v "^seqify \(profile\|tune\)" | tee "$OUT/families.log" | tail -40
     ;;
 esac

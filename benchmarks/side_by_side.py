@@ -1,6 +1,6 @@
 """One table from the rows of one device session: the in-process pipeline (pipeline_bench.py, whose 'single'
 row is the one-GPU baseline), seqify.distributed (distributed_bench.py) and torch.distributed.pipelining
-(torchpp_anchor.py), each ratio to the same one-GPU row, with memory per GPU.
+(torchpp_anchor.py), each ratio to the one-GPU row of its precision ('single' or 'single-bf16'), with memory per GPU.
 
     python benchmarks/side_by_side.py OUT/pipeline_bench_fp32.json OUT/distributed.json OUT/torchpp.json
 
@@ -29,18 +29,21 @@ def cells(values: Any) -> str:
 
 def table(paths: list[str]) -> str:
     rows = [(path, r) for path in paths for r in rows_of(path)]
-    base = next((r["samples_per_s"] for _, r in rows if r.get("name") == "single" and "samples_per_s" in r), None)
+    # each row against the one-GPU row of its own precision ('single', 'single-bf16')
+    base = {tag: next((r["samples_per_s"] for _, r in rows if r.get("name") == "single" + tag and "samples_per_s" in r), None)
+            for tag in ("", "-bf16")}
     lines = [f"{'configuration':<48} {'samples/s':>10} {'x one GPU':>10}  {'allocated GiB':>14}  {'reserved GiB':>14}",
              "-" * 104]
     for path, r in rows:
         if "samples_per_s" not in r:
             lines.append(f"{r.get('name', '?'):<48} {r.get('error', 'no result')}")
             continue
-        ratio = f"{r['samples_per_s'] / base:.3f}" if base else "-"
+        one = base["-bf16" if r["name"].endswith("-bf16") else ""]
+        ratio = f"{r['samples_per_s'] / one:.3f}" if one else "-"
         allocated = r.get("peak_allocated_gib") or r.get("peak_gib")
         reserved = r.get("reserved_gib") or (r.get("peak_gib") if "peak_allocated_gib" in r else None)
         lines.append(f"{r['name']:<48} {r['samples_per_s']:>10.1f} {ratio:>10}  {cells(allocated):>14}  {cells(reserved):>14}")
-    if base is None:
+    if not any(base.values()):
         lines.append("(no 'single' row: ratios need the one-GPU baseline of the same session)")
     return "\n".join(lines)
 

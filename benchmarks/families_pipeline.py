@@ -128,6 +128,8 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=1)
     p.add_argument("--tiny", action="store_true", help="the zoo's small configurations (smoke test)")
     p.add_argument("--budget", type=float, default=0, help="seconds: start no family after this many (0: no limit)")
+    p.add_argument("--batch", action="append", default=[], metavar="FAMILY=N",
+                   help="another batch for a family (repeatable), e.g. --batch DenseNet=256")
     p.add_argument("--out", help="JSON lines, one per family")
     args = p.parse_args()
     devices = args.devices.split(",")
@@ -135,6 +137,12 @@ def main() -> None:
     unknown = [f for f in chosen if f not in FAMILIES]
     if unknown:
         p.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    batches: dict[str, int] = {}
+    for item in args.batch:
+        family, eq, n = item.rpartition("=")
+        if not eq or family not in FAMILIES or not n.isdigit():
+            p.error(f"--batch {item!r}: write FAMILY=N with a known family, e.g. DenseNet=256")
+        batches[family] = int(n)
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"# families_pipeline {when}, {len(devices)} devices ({', '.join(devices)}; {gpu}), torch {torch.__version__}",
@@ -146,6 +154,7 @@ def main() -> None:
             print(f"{family}: not started (budget of {args.budget:.0f} s spent)", flush=True)
             continue
         name, batch, side, kwargs = FAMILIES[family]
+        batch = batches.get(family, batch)
         if args.tiny:
             kwargs, batch, side = _tiny(name, kwargs)
         t0 = time.perf_counter()

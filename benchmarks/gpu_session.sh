@@ -58,8 +58,10 @@ case "${1:-tests}" in
       | tee "$OUT/gpu-check.log" | tail -30
     ;;
   families)  # issue 14: every zoo family with the automatic configuration; $2: seconds, then family names
-    budget=${2:-400}; shift 2
+    # and FAMILY=N batch overrides
+    budget=${2:-400}; shift 2; names=(); sizes=()
+    for a in "$@"; do case "$a" in *=*) sizes+=(--batch "$a");; *) names+=("$a");; esac; done
     timeout $((budget + 170)) python3 benchmarks/families_pipeline.py --budget "$budget" --out "$OUT/families.jsonl" \
-      ${1:+--families "$@"} 2>&1 | grep -v "^seqify \(profile\|tune\)" | tee "$OUT/families.log" | tail -40
+      "${sizes[@]}" ${names[0]:+--families "${names[@]}"} 2>&1 | grep -v "^seqify \(profile\|tune\)" | tee "$OUT/families.log" | tail -40
     ;;
 esac

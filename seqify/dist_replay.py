@@ -57,20 +57,21 @@ class RankPrograms:
         self.sizes: list[int] = []
         self.stop = 0
         self.split = False
+        self.autocast: torch.dtype | None = None  # the autocast dtype the programs were built under (None: off)
         self.programs: list[Program | None] = []
         self.captured = False
         self.place: list[int] = []  # micro-batch -> its buffer set (see begin)
         self.ins, self.outs = Buffers(device), Buffers(device)
 
     def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
-              order: Sequence[tuple[str, int]] | None = None) -> None:
+              order: Sequence[tuple[str, int]] | None = None, autocast: torch.dtype | None = None) -> None:
         """Start a step of these micro-batch sizes, checkpointing micro-batches below ``stop``, with B and W
-        apart when ``split``: new shapes (or a new ``stop`` or ``split``) build new programs. ``order``
-        (this partition's ('F' | 'B' | 'W', micro-batch) actions as the schedule issues them) sizes the
-        input and output-gradient buffers to what it keeps in flight (:mod:`~seqify.pipeline.buffers`);
-        without it every micro-batch has its own."""
-        if sizes != self.sizes or stop != self.stop or split != self.split:
-            self.sizes, self.stop, self.split, self.captured = list(sizes), stop, split, False
+        apart when ``split``, under ``autocast`` (its dtype; None: off): new shapes (or a new ``stop``,
+        ``split`` or autocast) build new programs. ``order`` (this partition's ('F' | 'B' | 'W',
+        micro-batch) actions as the schedule issues them) sizes the input and output-gradient buffers to
+        what it keeps in flight (:mod:`~seqify.pipeline.buffers`); without it every micro-batch has its own."""
+        if sizes != self.sizes or stop != self.stop or split != self.split or autocast != self.autocast:
+            self.sizes, self.stop, self.split, self.autocast, self.captured = list(sizes), stop, split, autocast, False
             self.programs = [None] * len(sizes)
             self.place = places(order) if order is not None else list(range(len(sizes)))
             self.ins, self.outs = Buffers(self.device), Buffers(self.device)
@@ -295,18 +296,25 @@ def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets:
     """One training step of ``stage``'s partitions as fixed programs, in its schedule's order, checkpointing
     micro-batches below ``stop``; the micro-batch losses on the rank holding the last partition."""
     plan = stage.plan(len(sizes))
+    kind = stage.device.type
+    on = torch.is_autocast_enabled(kind)
+    dtype = torch.get_autocast_dtype(kind)
     for p, prog in stage._programs.items():
-        prog.begin(sizes, stop, plan.split, _partition_order(plan, p))
+        prog.begin(sizes, stop, plan.split, _partition_order(plan, p), autocast=dtype if on else None)
     run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop, plan.split)
     actions = plan.per_device()[stage.index]
-    try:
-        run.run(actions)
-        for prog in stage._programs.values():
-            prog.finish(True)
-    finally:
-        run.fixed.clear()
-        run.local.clear()
-    ready = {p: prog for p, prog in stage._programs.items() if prog.ready()}
-    if ready:  # after the step's values are let go (the eager step's graphs with them)
-        capture(ready, [(a.kind, a.partition, a.microbatch) for a in actions])
+    # The caller's autocast without its cache of weight casts: a cast cached in the eager step would be
+    # read by the captured graphs after the cache is cleared (and a capture may not reuse it either); the
+    # in-process executor builds its programs the same way (pipeline.replayed)
+    with torch.autocast(kind, dtype=dtype, enabled=on, cache_enabled=False):
+        try:
+            run.run(actions)
+            for prog in stage._programs.values():
+                prog.finish(True)
+        finally:
+            run.fixed.clear()
+            run.local.clear()
+        ready = {p: prog for p, prog in stage._programs.items() if prog.ready()}
+        if ready:  # after the step's values are let go (the eager step's graphs with them)
+            capture(ready, [(a.kind, a.partition, a.microbatch) for a in actions])
     return run.losses

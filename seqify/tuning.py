@@ -37,6 +37,7 @@ from .partition.balancer import split
 from .partition.cost import LayerCosts, default_transfer_cost, flop_costs, param_costs, time_costs
 from .partition.graph import dataflow, live_bytes
 from .partition.walk import layers as walk_layers
+from .pipeline import tied
 from .pipeline.config import PipeConfig, Trial
 from .pipeline.pipe import CHECKPOINT, Pipeline, pipeline, resolve_devices
 from .pipeline.schedule import SCHEDULES, round_robin, v_shape
@@ -372,7 +373,9 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
         valid = _schedules(loops, sample)
         sched_set = ([fixed["schedule"]] if fixed["schedule"] in valid else []) if fixed.get("schedule") else list(valid)
         for bal, strategy in seen.items():
-            for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graph_set, sched_set):
+            # a weight tied across partitions (GPT-2's embedding and head) is copied per call: no captured graphs
+            graphs_here = [g for g in graph_set if not (g and tied.across(model, bal))]
+            for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graphs_here, sched_set):
                 if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
                     continue  # one micro-batch, the last: the same run as checkpoint='never'
                 if m == 1 and sched != "gpipe" and not fixed.get("schedule"):
@@ -468,6 +471,11 @@ def tune(
                 raise TuneError(f"no candidate configuration with the fixed options {given}: schedule={schedule!r} "
                                 "applies to loops=1 ('1f1b'), loops > 1 ('interleaved') or loops 1 and 2 ('zb-h1'), "
                                 "with positional inputs; fix loops to match, or let the tuner choose (schedule=None)")
+            ties = tied.across(model, [1] * len(model)) if fixed.get("graphs") else []
+            if ties:
+                raise TuneError(f"graphs=True: parameter {ties[0].name} is used by layers that land in different "
+                                "partitions under every balance tried, and captured graphs cannot replay a weight "
+                                "copied per call; let the tuner choose (graphs=None) or use graphs=False")
             raise TuneError(f"no candidate configuration: {len(model)} layers cannot make {len(placed)} partitions "
                             f"with the fixed options {given}")
         trials = []

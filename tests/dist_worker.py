@@ -131,6 +131,7 @@ def main() -> None:
     p.add_argument("--ckpt", default="")
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--graphs", action="store_true", help="fixed programs per micro-batch (CUDA graphs on GPUs)")
+    p.add_argument("--bf16", action="store_true", help="train() steps under bf16 autocast")
     args = p.parse_args()
     if args.backend == "nccl":
         torch.backends.cudnn.allow_tf32 = False
@@ -188,8 +189,9 @@ def train(args: argparse.Namespace, model: nn.Module, stage: sd.DistributedStage
     for step in range(first, args.steps):
         x, y = data(args.model, args.batch, step)
         opt.zero_grad()
-        loss = stage.step(x[shard] if stage.is_first else None, y[shard] if stage.is_last else None,
-                          loss_fn=slow_loss)
+        with torch.autocast(stage.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss = stage.step(x[shard] if stage.is_first else None, y[shard] if stage.is_last else None,
+                              loss_fn=slow_loss)
         opt.step()
         if loss is not None:
             losses[step] = float(loss)

@@ -162,3 +162,24 @@ def test_tied_weights_across_two_gpus(checkpoint: str) -> None:
     sum(loss_of(one(i), i) for i in idx.tensor_split(2)).backward()
     for (name, p), q in zip(source.named_parameters(), one.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_the_tuner_proposes_captured_graphs_only_where_a_tied_weight_stays_in_one_partition() -> None:
+    """Captured graphs cannot replay a weight copied per call: on GPUs the tuner's graphs=True candidates
+    are the balances that keep the embedding and the head in one partition (eager candidates still split
+    them), and graphs=True fixed by the user where every balance splits them is refused with what to do."""
+    from seqify import tuning
+    from seqify.errors import TuneError
+    from seqify.pipeline.tied import across
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, 11, (8, 6))
+    seq = seqify.convert(TinyGPT(), (idx,))
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]  # only their type and count are read here
+    fixed = dict(chunks=None, loops=None, balance=None, checkpoint=None, graphs=None, schedule=None, memory_cap=None, top=1)
+    _, hi = tuning.layer_model(seq, idx, torch.device("cpu"), lo=2, show=False)
+    found = [c for c, _, _ in tuning._candidates(seq, idx, hi, gpus, fixed, float("inf"))]
+    assert any(c.graphs for c in found) and any(across(seq, c.balance) for c in found if not c.graphs)
+    assert not any(across(seq, c.balance) for c in found if c.graphs)
+    with pytest.raises(TuneError, match="graphs=True: parameter wte.weight"):
+        seqify.tune(seq, idx, devices=["cpu", "cpu"], graphs=True, balance=[6, 7], cache=False, show=False)

@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import TiedParameterError
 from .inplace import written_tensors
 
-__all__ = ["Tie", "find", "check", "unplugged", "wrap"]
+__all__ = ["Tie", "find", "across", "check", "unplugged", "wrap"]
 
 Slot = tuple[nn.Module, str]  # (module holding the parameter, its name there)
 
@@ -137,15 +137,20 @@ def wrap(stages: Sequence[Any], ties: Sequence[Tie]) -> None:
                 stage.modules[i] = _WithCopies(stage.modules[i], per_layer[name], stage.device)
 
 
-def refuse_across_processes(model: nn.Sequential, balance: Sequence[int]) -> None:
-    """One process per stage (``seqify.distributed``) keeps no copy in step with another process's
-    parameter: a weight that layers of two stages use is refused there."""
+def across(model: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
+    """The parameters that layers of more than one partition of ``model`` cut by ``balance`` use."""
     layers = list(model._modules.items())
     parts, start = [], 0
     for count in balance:
         parts.append(nn.Sequential(OrderedDict(layers[start:start + count])))
         start += count
-    ties = find(parts)
+    return find(parts)
+
+
+def refuse_across_processes(model: nn.Sequential, balance: Sequence[int]) -> None:
+    """One process per stage (``seqify.distributed``) keeps no copy in step with another process's
+    parameter: a weight that layers of two stages use is refused there."""
+    ties = across(model, balance)
     if ties:
         tie = ties[0]
         j, names = next(iter(tie.slots.items()))

@@ -117,7 +117,9 @@ class Link:
         if len(tensors) > _MAX_TENSORS or any(t.dim() > _MAX_DIMS for t in tensors):
             raise BoundaryError(f"at most {_MAX_TENSORS} tensors of at most {_MAX_DIMS} dims cross ranks at once "
                                 f"({_describe(key)} has {len(tensors)}): move the cut")
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        # pinned on GPUs: copying a pageable header to the device would first wait for every kernel this rank
+        # has queued (a stream sync per message), where a pinned one is copied in stream order
+        header = torch.zeros(_HEADER, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         header[:_KEY] = torch.tensor(key, dtype=torch.int64)
         header[_KEY], header[_KEY + 1] = kind, len(words) if kind in KINDS else len(tensors)
         if words:
@@ -127,7 +129,7 @@ class Link:
             header[base] = _DTYPES.index(t.dtype)
             header[base + 1] = t.dim()
             header[base + 2:base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        sent = [header.to(self.device)] + [t.detach().contiguous() for t in tensors]
+        sent = [header.to(self.device, non_blocking=True)] + [t.detach().contiguous() for t in tensors]
         with peer(self.me, dst, f"sending {_describe(key)}"):
             for t in sent:
                 self.pending.append((dist.isend(t, dst, group=self._group(dst > self.rank)), t, dst))
@@ -142,11 +144,31 @@ class Link:
             dist.irecv(t, src, group=self._group(src < self.rank)).wait()
 
     def _next(self, src: int, wanted: Key) -> tuple[Key, Any]:
-        """The next message from ``src``, whichever it is."""
+        """The next message from ``src``, whichever it is.
+
+        On a GPU the message is received on a stream of its own (:func:`_incoming`): the host waits for the
+        header to arrive, not for the kernels this rank has queued before it (``header.cpu()`` on the compute
+        stream would wait for all of them, and the GPU would idle while the host then queued the next work),
+        and the payload lands while those kernels run; the compute stream waits for it before its next kernel."""
         what = f"receiving {_describe(wanted)}"
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self._recv(header, src, what)
-        header = header.cpu()
+        side = _incoming(self.device) if self.device.type == "cuda" else None
+        if side is None:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            self._recv(header, src, what)
+            return self._unpack(header, src, what, None)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(side):
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            self._recv(header, src, what)  # queued on NCCL's stream after `side` (idle), and `side` waits for it
+            host = torch.empty(_HEADER, dtype=torch.int64, pin_memory=True)
+            host.copy_(header, non_blocking=True)
+            with peer(self.me, src, what):
+                side.synchronize()
+            return self._unpack(host, src, what, (side, compute))
+
+    def _unpack(self, header: torch.Tensor, src: int, what: str, streams: Any) -> tuple[Key, Any]:
+        """The message a (host) header announces, its tensors received after it; with ``streams`` (the
+        receiving stream, current now, and the compute stream) handed to the compute stream once they land."""
         key = (int(header[0]), int(header[1]), int(header[2]))
         kind, n = int(header[_KEY]), int(header[_KEY + 1])
         if kind in KINDS:
@@ -159,6 +181,11 @@ class Link:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             self._recv(t, src, what)
             tensors.append(t)
+        if streams is not None and tensors:  # the compute stream reads them after they land, and keeps them alive
+            side, compute = streams
+            compute.wait_stream(side)
+            for t in tensors:
+                t.record_stream(compute)
         if kind == 2:
             return key, None
         return key, (tensors[0] if kind == 0 else tuple(tensors))
@@ -184,6 +211,17 @@ class Link:
             raise PeerError(f"{self.me} ends the step with {len(self.inbox)} unread message(s) ({_describe(key)} "
                             f"from rank {src}): the ranks run different schedules; build every rank's stage with "
                             "the same schedule and chunks")
+
+
+_INCOMING: dict[torch.device, Any] = {}
+
+
+def _incoming(device: torch.device) -> Any:
+    """The stream this process receives messages on, on ``device`` (one per device, made on first use)."""
+    device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
+    if device not in _INCOMING:
+        _INCOMING[device] = torch.cuda.Stream(device)
+    return _INCOMING[device]
 
 
 _DIRECTIONS: list[Any] = []  # [the default group they were made in, to higher ranks, to lower ranks]

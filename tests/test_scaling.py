@@ -112,3 +112,28 @@ def test_scaling_benchmark_smoke(tmp_path) -> None:
             assert all(r["samples_per_s"] > 0 and len(r["peak_allocated"]) == r["gpus"] for r in mine.values())
             assert mine[2]["config"]["chunks"] >= 1
     assert "speed-up" in run.stdout and "peak" in run.stdout
+
+
+def test_families_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/families_pipeline.py (every zoo family with the automatic configuration) in its CPU smoke
+    mode: one JSON line per family with the tuner's choice, predicted and measured times and the ratio to one
+    device; an unknown family is a usage error, not a silent empty run."""
+    import os
+
+    out = tmp_path / "families.jsonl"
+    script = str(ROOT / "benchmarks" / "families_pipeline.py")
+    env = {**os.environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, script, "--tiny", "--devices", "cpu,cpu", "--families", "U-Net", "GPT-2",
+                          "--steps", "1", "--warm", "0", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["family"] for r in rows] == ["U-Net", "GPT-2"]
+    for r in rows:
+        assert "error_text" not in r, r.get("error_text")
+        assert r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["speedup"] > 0 and r["devices"] == ["cpu", "cpu"]
+        assert r["rows"][0]["name"].startswith("one device") and any(row["chosen"] for row in r["rows"])
+    assert "| U-Net | unet |" in run.stdout
+    bad = subprocess.run([sys.executable, script, "--tiny", "--families", "Nope"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and "unknown families" in bad.stderr

@@ -303,9 +303,9 @@ def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets:
         prog.begin(sizes, stop, plan.split, _partition_order(plan, p), autocast=dtype if on else None)
     run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop, plan.split)
     actions = plan.per_device()[stage.index]
-    # The caller's autocast without its cache of weight casts: a cast cached in the eager step would be
-    # read by the captured graphs after the cache is cleared (and a capture may not reuse it either); the
-    # in-process executor builds its programs the same way (pipeline.replayed)
+    # The caller's autocast without its cache of weight casts, as CUDA graphs need (torch's
+    # make_graphed_callables asks for cache_enabled=False): each program casts its weights itself, inside
+    # its graphs; the in-process executor builds its programs the same way (pipeline.replayed)
     with torch.autocast(kind, dtype=dtype, enabled=on, cache_enabled=False):
         try:
             run.run(actions)

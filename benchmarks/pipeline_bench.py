@@ -330,7 +330,9 @@ def main() -> None:
         common = ["--batch", str(B), "--res", str(args.res), "--steps", str(args.steps), "--warm", str(args.warm),
                   "--out", args.out, "--chunks", *[str(c) for c in args.chunks if c <= 16]]
         for bf16 in precisions:
-            torchrun("torchpp_anchor.py", common + (["--bf16"] if bf16 else []), "torchpp" + ("-bf16" if bf16 else ""))
+            # the old hand cut and one near seqify's time-balanced cut (torchpp_anchor.py --cuts)
+            torchrun("torchpp_anchor.py", common + ["--cuts", "0", "3"] + (["--bf16"] if bf16 else []),
+                     "torchpp" + ("-bf16" if bf16 else ""))
         if False in precisions:  # seqify.distributed, fp32
             torchrun("distributed_bench.py", common, "seqify-distributed")
 

@@ -373,14 +373,15 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
         valid = _schedules(loops, sample)
         sched_set = ([fixed["schedule"]] if fixed["schedule"] in valid else []) if fixed.get("schedule") else list(valid)
         for bal, strategy in seen.items():
-            # a weight tied across partitions (GPT-2's embedding and head) is copied per call: no captured graphs
-            graphs_here = [g for g in graph_set if not (g and tied.across(model, bal))]
-            for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graphs_here, sched_set):
+            ties = tied.across(model, bal)  # weights several partitions use (GPT-2's embedding and head)
+            for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graph_set, sched_set):
                 if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
                     continue  # one micro-batch, the last: the same run as checkpoint='never'
                 if m == 1 and sched != "gpipe" and not fixed.get("schedule"):
                     continue  # one micro-batch has no bubble to fill: every schedule is GPipe's order
                 names, slots = _layout(sched, devices, loops)
+                if graphs and tied.crossing(ties, names):
+                    continue  # captured graphs cannot replay a weight copied to another device per call
                 out.append((Candidate(bal, names, m, ckpt, graphs, sched, slots), strategy, loops))
     return out
 
@@ -473,9 +474,11 @@ def tune(
                                 "with positional inputs; fix loops to match, or let the tuner choose (schedule=None)")
             ties = tied.across(model, [1] * len(model)) if fixed.get("graphs") else []
             if ties:
-                raise TuneError(f"graphs=True: parameter {ties[0].name} is used by layers that land in different "
-                                "partitions under every balance tried, and captured graphs cannot replay a weight "
-                                "copied per call; let the tuner choose (graphs=None) or use graphs=False")
+                raise TuneError(f"graphs=True: parameter {ties[0].name} is used by layers that land on different "
+                                "devices under every balance and layout tried, and captured graphs cannot replay a "
+                                "weight copied to another device per call; let the tuner choose (graphs=None), use "
+                                "graphs=False, or allow schedule='zb-h1' with loops=2 (its V puts the first and last "
+                                "partitions on one device)")
             raise TuneError(f"no candidate configuration: {len(model)} layers cannot make {len(placed)} partitions "
                             f"with the fixed options {given}")
         trials = []

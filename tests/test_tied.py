@@ -164,13 +164,14 @@ def test_tied_weights_across_two_gpus(checkpoint: str) -> None:
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_the_tuner_proposes_captured_graphs_only_where_a_tied_weight_stays_in_one_partition() -> None:
-    """Captured graphs cannot replay a weight copied per call: on GPUs the tuner's graphs=True candidates
-    are the balances that keep the embedding and the head in one partition (eager candidates still split
-    them), and graphs=True fixed by the user where every balance splits them is refused with what to do."""
+def test_the_tuner_proposes_captured_graphs_only_where_a_tied_weight_stays_on_one_device(monkeypatch) -> None:
+    """Captured graphs cannot replay a weight copied to another device per call: on GPUs the tuner's
+    graphs=True candidates keep the embedding and the head on one device (in one partition, or the first
+    and last partitions of zb-h1's V, both on cuda:0), eager candidates still put them apart, and
+    graphs=True fixed by the user where no candidate is left is refused with what to do."""
     from seqify import tuning
     from seqify.errors import TuneError
-    from seqify.pipeline.tied import across
+    from seqify.pipeline.tied import across, crossing
 
     torch.manual_seed(0)
     idx = torch.randint(0, 11, (8, 6))
@@ -179,7 +180,52 @@ def test_the_tuner_proposes_captured_graphs_only_where_a_tied_weight_stays_in_on
     fixed = dict(chunks=None, loops=None, balance=None, checkpoint=None, graphs=None, schedule=None, memory_cap=None, top=1)
     _, hi = tuning.layer_model(seq, idx, torch.device("cpu"), lo=2, show=False)
     found = [c for c, _, _ in tuning._candidates(seq, idx, hi, gpus, fixed, float("inf"))]
-    assert any(c.graphs for c in found) and any(across(seq, c.balance) for c in found if not c.graphs)
-    assert not any(across(seq, c.balance) for c in found if c.graphs)
-    with pytest.raises(TuneError, match="graphs=True: parameter wte.weight"):
-        seqify.tune(seq, idx, devices=["cpu", "cpu"], graphs=True, balance=[6, 7], cache=False, show=False)
+    assert any(crossing(across(seq, c.balance), c.devices) for c in found if not c.graphs)
+    assert not any(crossing(across(seq, c.balance), c.devices) for c in found if c.graphs)
+    apart = [c for c in found if c.graphs and across(seq, c.balance)]  # split, yet on one device: the V among them
+    assert any(c.schedule == "zb-h1" and c.devices[0] == c.devices[-1] == "cuda:0" for c in apart)
+    monkeypatch.setattr(tuning, "_candidates", lambda *a, **k: [])
+    with pytest.raises(TuneError, match="graphs=True: parameter wte.weight .* schedule='zb-h1' with loops=2"):
+        seqify.tune(seq, idx, devices=["cpu", "cpu"], graphs=True, cache=False, show=False)
+
+
+def test_graphs_with_a_tied_weight_are_refused_only_across_devices() -> None:
+    """The check placement runs: partitions sharing a weight on two devices cannot be captured; on one device
+    (a V placement's first and last partitions) they can."""
+    from seqify.pipeline import tied
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, 11, (4, 6))
+    seq = seqify.convert(TinyGPT(), (idx,))
+    n = len(seq)
+    parts = [seq[:3], seq[3:6], seq[6:n - 2], seq[n - 2:]]
+    ties = tied.find(parts)
+    assert len(ties) == 1 and ties[0].owner == 0 and 3 in ties[0].slots
+    tied.check(ties, parts, True, ["cuda:0", "cuda:1", "cuda:1", "cuda:0"])  # the V: wte and lm_head on cuda:0
+    tied.check(ties, parts, False, ["cuda:0", "cuda:1", "cuda:0", "cuda:1"])  # eager: copies
+    with pytest.raises(seqify.TiedParameterError, match="on another device; graphs=True.*zb-h1"):
+        tied.check(ties, parts, True, ["cuda:0", "cuda:1", "cuda:0", "cuda:1"])
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_tied_weight_on_one_device_replays_as_fixed_programs(checkpoint: str) -> None:
+    """zb-h1 in a V over two devices puts the embedding (partition 0) and the head (partition 3) on the first
+    device: the step runs as fixed programs (the graphs path, with eager programs on the CPU), each copying
+    the weight inside its program, and its loss and gradients are one device's (float64)."""
+    torch.manual_seed(0)
+    source = TinyGPT().double()
+    one = copy.deepcopy(source)
+    idx = torch.randint(0, 11, (4, 6))
+    seq = seqify.convert(source, (idx,))
+    n = len(seq)
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], loops=2, schedule="zb-h1", balance=[3, 3, n - 8, 2],
+                           chunks=2, checkpoint=checkpoint)
+    assert len(pipe.ties) == 1 and 3 in pipe.ties[0].slots
+    pipe._replay_eager = True
+    loss = pipe.step(idx, idx, loss_of)
+    assert pipe._graphed is not None, "the step did not run as fixed programs"
+    expected = sum(loss_of(one(i), i) for i in idx.tensor_split(2)) / 2
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(source.named_parameters(), one.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)

@@ -216,7 +216,7 @@ def place(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.
         parts.append(nn.Sequential(OrderedDict(zip(names[start:start + count], layers[start:start + count]))))
         start += count
     ties = tied.find(parts)  # parameters used across partitions: a copy per later partition (tied.py)
-    tied.check(ties, parts, graphs)
+    tied.check(ties, parts, graphs, devices)
     _check_meta(parts)
     part_of = [j for j, count in enumerate(balance) for _ in range(count)]
     with tied.unplugged(ties):

@@ -82,7 +82,8 @@ class Replayer:
             flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
             try:
                 if tied.in_use(self.stages):
-                    raise Unreplayable("weights tied across partitions are copied per call; the step runs eagerly")
+                    raise Unreplayable("weights tied across partitions on different devices are copied per call; "
+                                       "the step runs eagerly")
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
                     replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule, stop=stop)
             except SeqifyError:

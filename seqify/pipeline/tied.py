@@ -13,7 +13,10 @@ and an optimizer step on the source parameters is exact.
     param.grad  <----------- sum <---------- grad of the copy
 
 What cannot be exact is refused (:class:`~seqify.errors.TiedParameterError`): a tied parameter the forward
-changes in place, and ``graphs=True`` (captured graphs read parameters at fixed addresses).
+changes in place, and ``graphs=True`` where the partitions sharing it sit on different devices (a captured
+graph cannot reach the other device's parameter and gradient). Partitions on one device (the first and last
+of a V placement, ``zb-h1`` with ``loops=2``: GPT-2's embedding and head both on cuda:0) replay: each
+program copies the parameter inside its graph and its gradient comes out with the partition's others.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch import nn
 from ..errors import TiedParameterError
 from .inplace import written_tensors
 
-__all__ = ["Tie", "find", "across", "check", "unplugged", "wrap"]
+__all__ = ["Tie", "find", "across", "crossing", "check", "unplugged", "wrap"]
 
 Slot = tuple[nn.Module, str]  # (module holding the parameter, its name there)
 
@@ -64,17 +67,24 @@ def find(parts: Sequence[nn.Sequential]) -> list[Tie]:
     return [t for t in seen.values() if t.slots]
 
 
-def check(ties: Sequence[Tie], parts: Sequence[nn.Sequential], graphs: bool) -> None:
-    """Refuse ties that cannot be kept exact."""
+def crossing(ties: Sequence[Tie], devices: Sequence[Any]) -> list[Tie]:
+    """The ties whose partitions (``devices[j]``: partition j's device) are on more than one device."""
+    return [t for t in ties if len({str(devices[j]) for j in (t.owner, *t.slots)}) > 1]
+
+
+def check(ties: Sequence[Tie], parts: Sequence[nn.Sequential], graphs: bool, devices: Sequence[Any]) -> None:
+    """Refuse ties that cannot be kept exact (``devices``: each partition's)."""
     written = {id(t) for part in parts for layer in part for t in written_tensors(layer)} if ties else set()
+    apart = {id(t) for t in crossing(ties, devices)}
     for tie in ties:
         j, layers = next(iter(tie.slots.items()))
         where = f"parameter {tie.name} (partition {tie.owner}) is also used by layer {next(iter(layers))!r} (partition {j})"
-        if graphs:
+        if graphs and id(tie) in apart:
             raise TiedParameterError(
-                f"{where}; graphs=True replays captured graphs that read parameters at fixed addresses, which a "
-                "copy per partition does not have. Use graphs=False, or change the balance so both layers land in "
-                "one partition."
+                f"{where}, on another device; graphs=True replays captured graphs, which cannot reach a parameter "
+                "and its gradient on another device. Use graphs=False, change the balance so both layers land in "
+                "one partition, or place both partitions on one device (schedule='zb-h1' with loops=2 puts the "
+                "first and last partitions on the first device)."
             )
         if id(tie.param) in written:
             raise TiedParameterError(
@@ -163,5 +173,7 @@ def refuse_across_processes(model: nn.Sequential, balance: Sequence[int]) -> Non
 
 
 def in_use(stages: Sequence[Any]) -> bool:
-    """Whether some stage calls a layer through tied copies (executors of fixed programs then run eagerly)."""
-    return any(isinstance(m, _WithCopies) for stage in stages for m in stage.modules)
+    """Whether some stage calls a layer through copies of a parameter that lives on another device
+    (executors of fixed programs then run eagerly; a copy on the parameter's own device replays)."""
+    return any(isinstance(m, _WithCopies) and any(p.device != m.device for _, p in m.slots)
+               for stage in stages for m in stage.modules)

@@ -129,7 +129,7 @@ class DistributedStage(nn.Module):
             raise ScheduleError(f"placement {placement} leaves a rank without partitions; number ranks 0..n-1")
         if not 0 <= index < ranks:
             raise DeviceError(f"index={index}: this pipeline has ranks 0..{ranks - 1}")
-        tied.refuse_across_processes(model, balance)
+        tied.refuse_across_processes(model, balance, placement)
         starts = [sum(balance[:j]) for j in range(len(balance))]
         part_of = [j for j, count in enumerate(balance) for _ in range(count)]
         layers = list(model._modules.values())
@@ -138,7 +138,10 @@ class DistributedStage(nn.Module):
         parts = {p: nn.Sequential(OrderedDict(zip(names[starts[p]:starts[p] + balance[p]],
                                                   layers[starts[p]:starts[p] + balance[p]])))
                  for p in self.owned}
-        _place(list(parts.values()), [device] * len(parts))  # like .to(device), keeping tensors layers share
+        # like .to(device), keeping tensors layers share; a weight this rank's partitions share (a V's first
+        # and last: GPT-2's embedding and head) stays one parameter, used by both as the source uses it
+        with tied.unplugged(tied.find(list(parts.values()))):
+            _place(list(parts.values()), [device] * len(parts))
         # every layer of this rank, in model order: parameters(), state_dict() and checkpoints read it
         mine = sorted((starts[p] + k, names[starts[p] + k]) for p in self.owned for k in range(balance[p]))
         self.partition = nn.Sequential(OrderedDict((n, layers[k]) for k, n in mine))

@@ -70,6 +70,12 @@ def build(name: str) -> torch.nn.Module:
         cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, use_cache=False)
         return transformers.LlamaForCausalLM(cfg).double()
+    if name == "gpt2":  # its LM head is tied to the token embedding; no dropout, so ranks and one process agree
+        import transformers
+
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        return transformers.GPT2LMHeadModel(cfg).double()
     return seqify.zoo.unet(depth=3, blocks=1, channels=4, out_channels=2)
 
 
@@ -81,7 +87,7 @@ def data(name: str, batch: int, step: int = 0) -> tuple[torch.Tensor, torch.Tens
         return torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g)
     if name == "resnet18":
         return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    if name == "llama":
+    if name in ("llama", "gpt2"):
         return torch.randint(0, 64, (batch, 8), generator=g), torch.randint(0, 64, (batch, 8), generator=g)
     return torch.randn(batch, 3, 16, 16, generator=g), torch.randn(batch, 2, 16, 16, generator=g)
 
@@ -96,7 +102,7 @@ def one_rank_zb(partitions: int, chunks: int) -> Schedule:
 
 def converted(name: str, model: nn.Module) -> nn.Module:
     """``model`` as seqify layers: the export frontend for the transformers model, fx for the others."""
-    if name == "llama":
+    if name in ("llama", "gpt2"):
         return seqify.convert(model, example_inputs={"input_ids": data(name, 4)[0]}, frontend="export")
     return seqify.convert(model)
 
@@ -107,7 +113,7 @@ def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
 
 
 def loss_fn(name: str):  # type: ignore[no-untyped-def]
-    if name == "llama":
+    if name in ("llama", "gpt2"):
         return lm_loss
     return F.mse_loss if name == "unet" else F.cross_entropy
 

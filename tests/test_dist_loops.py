@@ -33,20 +33,20 @@ def run(tmp: Path, world: int, balance: list[int], schedule: Any, loops: int, ch
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def reference(chunks: int = 4, batch: int = 8, replicas: int = 1) -> dict[str, Any]:
+def reference(chunks: int = 4, batch: int = 8, replicas: int = 1, name: str = "skippy") -> dict[str, Any]:
     """Two SGD steps in one process: each step's loss per replica shard (micro-batch losses weighted by
     size) and gradients (averaged over the shards), the parameters and momentum after the first step, the
     output of replica 0's shard after the second."""
-    model = worker.build("skippy").train()
+    model = worker.build(name).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     out: dict[str, Any] = {"losses": [], "grads": []}
     for step in range(2):
-        x, y = worker.data("skippy", batch, step)
+        x, y = worker.data(name, batch, step)
         opt.zero_grad()
         losses = []
         for r in range(replicas):
             xs, ys = (t[r * batch // replicas:(r + 1) * batch // replicas] for t in (x, y))
-            loss = sum(worker.loss_fn("skippy")(model(a), b) * (len(a) / len(xs))
+            loss = sum(worker.loss_fn(name)(model(a), b) * (len(a) / len(xs))
                        for a, b in zip(xs.tensor_split(chunks), ys.tensor_split(chunks)))
             (loss / replicas).backward()
             losses.append(float(loss.detach()))
@@ -57,7 +57,7 @@ def reference(chunks: int = 4, batch: int = 8, replicas: int = 1) -> dict[str, A
             out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
             out["momentum"] = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
     with torch.no_grad():
-        out["output"] = model(worker.data("skippy", batch, 0)[0][:batch // replicas])
+        out["output"] = model(worker.data(name, batch, 0)[0][:batch // replicas])
     return out
 
 
@@ -202,3 +202,21 @@ def test_fixed_programs_with_two_partitions_per_rank_equal_one_process(tmp_path:
         assert r["programs"] == {p: [i < stop for i in range(4)] for p in r["owned"]}
         assert r["split"] == {p: [schedule == "zb-h1"] * 4 for p in r["owned"]}
     check(results, reference())
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_weight_tied_within_one_rank_trains_like_one_process(tmp_path: Path, graphs: bool) -> None:
+    """GPT-2's LM head is tied to its token embedding. zb-h1 in a V over 2 ranks x 2 partitions puts the first
+    partition (the embedding) and the last (the head) on rank 0, which holds the weight once for both, as the
+    source does: two SGD steps' losses, gradients and output equal one process's (float64), eagerly and as
+    fixed programs (graphs=True; eager programs on the CPU, each partition's share of the gradient summed)."""
+    pytest.importorskip("transformers")
+    n = len(worker.converted("gpt2", worker.build("gpt2")))
+    q = n // 4
+    balance = [q, q, q, n - 3 * q]
+    mp.spawn(worker.spawned, args=(2, free_port(), str(tmp_path), "gpt2", balance, "zb-h1", 2, 4, 8, "never", "", -1,
+                                   graphs), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert "transformer.wte.weight" in results[0]["grads"][0]  # the tied weight and its gradient: rank 0's
+    assert all(bool(r["programs"]) is graphs for r in results)  # graphs: each rank ran fixed programs
+    check(results, reference(name="gpt2"))

@@ -124,7 +124,7 @@ def test_tied_weights_across_processes_are_refused() -> None:
     a, b = nn.Linear(3, 3), nn.Linear(3, 3)
     b.weight = a.weight
     model = nn.Sequential(a, nn.Tanh(), b)
-    with pytest.raises(seqify.TiedParameterError, match=r"layer '2' \(stage 1\).*seqify.pipeline"):
+    with pytest.raises(seqify.TiedParameterError, match=r"layer '2' \(partition 1, rank 1\).*seqify.pipeline"):
         DistributedStage(model, [2, 1], index=1, device=torch.device("cpu"))
     DistributedStage(model, [3], index=0, device=torch.device("cpu"))  # one stage holds both: fine
 

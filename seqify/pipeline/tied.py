@@ -157,18 +157,21 @@ def across(model: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
     return find(parts)
 
 
-def refuse_across_processes(model: nn.Sequential, balance: Sequence[int]) -> None:
-    """One process per stage (``seqify.distributed``) keeps no copy in step with another process's
-    parameter: a weight that layers of two stages use is refused there."""
-    ties = across(model, balance)
+def refuse_across_processes(model: nn.Sequential, balance: Sequence[int], placement: Sequence[int] | None = None) -> None:
+    """One process per pipeline rank (``seqify.distributed``) keeps no copy in step with another process's
+    parameter: a weight that layers of partitions on two ranks use is refused there (``placement``: each
+    partition's rank, default one partition per rank). Partitions of one rank share it as one module would."""
+    ranks = list(placement) if placement is not None else list(range(len(balance)))
+    ties = [t for t in across(model, balance) if len({ranks[j] for j in (t.owner, *t.slots)}) > 1]
     if ties:
         tie = ties[0]
         j, names = next(iter(tie.slots.items()))
         raise TiedParameterError(
-            f"parameter {tie.name} (stage {tie.owner}) is also used by layer {next(iter(names))!r} (stage {j}); "
-            "seqify.distributed runs each stage in its own process, where the two would train apart. Change the "
-            "balance so both layers land in one stage, or pipeline in one process over several GPUs "
-            "(seqify.pipeline(model, gpus=N)), which ties them."
+            f"parameter {tie.name} (partition {tie.owner}, rank {ranks[tie.owner]}) is also used by layer "
+            f"{next(iter(names))!r} (partition {j}, rank {ranks[j]}); seqify.distributed runs each rank in its own "
+            "process, where the two would train apart. Change the balance so both layers land on one rank "
+            "(schedule='zb-h1' with loops=2 puts the first and last partitions on rank 0), or pipeline in one "
+            "process over several GPUs (seqify.pipeline(model, gpus=N)), which ties them."
         )
 
 

@@ -281,7 +281,7 @@ def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: lis
             record["output"] = stage(x[shard]) if stage.is_first else stage()
         if ckpt:
             fresh = build(name).train()
-            again = sd.stage(seqify.convert(fresh), balance=balance, chunks=chunks, schedule=schedule, loops=loops)
+            again = sd.stage(converted(name, fresh), balance=balance, chunks=chunks, schedule=schedule, loops=loops)
             fopt = torch.optim.SGD(again.parameters(), lr=0.1, momentum=0.9)
             record["extra"] = sd.load(again, ckpt, fopt)
             fnames = {id(p): n for n, p in fresh.named_parameters()}

@@ -214,9 +214,20 @@ def test_a_weight_tied_within_one_rank_trains_like_one_process(tmp_path: Path, g
     n = len(worker.converted("gpt2", worker.build("gpt2")))
     q = n // 4
     balance = [q, q, q, n - 3 * q]
-    mp.spawn(worker.spawned, args=(2, free_port(), str(tmp_path), "gpt2", balance, "zb-h1", 2, 4, 8, "never", "", -1,
-                                   graphs), nprocs=2, join=True)
+    ckpt = tmp_path / "ckpt"
+    mp.spawn(worker.spawned, args=(2, free_port(), str(tmp_path), "gpt2", balance, "zb-h1", 2, 4, 8, "never",
+                                   str(ckpt), -1, graphs), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert "transformer.wte.weight" in results[0]["grads"][0]  # the tied weight and its gradient: rank 0's
     assert all(bool(r["programs"]) is graphs for r in results)  # graphs: each rank ran fixed programs
-    check(results, reference(name="gpt2"))
+    ref = reference(name="gpt2")
+    check(results, ref)
+    # the checkpoint after the first step: the ranks' files load into the source (strict), still tied
+    fresh = worker.build("gpt2")
+    fresh.load_state_dict(__import__("seqify").distributed.merge(ckpt))
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    for n, p in fresh.named_parameters():
+        torch.testing.assert_close(p, ref["params"][n], rtol=1e-12, atol=1e-14, msg=n)
+    for r in results:
+        for n, p in r["loaded"].items():
+            torch.testing.assert_close(p, ref["params"][n], rtol=1e-12, atol=1e-14, msg=n)

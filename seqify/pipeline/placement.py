@@ -168,10 +168,11 @@ def _place(parts: list[nn.Sequential], devices: Sequence[torch.device]) -> None:
         if changes:
             a = entries[0]
             b = next(e for e in entries if e[0] != a[0])
+            what = "parameter" if a[3] == "_parameters" else "buffer"
             raise SharedParameterError(
-                f"buffer {a[4]!r} is used by layer {a[1]!r} (partition {a[0]}, {devices[a[0]]}) and layer {b[1]!r} "
+                f"{what} {a[4]!r} is used by layer {a[1]!r} (partition {a[0]}, {devices[a[0]]}) and layer {b[1]!r} "
                 f"(partition {b[0]}, {devices[b[0]]}) and may change as the model runs; partitions run each "
-                "micro-batch at different times (and may sit on different devices), so such a buffer must stay in "
+                f"micro-batch at different times (and may sit on different devices), so such a {what} must stay in "
                 "one partition. Change the balance so both layers land in one partition."
             )
     for part, device in zip(parts, devices):

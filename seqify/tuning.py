@@ -267,17 +267,19 @@ def _copy_seconds(t: torch.Tensor, pair: tuple[torch.device, torch.device]) -> f
     return statistics.median(times[1:])
 
 
-def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int, show: bool = True,
-                repeats: int = 2) -> tuple[LayerModel, LayerCosts]:
-    """Profile every layer at the sample's batch and at ``lo`` samples; the line through both per layer,
-    and the full batch's costs (for balancing by time and memory)."""
+def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int, sizes: Sequence[int] = (),
+                show: bool = True, repeats: int = 2) -> tuple[LayerModel, LayerCosts]:
+    """Profile every layer at the sample's batch, at ``lo`` samples and at each of ``sizes`` (the
+    micro-batches the candidates run); per layer, those times with straight lines between them
+    (:class:`~seqify.predict.LayerModel`), and the full batch's costs (for balancing by time and memory)."""
     batch = _batch(sample)
     hi = time_costs(model, sample, device, repeats=repeats, progress=show)
-    low = time_costs(model, _head(sample, lo), device, repeats=repeats, progress=show) if lo < batch else hi
+    points = [(batch, hi.cost)]
+    for size in sorted({min(lo, batch), *(s for s in sizes if 1 <= s < batch)} - {batch}):
+        points.append((size, time_costs(model, _head(sample, size), device, repeats=repeats, progress=show).cost))
     lays = walk_layers(model)
     live = live_bytes(dataflow(len(lays), lays.routes, hi.output_bytes, hi.skip_bytes))
-    fitted = LayerModel.fit((min(lo, batch), low.cost), (batch, hi.cost), hi.activation_bytes, hi.state_bytes,
-                            live[: len(lays)], batch)
+    fitted = LayerModel.through(points, hi.activation_bytes, hi.state_bytes, live[: len(lays)], batch)
     return fitted, hi
 
 
@@ -374,13 +376,15 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
         sched_set = ([fixed["schedule"]] if fixed["schedule"] in valid else []) if fixed.get("schedule") else list(valid)
         for bal, strategy in seen.items():
             ties = tied.across(model, bal)  # weights several partitions use (GPT-2's embedding and head)
+            layouts = {sched: _layout(sched, devices, loops) for sched in sched_set}
+            apart = {sched: bool(tied.crossing(ties, names)) for sched, (names, _) in layouts.items()}
             for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graph_set, sched_set):
                 if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
                     continue  # one micro-batch, the last: the same run as checkpoint='never'
                 if m == 1 and sched != "gpipe" and not fixed.get("schedule"):
                     continue  # one micro-batch has no bubble to fill: every schedule is GPipe's order
-                names, slots = _layout(sched, devices, loops)
-                if graphs and tied.crossing(ties, names):
+                names, slots = layouts[sched]
+                if graphs and apart[sched]:
                     continue  # captured graphs cannot replay a weight copied to another device per call
                 out.append((Candidate(bal, names, m, ckpt, graphs, sched, slots), strategy, loops))
     return out
@@ -462,8 +466,10 @@ def tune(
     batch = _batch(sample)
     with _kept(model):
         cal = calibrate(placed, split=schedule in (None, "zb-h1") and not isinstance(sample, dict))
-        lo = max(2 if batch >= 2 else 1, batch // max(c for c in CHUNKS if c <= batch))
-        layers, hi = layer_model(model, sample, placed[0], lo=lo, show=show)
+        counts = [chunks] if chunks else [c for c in CHUNKS if c <= batch]
+        lo = max(2 if batch >= 2 else 1, batch // max(counts))
+        micro = [batch // c for c in counts if batch // c >= lo]  # the sizes the candidates' micro-batches have
+        layers, hi = layer_model(model, sample, placed[0], lo=lo, sizes=micro, show=show)
         layers = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
         found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s)
         if not found:

@@ -229,3 +229,32 @@ def test_a_tied_weight_on_one_device_replays_as_fixed_programs(checkpoint: str) 
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     for (name, p), q in zip(source.named_parameters(), one.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_tied_weight_on_one_device_replays_as_captured_cuda_graphs(checkpoint: str) -> None:
+    """The V on GPUs (cuda:0 and cuda:1, or cuda:0 twice on a one-GPU machine): the embedding and the head
+    share cuda:0 and the step replays captured CUDA graphs; three SGD steps train as one device (float64)."""
+    torch.manual_seed(0)
+    source = TinyGPT().double()
+    one = copy.deepcopy(source).cuda()
+    idx = torch.randint(0, 11, (4, 6))
+    seq = seqify.convert(source, (idx,))
+    n = len(seq)
+    devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
+    pipe = seqify.pipeline(seq, devices=devices, loops=2, schedule="zb-h1", balance=[3, 3, n - 8, 2], chunks=2,
+                           checkpoint=checkpoint, graphs=True)
+    assert len(pipe.ties) == 1 and source.lm_head.weight is source.wte.weight
+    mine = torch.optim.SGD(source.parameters(), lr=0.1)
+    theirs = torch.optim.SGD(one.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = pipe.step(idx, idx, loss_of)
+        expected = sum(loss_of(one(i), i) for i in idx.cuda().tensor_split(2)) / 2
+        expected.backward()
+        torch.testing.assert_close(loss.cpu(), expected.detach().cpu(), rtol=1e-10, atol=1e-12)
+        for (name, p), q in zip(source.named_parameters(), one.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-9, atol=1e-12, msg=name)
+        mine.step(), theirs.step(), mine.zero_grad(), theirs.zero_grad()
+    assert pipe.graph_error is None and pipe._graphed is not None, f"the step ran eagerly: {pipe.graph_error}"

@@ -508,3 +508,41 @@ def test_bench_reads_each_cuda_devices_peaks_from_an_emptied_cache(monkeypatch: 
     row = bench.Row("x", 0.1, 0.1, allocated_per_device=(5 * 2**20, 2 * 2**20), reserved_per_device=(7 * 2**20, 3 * 2**20))
     table = str(bench.Bench("m", 8, ["cuda:0", "cuda:1"], None, [bench.Row("one", None, 0.2), row]))  # type: ignore[arg-type]
     assert "| 5 / 7; 2 / 3 |" in table
+
+
+def test_layer_times_profiled_at_several_sizes_are_kept_not_fitted_by_one_line() -> None:
+    """A GPU is not linear in the batch: times profiled at the micro-batch sizes are the model's times there,
+    straight lines between two sizes, the nearest two's line beyond them (never falling with more samples)."""
+    sizes = {4: (1.0, 2.0), 16: (2.0, 6.0), 64: (8.0, 10.0)}  # two layers; layer 0 grows faster past 16
+    model = LayerModel.through(list(sizes.items()), (0, 0), (0, 0), (0, 0), 64)
+    for b, times in sizes.items():
+        assert model.seconds(0, 2, b) == pytest.approx(sum(times))
+        assert model.seconds(1, 2, b) == pytest.approx(times[1])
+    assert model.seconds(0, 2, 40) == pytest.approx(8.0 + (18.0 - 8.0) * (40 - 16) / (64 - 16))
+    line = LayerModel.fit((4, sizes[4]), (64, sizes[64]), (0, 0), (0, 0), (0, 0), 64)
+    assert line.seconds(0, 2, 16) < model.seconds(0, 2, 16)  # the line through the ends misses the middle
+    assert model.seconds(0, 2, 128) == pytest.approx(18.0 + (18.0 - 8.0) / 48 * 64)  # the last segment, on
+    assert model.seconds(0, 1, 2) == pytest.approx(1.0 - (2.0 - 1.0) / 12 * 2)  # the first segment, back
+    assert model.scaled(2.0).seconds(0, 2, 40) == pytest.approx(2 * model.seconds(0, 2, 40))
+    flat = LayerModel.through([(4, (3.0,)), (8, (2.0,)), (16, (2.5,))], (0,), (0,), (0,), 16)
+    assert flat.seconds(0, 1, 2) == pytest.approx(3.0)  # noise made 4 slower than 8: no faster below 4
+    two = LayerModel.through([(4, sizes[4]), (64, sizes[64])], (0, 0), (0, 0), (0, 0), 64)
+    assert two == line  # two sizes are the line of fit()
+
+
+def test_the_tuner_profiles_every_micro_batch_size_it_predicts(monkeypatch) -> None:
+    """Each candidate's micro-batch (batch / chunks) is a profiled size; fixed chunks profile only theirs."""
+    _, seq, x = source_and_seq()
+    seen: list[int] = []
+    real = tuning.time_costs
+
+    def recording(model, sample, *a, **k):
+        seen.append(int(sample.shape[0]))
+        return real(model, sample, *a, **k)
+
+    monkeypatch.setattr(tuning, "time_costs", recording)
+    seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False, cache=False)
+    assert sorted(set(seen)) == [2, 4, 8]  # batch 8: chunks 1, 2, 4; 8 chunks of 1 are extrapolated from 2 and 4
+    seen.clear()
+    seqify.tune(seq, x, devices=CPU2, chunks=2, top=1, steps=1, show=False, cache=False)
+    assert sorted(set(seen)) == [4, 8]

@@ -140,8 +140,10 @@ class DistributedStage(nn.Module):
                  for p in self.owned}
         # like .to(device), keeping tensors layers share; a weight this rank's partitions share (a V's first
         # and last: GPT-2's embedding and head) stays one parameter, used by both as the source uses it
-        with tied.unplugged(tied.find(list(parts.values()))):
+        ties = tied.find(list(parts.values()))
+        with tied.unplugged(ties):
             _place(list(parts.values()), [device] * len(parts))
+        tied.home(ties, [device] * len(parts))
         # every layer of this rank, in model order: parameters(), state_dict() and checkpoints read it
         mine = sorted((starts[p] + k, names[starts[p] + k]) for p in self.owned for k in range(balance[p]))
         self.partition = nn.Sequential(OrderedDict((n, layers[k]) for k, n in mine))

@@ -258,3 +258,37 @@ def test_a_tied_weight_on_one_device_replays_as_captured_cuda_graphs(checkpoint:
             torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-9, atol=1e-12, msg=name)
         mine.step(), theirs.step(), mine.zero_grad(), theirs.zero_grad()
     assert pipe.graph_error is None and pipe._graphed is not None, f"the step ran eagerly: {pipe.graph_error}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_module_called_in_two_partitions_keeps_its_weight_with_the_first() -> None:
+    """A cut between two calls of one module ties its weight to itself: while partitions move, the shared
+    slot is empty, so the weight is put on the first partition's device afterwards (it stayed on the CPU
+    and the first partition failed with a device mismatch). Trains as one device (float64)."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 4)
+            self.lin = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(torch.tanh(self.inp(x)))
+            return self.out(self.lin(torch.relu(h)))
+
+    torch.manual_seed(0)
+    source = Twice().double()
+    one = copy.deepcopy(source).cuda()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    seq = seqify.convert(source)
+    names = list(seq._modules)
+    cut = names.index("relu")  # the first call of lin before it, the second after
+    devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
+    pipe = seqify.pipeline(seq, devices=devices, balance=[cut, len(seq) - cut], chunks=2)
+    assert len(pipe.ties) == 2 and source.lin.weight.device == torch.device("cuda:0")
+    pipe(x).pow(2).sum().backward()
+    one(x.cuda()).pow(2).sum().backward()
+    for (name, p), q in zip(source.named_parameters(), one.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-10, atol=1e-12, msg=name)

@@ -222,6 +222,7 @@ def place(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.
     part_of = [j for j, count in enumerate(balance) for _ in range(count)]
     with tied.unplugged(ties):
         _place(parts, devices)
+    tied.home(ties, devices)
     if deferred_batch_norm:
         parts = [defer_batch_norm(p, chunks) for p in parts]  # type: ignore[misc]
     pops: list[list[SkipKey]] = [[] for _ in parts]

@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import TiedParameterError
 from .inplace import written_tensors
 
-__all__ = ["Tie", "find", "across", "crossing", "check", "unplugged", "wrap"]
+__all__ = ["Tie", "find", "across", "crossing", "check", "unplugged", "home", "wrap"]
 
 Slot = tuple[nn.Module, str]  # (module holding the parameter, its name there)
 
@@ -111,6 +111,19 @@ def unplugged(ties: Sequence[Tie]) -> Iterator[None]:
                 for slots in layers.values():
                     for m, name in slots:
                         m._parameters[name] = tie.param
+
+
+def home(ties: Sequence[Tie], devices: Sequence[Any]) -> None:
+    """Put each tied parameter on its owner partition's device (``devices[j]``: partition j's). Where the
+    tie is one module that layers of two partitions call (the cut falls between two calls of it), its
+    slot was empty while :func:`unplugged` partitions moved, so the parameter did not move with them."""
+    with torch.no_grad():
+        for tie in ties:
+            device = torch.device(devices[tie.owner])
+            if tie.param.device != device:
+                tie.param.data = tie.param.data.to(device)
+                if tie.param.grad is not None:
+                    tie.param.grad = tie.param.grad.to(device)
 
 
 class _WithCopies:

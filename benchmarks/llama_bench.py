@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import seqify
+from seqify.pipeline import casts
 
 
 def config(args: argparse.Namespace) -> Any:
@@ -150,17 +151,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     plans = {loops: seqify.balance(seq, 2 * loops, micro, by=args.balance, progress=False).balance for loops in args.loops}
     print(f"# balance by {args.balance} in {time.perf_counter() - start:.1f} s: {plans}", flush=True)
     modes = {"eager": [False], "graphs": [True], "both": [False, True]}[args.graphs]
-    settings = [(c, s, g, loops, shift) for c in args.chunks for s in args.schedules for g in modes
+    cast_modes = {"once": [True], "per-micro-batch": [False], "both": [False, True]}[args.cast]
+    settings = [(c, s, g, loops, shift, once) for c in args.chunks for s in args.schedules for g in modes
                 for loops in args.loops for shift in (args.shift if loops == 1 else [0])
+                for once in (cast_modes if g else [True])
                 if not (loops == 1 and s == "interleaved")]
     if args.device == "cpu" or args.size == "8b":
         settings = settings[:1]
-    for chunks, schedule, graphs, loops, shift in settings:
+    for chunks, schedule, graphs, loops, shift, once in settings:
         cut = list(plans[loops])
         if shift:  # move the cut by `shift` layers (positive: more on the first device) to check the balance
             cut = [cut[0] + shift, cut[1] - shift]
         name = (f"seqify.pipeline 2 devices, {schedule}, chunks={chunks}, {'graphs' if graphs else 'eager'}, "
-                f"loops={loops}{f', balance {cut}' if shift else ''}")
+                f"loops={loops}{f', balance {cut}' if shift else ''}{'' if once else ', casts per micro-batch'}")
+        casts.ENABLED = once  # weights cast once per step under autocast (the default), or in every program
         try:
             pipe = seqify.pipeline(seq, devices=devs, balance=cut,
                                    chunks=chunks, graphs=graphs, loops=loops, schedule=schedule,
@@ -172,6 +176,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append({"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
             print(json.dumps(rows[-1]), flush=True)
         finally:
+            casts.ENABLED = True
             pipe = None
             for d in {d for d in devs if d.type == "cuda"}:
                 with torch.cuda.device(d):
@@ -217,6 +222,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="how seqify.balance cuts the converted model (time and memory measure it on cuda:0)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                         help="bf16 autocast (default) or fp32 throughout")
+    parser.add_argument("--cast", choices=["once", "per-micro-batch", "both"], default="once",
+                        help="graphs rows under autocast: weights cast once per step (seqify's default), in every "
+                             "micro-batch's program (as before 2026-11-24), or both side by side")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)

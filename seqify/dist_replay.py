@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leave
 from .dist_schedule import RankRun
 from .errors import GraphError
 from .pipeline.buffers import Buffers, places
+from .pipeline.casts import Casts, find, lowered
 from .pipeline.replay import (Program, Unreplayable, _buffers, _capture_in_order, _checkpoint, _Flat, _hand_over,
                               _partition_order, _warm)
 from .pipeline.replayed import GraphWarning
@@ -62,6 +64,10 @@ class RankPrograms:
         self.captured = False
         self.place: list[int] = []  # micro-batch -> its buffer set (see begin)
         self.ins, self.outs = Buffers(device), Buffers(device)
+        # Under autocast, the weights read only through its cast, cast once per step (pipeline.casts);
+        # which ones is watched on the first program's forward after (re)building
+        self.casts: Casts | None = None
+        self.watched = False
 
     def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
               order: Sequence[tuple[str, int]] | None = None, autocast: torch.dtype | None = None) -> None:
@@ -75,6 +81,9 @@ class RankPrograms:
             self.programs = [None] * len(sizes)
             self.place = places(order) if order is not None else list(range(len(sizes)))
             self.ins, self.outs = Buffers(self.device), Buffers(self.device)
+            self.casts, self.watched = None, False
+        elif self.casts is not None:  # the weights as the optimizer left them
+            self.casts.refresh()
 
     def _recompute(self, i: int) -> Callable[..., Any] | None:
         """How micro-batch ``i`` is checkpointed (None: it is not). A partition drawing random numbers
@@ -104,7 +113,13 @@ class RankPrograms:
             carried = None if isinstance(x, torch.Tensor) else len(x)
             flat = _Flat(self.runner, carried, self.sized, checkpoint=self._recompute(i))
             flat.given = given
-            p = self.programs[i] = Program(flat, inputs, self.params, self.acc, self.split)
+            if not self.watched:
+                self.watched = True
+                low = lowered(self.device)
+                if low is not None:  # one more forward, watched: random draws as if it had not run
+                    with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                        self.casts = find(self.runner.layers, functools.partial(flat, *inputs), low)
+            p = self.programs[i] = Program(flat, inputs, self.params, self.acc, self.split, self.casts)
         else:
             if given != p.flat.given:
                 raise GraphError(

@@ -15,6 +15,7 @@ from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
 from ..skip.sizes import size_skips
 from .buffers import Buffers, places
+from .casts import Casts, find, lowered
 from .checkpoint import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
 from .microbatch import is_tensors
 from .schedule import Schedule, gpipe
@@ -90,6 +91,19 @@ class _Flat(nn.Module):
         return ys + tuple(out[key] for key in stage.stashes if key not in kept)
 
 
+def _with_casts(method: Callable[..., None]) -> Callable[..., None]:
+    """Run a program part with the partition's once-per-step weight casts in the weights' slots."""
+
+    @functools.wraps(method)
+    def run(self: Program) -> None:
+        if self.casts is None:
+            return method(self)
+        with self.casts.swapped():
+            return method(self)
+
+    return run
+
+
 class Program:
     """One partition on one micro-batch, on fixed tensors: ``forward()`` reads ``inputs`` and writes
     ``outputs``; ``backward()`` reads ``out_grads`` and writes ``in_grads``, adding the parameters'
@@ -102,12 +116,16 @@ class Program:
     which the graph is released. Each is its own CUDA graph when captured."""
 
     def __init__(self, flat: _Flat, inputs: tuple[torch.Tensor, ...], params: list[nn.Parameter],
-                 acc: list[torch.Tensor], split: bool = False) -> None:
+                 acc: list[torch.Tensor], split: bool = False, casts: Casts | None = None) -> None:
         self.flat = flat
         self.split = flat.split = split
         self.inputs = inputs
         self.params = params
         self.acc = acc
+        # Under autocast, the weights read only through its cast are read from casts made once per step
+        # (:mod:`.casts`); the gradients are taken for those casts and added into the float32 sums.
+        self.casts = casts
+        self.wrt: list[torch.Tensor] = casts.wrt(params) if casts is not None else list(params)
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.out_grads: list[torch.Tensor | None] = []
         self.in_grads: list[torch.Tensor | None] = [None] * len(inputs)
@@ -133,6 +151,7 @@ class Program:
         if used:
             torch._foreach_add_([a for a, _ in used], [g for _, g in used])
 
+    @_with_casts
     def _grads(self) -> None:
         """Differentiate outputs by inputs and parameters; add the parameters' part into ``acc``."""
         wrt_inputs = self._wrt_inputs()
@@ -140,7 +159,7 @@ class Program:
         if not outs or not (wrt_inputs or self.params):
             return
         grads = torch.autograd.grad(
-            [o for o, _ in outs], [self.inputs[k] for k in wrt_inputs] + self.params, [g for _, g in outs],
+            [o for o, _ in outs], [self.inputs[k] for k in wrt_inputs] + self.wrt, [g for _, g in outs],
             allow_unused=True,
         )
         for k, g in zip(wrt_inputs, grads):
@@ -154,6 +173,7 @@ class Program:
         outs = [(o, g) for o, g in zip(outputs, self.out_grads) if g is not None]
         return [o for o, _ in outs], [g for _, g in outs]
 
+    @_with_casts
     def _grads_input(self) -> None:
         """B of a split backward: the inputs' gradients only (:func:`~seqify.dist_backward.input_grads`),
         keeping the graph and the boundary gradients for :meth:`_grads_weight`. A checkpointed program
@@ -164,11 +184,12 @@ class Program:
         if not wrt_inputs or all(g is None for g in self.out_grads):
             return
         outs, grads = self._differentiated()
-        found, groups = input_grads(outs, grads, [self.inputs[k] for k in wrt_inputs], self.params)
+        found, groups = input_grads(outs, grads, [self.inputs[k] for k in wrt_inputs], self.wrt)
         for k, g in zip(wrt_inputs, found):
             self.in_grads[k] = g
         self.kept = (outs, grads, groups)
 
+    @_with_casts
     def _grads_weight(self) -> None:
         """W of a split backward: the parameters' gradients from what B kept, added into ``acc`` (never
         ``.grad``: a captured W must write only fixed tensors); then the graph is released."""
@@ -181,12 +202,13 @@ class Program:
             return
         outs, grads, groups = kept
         if self.params:
-            self._add(weight_values(outs, grads, self.params, groups, retain_graph=False))
+            self._add(weight_values(outs, grads, self.wrt, groups, retain_graph=False))
         del outs, grads, groups, kept
         # The graph's last owner goes (same memory); requires_grad stays: a replayed step's loss and the
         # next partition's inputs read it to know what gets a gradient.
         self.outputs = tuple(o.detach().requires_grad_(o.requires_grad) for o in self.outputs)
 
+    @_with_casts
     def _outputs(self) -> None:
         with torch.set_grad_enabled(self.grad):
             self.outputs = self.flat(*self.inputs)
@@ -374,6 +396,8 @@ class Replay:
         # The step's node in the caller's autograd graph needs an input that requires grad, even when
         # the pipeline's inputs do not (the parameters reach .grad without autograd seeing them).
         self.anchor = torch.empty(0, device=self.devices[-1], requires_grad=True)
+        # Per partition, its weights cast once per step under autocast (None: none, or autocast is off)
+        self.casts: list[Casts | None] = [None] * len(stages)
 
     def device_orders(self) -> dict[torch.device, list[tuple[str, int, int]]]:
         """Each device's (kind, partition, micro-batch) actions in the order a step issues them there:
@@ -467,6 +491,13 @@ class Replay:
                     event = self._freed[id(t)] = torch.cuda.Event()
                 event.record(stream)
 
+    def _cast(self) -> None:
+        """Cast the weights the programs read through casts as they are now (the optimizer moved them)."""
+        for j, c in enumerate(self.casts):
+            if c is not None:
+                with _on(self.devices[j]):
+                    c.refresh()
+
     def _zero(self) -> None:
         for j, acc in enumerate(self.acc):
             if acc:
@@ -490,6 +521,7 @@ class Replay:
                              "forwards and backwards; pipe(x) replays fill-drain programs only")
         self.step += 1
         self._fence()
+        self._cast()
         with torch.no_grad():
             for i, j in self.forward_order:
                 self._feed(i, j, batches[i])
@@ -529,6 +561,7 @@ class Replay:
         program part (its own CUDA graph when captured). Returns the summed loss, detached."""
         self.step += 1
         self._fence()
+        self._cast()
         n, total = len(self.stages), None
         with torch.no_grad():
             self._zero()
@@ -743,6 +776,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
             # this partition (1F1B: a few), not one per micro-batch; fill-drain and inference keep all.
             place = places(_partition_order(schedule, j)) if share else list(range(len(sources)))
             ins, outs = Buffers(device), Buffers(device)
+            cast: Casts | None = None
             for i, src in enumerate(sources):
                 # One tensor arriving through two slots (carried and popped, say) is one buffer, as it is
                 # one tensor in the source: an in-place change through one name shows through the other.
@@ -753,7 +787,11 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
                 inputs = tuple(made[id(t)] for t in src)
                 flat = _Flat(stage, returns, sized, _checkpoint(stage, j, streams is not None) if i < stop else None)
                 flat.given = {key: programs[constant[key]][i].flat.kept[key] for key in stage.pops if key in constant}
-                p = Program(flat, inputs, params, acc, split)
+                low = lowered(device) if i == 0 else None
+                if low is not None:  # which weights autocast only casts: watched on one more forward
+                    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                        cast = find(stage.layers, functools.partial(flat, *inputs), low)
+                p = Program(flat, inputs, params, acc, split, cast)
                 p._outputs()  # real values for the next partition (and the output structure)
                 if streams is not None:
                     # Capturing runs every program again: keep only the values, so building holds one
@@ -778,6 +816,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
             raise BoundaryError(f"skips {left} were stashed but no later partition popped them")
         replay = Replay(stages, programs, routes, returns, transfer, schedule)
         replay.shared = shared
+        replay.casts = [row[0].casts for row in programs]
         _reach(replay, streams, warmup)
         return replay
     finally:

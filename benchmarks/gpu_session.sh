@@ -2,7 +2,7 @@
 # One device-tool call (nvidia-h200-x2 for the pipeline rows; one-GPU kinds put partitions on one GPU):
 # install seqify without dependencies (the image has torch, torchvision, transformers, networkx), then run
 # the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist, side-by-side [fp32|bf16],
-# dist-gap, check [SECONDS], families SECONDS [FAMILY...]). Output goes to $OUT.
+# dist-gap, casts, check [SECONDS], families SECONDS [FAMILY...]). Output goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
@@ -60,6 +60,14 @@ case "${1:-tests}" in
   check)  # every GPU test, seqify installed as a package (subprocess and torchrun workers import it)
     timeout "${2:-330}" python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests --timeout 240 2>&1 \
       | tee "$OUT/gpu-check.log" | tail -30
+    ;;
+  casts)  # weights cast once per step under autocast, over two GPUs: Llama bf16 ZB-H1 (issue 12's targets) with and
+    # without, then the GPU tests that check it bit-equal and the tied-module fix
+    timeout 70 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests/test_casts.py tests/test_tied.py \
+      --timeout 60 2>&1 | tail -3
+    timeout 480 python3 benchmarks/llama_bench.py --precision bf16 --balance time --chunks 4 8 --schedules zb-h1 \
+      --graphs graphs --loops 1 --cast both --steps 4 --warmup 2 --out "$OUT/llama-cast-once.json" 2>&1 \
+      | tee "$OUT/llama-cast-once.log" | tail -8
     ;;
   families)  # issue 14: every zoo family with the automatic configuration; $2: seconds, then family names
     # and FAMILY=N batch overrides

@@ -61,6 +61,19 @@ def test_watching_a_forward_leaves_batch_norm_statistics_alone() -> None:
         assert torch.equal(b, before[n]), n
 
 
+def test_a_forward_that_fails_while_watched_casts_nothing() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    before = model[1].running_mean.clone()
+
+    def run() -> None:
+        model(torch.randn(8, 4))
+        raise RuntimeError("an op the watching mode cannot run")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        assert casts.find(model, run, torch.bfloat16) is None
+    assert torch.equal(model[1].running_mean, before)
+
+
 def net() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 8), Block(), nn.GELU(), Block(), nn.Linear(8, 3))

@@ -98,8 +98,7 @@ class Casts:
     def refresh(self) -> None:
         """Cast the weights as they are now (once per step: an optimizer changed them in between)."""
         with torch.no_grad():
-            for low, p in zip(self.low, self.params):
-                low.copy_(p)
+            torch._foreach_copy_(self.low, self.params)
 
     def wrt(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """What to differentiate by for ``params``: a weight's cast where it has one, else the weight."""
@@ -122,7 +121,9 @@ class Casts:
 def find(layers: nn.Module, run: Callable[[], Any], dtype: torch.dtype) -> Casts | None:
     """Watch ``run()`` (one forward of ``layers`` under autocast to ``dtype``) and return the float32
     weights whose only use is one cast to ``dtype`` (None: there are none). The forward runs once more
-    than the step does: buffers (BatchNorm statistics) are put back; random draws are the caller's."""
+    than the step does: buffers (BatchNorm statistics) are put back; random draws are the caller's. A
+    forward that fails while watched (an op a dispatch mode cannot see through) casts nothing here: the
+    programs then cast as autocast does, and the real run reports any real error."""
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     params: dict[int, nn.Parameter] = {}
     for m in layers.modules():
@@ -138,6 +139,8 @@ def find(layers: nn.Module, run: Callable[[], Any], dtype: torch.dtype) -> Casts
     try:
         with torch.no_grad(), uses:
             run()
+    except Exception:
+        return None
     finally:
         with torch.no_grad():
             for b, value in saved:

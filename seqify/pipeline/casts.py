@@ -137,7 +137,7 @@ def find(layers: nn.Module, run: Callable[[], Any], dtype: torch.dtype) -> Casts
     uses = _Uses(watched, dtype)
     saved = [(b, b.clone()) for b in layers.buffers()]
     try:
-        with torch.no_grad(), uses:
+        with uses:  # in the caller's grad mode: a forward may choose its ops by it
             run()
     except Exception:
         return None

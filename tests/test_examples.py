@@ -55,6 +55,8 @@ PROMISES: dict[str, list[str]] = {
     "chunks_sweep.py": ["chunks   2:", "best:"],
     "resnet50_two_gpus.py": ["two CPU partitions", "Pipeline (seqify)", "Single device", "chunks: 4 instead of 6"],
     "torchrun_resnet.py": ["2 processes: 2 stages x 1 replicas", "step 0: loss", "chunks: 2 instead of 4"],
+    "train_llama.py": ["frontend export", "schedule zb-h1", "step 0: loss", "step 1: loss",
+                       "round trip into a plain LlamaForCausalLM bit-equal: True"],
 }
 
 

@@ -46,6 +46,7 @@ class Bench:
     devices: list[str]
     config: PipeConfig
     rows: list[Row] = field(default_factory=list)
+    autocast: str | None = None  # the autocast dtype every row ran under (None: off)
 
     @property
     def baseline(self) -> Row:
@@ -54,7 +55,9 @@ class Bench:
     def __str__(self) -> str:
         base = self.baseline.measured_s  # None when the model does not fit one device
         lines = [f"seqify bench {self.spec}: batch {self.batch}, one device ({self.devices[0]}) against a pipeline "
-                 f"over {', '.join(self.devices)}; the tuned configuration is marked *", "",
+                 f"over {', '.join(self.devices)}"
+                 f"{f', under {self.autocast} autocast' if self.autocast else ''}; the tuned configuration is "
+                 "marked *", "",
                  "| | configuration | schedule | predicted ms | measured ms | error | predicted peak MiB per device "
                  "| measured peak MiB allocated / reserved, per device | samples/s | vs one device |",
                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -119,8 +122,11 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
                 oom.add(k)
             del pipe
     one = peaks.get(-1, ((), ()))
+    kind = placed[0].type
+    dtype = str(torch.get_autocast_dtype(kind)).removeprefix("torch.") if torch.is_autocast_enabled(kind) else None
     result = Bench(spec, int(sample.shape[0]), [str(d) for d in placed], cfg,
-                   [Row(f"one device ({placed[0]})", None, base, allocated_per_device=one[0], reserved_per_device=one[1])])
+                   [Row(f"one device ({placed[0]})", None, base, allocated_per_device=one[0], reserved_per_device=one[1])],
+                   autocast=dtype)
     chosen = [k for k, t in enumerate(trials) if _is(t, cfg)]
     others = [k for k, t in enumerate(trials) if not _is(t, cfg) and (t.measured_s is not None or k in oom)]
     for k in chosen + others:

@@ -216,8 +216,15 @@ def _devices_of(args: argparse.Namespace) -> list[str]:
 def _tune_for(seq: Any, x: torch.Tensor, args: argparse.Namespace) -> Any:
     from .tuning import tune
 
-    return tune(seq, x, devices=_devices_of(args), top=args.top, cache=not args.no_cache, memory_cap=_cap(args),
-                schedule=args.schedule)
+    with _precision(args):
+        return tune(seq, x, devices=_devices_of(args), top=args.top, cache=not args.no_cache, memory_cap=_cap(args),
+                    schedule=args.schedule)
+
+
+def _precision(args: argparse.Namespace) -> Any:
+    """bf16 autocast on the devices' type with --bf16, else nothing."""
+    kind = torch.device(_devices_of(args)[0]).type
+    return torch.autocast(kind, dtype=torch.bfloat16, enabled=bool(getattr(args, "bf16", False)))
 
 
 def _cap(args: argparse.Namespace) -> float | None:
@@ -234,9 +241,10 @@ def _bench_spec(args: argparse.Namespace) -> int:
     args.size = args.size if args.size_given else None  # the model's own input side unless --size is given
     model, x = _load(args)
     seq = _convert(model.module, x, args.example or model.example)
-    result = run_bench(seq, x, _devices_of(args), spec=args.spec, top=args.top, alternatives=args.alternatives,
-                       steps=args.steps, warm=args.warm, cache=not args.no_cache, memory_cap=_cap(args),
-                       schedule=args.schedule)
+    with _precision(args):
+        result = run_bench(seq, x, _devices_of(args), spec=args.spec, top=args.top, alternatives=args.alternatives,
+                           steps=args.steps, warm=args.warm, cache=not args.no_cache, memory_cap=_cap(args),
+                           schedule=args.schedule)
     print(result)
     print(f"\nuse it: seqify.pipeline(seq, config=cfg) with cfg = {result.config.without_trials().to_dict()}")
     if args.plot:
@@ -442,6 +450,8 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
                    "over it are rejected")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
                    help="tuning: fix the schedule (default: the tuner weighs every one that applies)")
+    p.add_argument("--bf16", action="store_true", help="tuning: train under bf16 autocast (torch.autocast on the "
+                   "devices' type), as mixed-precision training runs; the choice is cached apart from float32's")
 
 
 class _Given(argparse.Action):

@@ -82,8 +82,14 @@ def _key(model: nn.Module, sample: Any, devices: Sequence[torch.device], options
     from . import __version__
 
     text = json.dumps([fingerprint(model), _describe(sample), _device_names(devices), options, __version__,
-                       torch.__version__, SPACE], sort_keys=True, default=str)
+                       torch.__version__, SPACE, _precision(devices)], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _precision(devices: Sequence[torch.device]) -> dict[str, str]:
+    """The autocast dtype per device type where autocast is on: a bf16 step is tuned apart from float32's."""
+    kinds = sorted({d.type for d in devices})
+    return {k: str(torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k)}
 
 
 def _read_cache() -> dict[str, Any]:

@@ -546,3 +546,27 @@ def test_the_tuner_profiles_every_micro_batch_size_it_predicts(monkeypatch) -> N
     seen.clear()
     seqify.tune(seq, x, devices=CPU2, chunks=2, top=1, steps=1, show=False, cache=False)
     assert sorted(set(seen)) == [4, 8]
+
+
+def test_a_bf16_step_is_tuned_and_cached_apart_from_float32(monkeypatch) -> None:
+    """Under autocast the tuner measures the mixed-precision step, and its choice is cached under its own key."""
+    _, seq, x = source_and_seq()
+    seq, x = seq.float(), x.float()  # autocast lowers float32
+    calls = counting(monkeypatch)
+    plain = seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False)
+    assert mixed.key != plain.key and calls["profile"] == 2  # measured again, not read from float32's entry
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        again = seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False)
+    assert again.key == mixed.key and calls["profile"] == 2
+
+
+def test_bench_spec_under_bf16_says_so(tmp_path, capsys) -> None:
+    from seqify.cli import main
+
+    (tmp_path / "nets.py").write_text(NETS)
+    code = main(["bench", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--steps", "1",
+                 "--warm", "0", "--top", "1", "--alternatives", "0", "--bf16"])
+    text = capsys.readouterr().out
+    assert code == 0 and "one device (cpu) against a pipeline over cpu, cpu, under bfloat16 autocast;" in text

@@ -29,7 +29,7 @@ from .errors import (ExampleInputError, HookError, KeywordArgumentsError, Seqify
 from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
-from .trace_checks import attributes, check_decorated, writes_since
+from .trace_checks import attributes, check_decorated, passthrough, writes_since
 from .trace_real import RealRun, buffers_kept, raises_itself, source_error, unpatched
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved", "attribute", "is_cache"]
@@ -754,17 +754,31 @@ def trace(
         )
     params, concrete, plan = _bind_examples(model, example_inputs)
     kept: dict[str, Opaque] = {}  # submodules kept whole because their forward writes attributes
-    for _ in range(64):
-        try:
-            tracer, graph, writes = _trace_once(model, example_inputs, concrete, plan, kept, leaf_types, leaf_paths, depth)
-        except UntraceableError as e:
-            check_decorated(model, e)  # a (self, *args, **kwargs) decorator is the cause: say so
-            raise
-        if not writes:
-            break
-        _keep_writers(model, writes, kept, tracer)
-    else:  # pragma: no cover - every round keeps a module whole or raises at the root
-        raise StatefulForwardError(f"{name}: attribute writes could not be isolated; convert with depth=1")
+    # fx traces type(model).forward: under decorators that pass these inputs through unchanged, it traces
+    # the function they wrap (the class's own forward is put back before anything runs the model)
+    inner = passthrough(model, example_inputs)
+    cls, wrapped = type(model), type(model).__dict__.get("forward")
+    if inner is not None:
+        cls.forward = inner  # type: ignore[method-assign]
+    try:
+        for _ in range(64):
+            try:
+                tracer, graph, writes = _trace_once(model, example_inputs, concrete, plan, kept, leaf_types, leaf_paths,
+                                                    depth)
+            except UntraceableError as e:
+                check_decorated(model, e)  # a (self, *args, **kwargs) decorator is the cause: say so
+                raise
+            if not writes:
+                break
+            _keep_writers(model, writes, kept, tracer)
+        else:  # pragma: no cover - every round keeps a module whole or raises at the root
+            raise StatefulForwardError(f"{name}: attribute writes could not be isolated; convert with depth=1")
+    finally:
+        if inner is not None:
+            if wrapped is None:
+                del cls.forward
+            else:
+                cls.forward = wrapped  # type: ignore[method-assign]
     for ph in graph.nodes:
         if ph.op == "placeholder" and str(ph.target).startswith("*") and ph.users:
             raise UntraceableError(

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from .errors import DecoratedForwardError
 
-__all__ = ["attributes", "writes_since", "check_decorated"]
+__all__ = ["attributes", "writes_since", "check_decorated", "passthrough"]
 
 _TABLES = ("_parameters", "_buffers", "_modules")
 
@@ -33,6 +34,37 @@ def writes_since(model: nn.Module, before: dict[str, dict[str, Any]]) -> dict[st
         if names:
             changed[path] = sorted(names)
     return changed
+
+
+def _renames(wrapper: Any) -> str | None:
+    """The deprecated keyword a transformers ``deprecate_kwarg`` wrapper renames, or None if ``wrapper``
+    is not one. That decorator only renames (or warns about) one keyword: with that keyword absent it
+    calls the function it wraps with the same arguments."""
+    code = getattr(wrapper, "__code__", None)
+    if code is None or not code.co_filename.replace(os.sep, "/").endswith("transformers/utils/deprecation.py"):
+        return None
+    if not getattr(code, "co_qualname", "").startswith("deprecate_kwarg."):
+        return None
+    old = inspect.getclosurevars(wrapper).nonlocals.get("old_name")
+    return old if isinstance(old, str) else None
+
+
+def passthrough(model: nn.Module, example_inputs: Any) -> Callable[..., Any] | None:
+    """The forward under ``model``'s decorators when each of them passes these inputs through unchanged
+    (transformers' ``deprecate_kwarg``, for inputs without the deprecated name), else None: fx may trace
+    that forward itself (LED's forward gained such a decorator in transformers 5.24)."""
+    forward = type(model).forward
+    inner = inspect.unwrap(forward)
+    if inner is forward:
+        return None
+    names = set(example_inputs) if isinstance(example_inputs, dict) else set()
+    f = forward
+    while f is not inner:
+        old = _renames(f)
+        if old is None or old in names:
+            return None
+        f = f.__wrapped__  # type: ignore[attr-defined]
+    return inner
 
 
 def check_decorated(model: nn.Module, cause: BaseException) -> None:

@@ -530,3 +530,37 @@ def test_converted_layers_run_on_any_device_not_the_examples(family: str) -> Non
         [tuple(t.shape) for t in want if isinstance(t, torch.Tensor)]
     assert all(t.device.type == "meta" for t in got if isinstance(t, torch.Tensor))
 
+
+
+def test_a_forward_under_deprecate_kwarg_traces_with_fx() -> None:
+    """transformers' deprecate_kwarg wraps a forward as (*args, **kwargs) and only renames one keyword: with
+    inputs that do not use that keyword, fx traces the wrapped forward (LED's forward gained this decorator
+    in transformers 5.24, and whole-model export stops at its global-attention branch). The class's forward
+    is the decorated one again afterwards; a deprecated keyword in the inputs is still refused."""
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    class Renamed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        @deprecate_kwarg("hidden", new_name="x", version="99.0")
+        def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                    mask: torch.Tensor | None = None, use_cache: bool = False, output_attentions: bool = False,
+                    return_dict: bool = True, **kwargs: Any) -> torch.Tensor:
+            y = self.lin(x) * (scale if scale is not None else 1.0)
+            return y if shift is None else y + shift
+
+    model = Renamed()
+    decorated = Renamed.forward
+    x = torch.randn(2, 4)
+    # a forward with **kwargs under a (*args, **kwargs) wrapper: fx patches the wrapper's code to take the
+    # forward's arguments, and that code has too few local names ("co_varnames is too small")
+    seq = seqify.convert(model, example_inputs={"x": x}, frontend="fx")
+    assert Renamed.forward is decorated and "forward" in Renamed.__dict__
+    assert seq.frontend == "fx"
+    with torch.no_grad():
+        assert bit_equal(seq(x=x), model(x=x))
+    with pytest.raises(seqify.SeqifyError):
+        seqify.convert(model, example_inputs={"hidden": x}, frontend="fx")
+    assert Renamed.forward is decorated

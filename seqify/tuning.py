@@ -323,8 +323,16 @@ def _layout(schedule: str, devices: Sequence[torch.device], loops: int) -> tuple
     with two partitions per device in a V, everything else round-robin."""
     names = [str(d) for d in devices]
     if schedule == "zb-h1" and loops == 2:
-        return tuple(names + names[::-1]), v_shape(len(names))
-    return tuple(names * loops), round_robin(len(names), loops)
+        order, placement = tuple(names + names[::-1]), v_shape(len(names))
+    else:
+        order, placement = tuple(names * loops), round_robin(len(names), loops)
+    # One number per GPU: a GPU listed twice (devices=["cuda:0", "cuda:0"]) runs its partitions one after
+    # another, and predicting it as two devices halved the step. (CPU partitions share the host anyway:
+    # the model runs them in turn whatever their numbers.)
+    first: dict[str, int] = {}
+    merged = tuple(first.setdefault(n, len(first)) for n in order)
+    gpus = all(torch.device(n).type == "cuda" for n in names)
+    return order, merged if gpus and len(first) < len(names) else placement
 
 
 def _plans(model: nn.Module, sample: Any, hi: LayerCosts, parts: int, by: Sequence[str],

@@ -75,7 +75,7 @@ def _fresh(x: Any) -> Any:
 
 
 @contextmanager
-def _state_kept(model: nn.Module) -> Iterator[None]:
+def kept(model: nn.Module) -> Iterator[None]:
     """Buffers (BatchNorm statistics) and attributes restored on exit: a check leaves the model as it found it."""
     from .trace import preserved  # Python attributes too (a step counter the forward bumps)
 
@@ -126,12 +126,12 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
     # Source modules a layer is named after (the layer is that module, or stands in for it).
     paths = {id(m): p for p, m in source.named_modules() if p and not any(True for _ in m.children())}
     watched = {id(layer): name for name, layer in layers.items() if name in by_name}
-    with _state_kept(source):
+    with kept(source):
         try:
             expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
         except Exception as e:  # the inputs are wrong, not the conversion: say so, not "report a seqify bug"
             raise raises_itself(type(source).__name__, e) from e
-    with _state_kept(source):
+    with kept(source):
         got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed))
     same = bit_equal if _on_cpu(expected) else close  # bit-equal on the CPU; allclose on accelerators
     if same(expected, got):

@@ -395,3 +395,45 @@ def test_a_models_own_check_failing_on_the_example_names_the_values_not_tracer_i
         seqify.convert(vit, torch.randn(1, 3, 16, 16))
     text = str(info.value)
     assert "Expected 32 but got 16" in text and "Proxy" not in text and "accepts" in text, text
+
+
+class Positions(nn.Module):
+    """transformers' mask helper: positions made for one row, expanded to the batch only where it differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], dtype=x.dtype).unsqueeze(0)
+        if x.shape[0] != pos.shape[0]:
+            pos = pos.expand(x.shape[0], -1)
+        return self.proj(x + pos.unsqueeze(-1))
+
+
+def test_a_branch_on_batch_one_leaves_fx_for_export_so_micro_batches_of_one_run() -> None:
+    model = Positions().eval()
+    x = torch.randn(4, 5, 6)
+    fx_only = seqify.convert(model, example_inputs=(x,), frontend="fx")
+    with pytest.raises(seqify.SpecializationError, match="shape"):
+        fx_only(x[:1])
+    seq = seqify.convert(model, example_inputs=(x,))
+    assert seq.frontend == "export"
+    for rows in (x[:1], x, torch.randn(3, 5, 6)):
+        assert torch.equal(seq(rows), model(rows))
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[1, len(seq) - 1], chunks=4)
+    assert torch.equal(pipe(x), torch.cat([model(x[i:i + 1]) for i in range(4)]))
+
+
+class WidthBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) if x.shape[-1] == 6 else x
+
+
+def test_guards_that_hold_at_batch_one_keep_the_fx_result() -> None:
+    seq = seqify.convert(WidthBranch(), example_inputs=(torch.randn(4, 6),))
+    assert seq.frontend == "fx" and seq.guards

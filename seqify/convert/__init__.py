@@ -5,15 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import (
-    ConversionError, DecoratedForwardError, OptionError, SeqifyError, SourceRaisesError, UntraceableError, VerifyError,
+    ConversionError, DecoratedForwardError, OptionError, SeqifyError, SourceRaisesError, SpecializationError,
+    UntraceableError, VerifyError,
 )
 from ..sequential import ExportedInfo, Sequential
 from ..trace import Opaque, Traced, preserved, trace
-from ..verify import check
+from ..verify import check, kept, split_inputs
 from .build import RESERVED, build
 from .linearize import Plan, linearize
 from .modes import exported_mode_dependent, mode_differences
@@ -116,6 +119,9 @@ def convert(
                 if fixed is None:
                     raise
                 return fixed
+        if frontend == "auto" and verify and example_inputs is not None and not (leaf_types or leaf_paths or
+                                                                                  depth is not None):
+            return _valid_at_one(model, seq, example_inputs, check_modes=check_modes)
         return seq
     except SeqifyError as e:
         # Fall back only where fx cannot trace or its result is wrong; other errors teach their own fix.
@@ -141,6 +147,52 @@ def convert(
         e.args = (f"{e.args[0] if e.args else e}\n(the fx frontend failed first: {type(fx_error).__name__}: "
                   f"{str(fx_error).splitlines()[0] if str(fx_error) else ''})",)
         raise
+
+
+def _one_sample(example_inputs: Any) -> Any:
+    """The example inputs cut to their first sample, or None where their tensors share no batch dimension > 1."""
+    sizes = {t.shape[0] for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1 or next(iter(sizes)) < 2:
+        return None
+    return pytree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, example_inputs)
+
+
+def _refuses(seq: Sequential, inputs: Any) -> bool:
+    """Whether ``seq`` raises SpecializationError on ``inputs`` (its buffers and attributes left as they were)."""
+    args, kwargs = split_inputs(inputs)
+    try:
+        with torch.no_grad(), kept(seq):
+            seq(*args, **kwargs)
+    except SpecializationError:
+        return True
+    except Exception:
+        return False  # not a guard: the source may refuse this input too; that is the input's business
+    return False
+
+
+def _valid_at_one(model: nn.Module, seq: Sequential, example_inputs: Any, *, check_modes: bool) -> Sequential:
+    """fx's result, or export's where fx's guards refuse a one-sample batch and export's graph does not.
+
+    A pipeline runs micro-batches, often of one sample. fx resolves ``if batch != position_ids.shape[0]`` (a
+    transformers mask helper) on the example batch and guards it, so a micro-batch of one leaves the traced
+    branch; export keeps the batch symbolic and its graph (an ``expand`` to the batch) serves both.
+    """
+    if not seq.guards:
+        return seq
+    one = _one_sample(example_inputs)
+    if one is None or not _refuses(seq, one):
+        return seq
+    try:
+        other = _via_export(model, example_inputs, check_modes=check_modes, verify=True)
+    except SeqifyError:
+        return seq
+    if _refuses(other, one):
+        return seq
+    try:
+        check(model, other, one, frontend="export")
+    except VerifyError:
+        return seq  # fx's result is right where its guards hold: better than a wrong one
+    return other
 
 
 def _scope_key(node: fx.Node) -> Any:

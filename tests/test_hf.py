@@ -564,3 +564,20 @@ def test_a_forward_under_deprecate_kwarg_traces_with_fx() -> None:
     with pytest.raises(seqify.SeqifyError):
         seqify.convert(model, example_inputs={"hidden": x}, frontend="fx")
     assert Renamed.forward is decorated
+
+
+@pytest.mark.parametrize("family", ["llama", "bert", "t5", "unet2d"])
+def test_a_one_sample_example_converts_for_every_batch(family: str) -> None:
+    # people trace with one sample: export keeps the batch symbolic only where it is above one, so seqify exports
+    # the sample twice over and checks the result on the sample itself
+    torch.manual_seed(0)
+    model, kwargs = FAMILIES[family]()
+    model.eval()
+    one = pytree.tree_map(lambda v: v[:1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v, kwargs)
+    seq = seqify.convert(model, example_inputs=one, frontend="export")
+    assert not any(g.expr.endswith("size(0)") for g in seq.guards), seq.guards
+    with torch.no_grad():
+        for batch in (one, kwargs, _bigger(kwargs)):
+            assert bit_equal(seq(**batch), model(**batch))
+        pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=two_stages(seq), chunks=2)
+        assert bit_equal(pipe(**kwargs), by_micro_batch(model, kwargs, 2))

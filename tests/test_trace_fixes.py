@@ -434,6 +434,15 @@ class WidthBranch(nn.Module):
         return self.proj(x) if x.shape[-1] == 6 else x
 
 
+def test_traced_on_one_sample_a_branch_on_batch_one_still_serves_bigger_batches() -> None:
+    model = Positions().eval()
+    x = torch.randn(1, 5, 6)
+    seq = seqify.convert(model, example_inputs=(x,))
+    assert seq.frontend == "export"
+    for rows in (x, torch.randn(4, 5, 6)):
+        assert torch.equal(seq(rows), model(rows))
+
+
 def test_guards_that_hold_at_batch_one_keep_the_fx_result() -> None:
     seq = seqify.convert(WidthBranch(), example_inputs=(torch.randn(4, 6),))
     assert seq.frontend == "fx" and seq.guards

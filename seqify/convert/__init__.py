@@ -121,7 +121,7 @@ def convert(
                 return fixed
         if frontend == "auto" and verify and example_inputs is not None and not (leaf_types or leaf_paths or
                                                                                   depth is not None):
-            return _valid_at_one(model, seq, example_inputs, check_modes=check_modes)
+            return _batch_free(model, seq, example_inputs, check_modes=check_modes)
         return seq
     except SeqifyError as e:
         # Fall back only where fx cannot trace or its result is wrong; other errors teach their own fix.
@@ -149,19 +149,24 @@ def convert(
         raise
 
 
-def _one_sample(example_inputs: Any) -> Any:
-    """The example inputs cut to their first sample, or None where their tensors share no batch dimension > 1."""
-    sizes = {t.shape[0] for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1 or next(iter(sizes)) < 2:
+def _other_batch(example_inputs: Any) -> Any:
+    """The example inputs at another batch size: the first sample alone, or a one-sample example twice; None where
+    their tensors share no batch dimension."""
+    size = _batch_size(example_inputs)
+    if not size:
         return None
+    if size == 1:
+        return pytree.tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() > 0 else t,
+                               example_inputs)
     return pytree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, example_inputs)
 
 
 def _refuses(seq: Sequential, inputs: Any) -> bool:
-    """Whether ``seq`` raises SpecializationError on ``inputs`` (its buffers and attributes left as they were)."""
+    """Whether ``seq`` raises SpecializationError on ``inputs`` (its buffers, attributes and the RNG left as they
+    were)."""
     args, kwargs = split_inputs(inputs)
     try:
-        with torch.no_grad(), kept(seq):
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), kept(seq):
             seq(*args, **kwargs)
     except SpecializationError:
         return True
@@ -170,29 +175,36 @@ def _refuses(seq: Sequential, inputs: Any) -> bool:
     return False
 
 
-def _valid_at_one(model: nn.Module, seq: Sequential, example_inputs: Any, *, check_modes: bool) -> Sequential:
-    """fx's result, or export's where fx's guards refuse a one-sample batch and export's graph does not.
+def _batch_free(model: nn.Module, seq: Sequential, example_inputs: Any, *, check_modes: bool) -> Sequential:
+    """fx's result, or export's where fx's guards refuse another batch size and export's graph does not.
 
-    A pipeline runs micro-batches, often of one sample. fx resolves ``if batch != position_ids.shape[0]`` (a
-    transformers mask helper) on the example batch and guards it, so a micro-batch of one leaves the traced
-    branch; export keeps the batch symbolic and its graph (an ``expand`` to the batch) serves both.
+    A pipeline runs micro-batches, often of one sample, and people trace with one sample and train on many. fx
+    resolves ``if batch != position_ids.shape[0]`` (a transformers mask helper) on the example batch and guards
+    it, so a batch on the other side of 1 leaves the traced branch; export keeps the batch symbolic and its graph
+    (an ``expand`` to the batch) serves both.
     """
     if not seq.guards:
         return seq
-    one = _one_sample(example_inputs)
-    if one is None or not _refuses(seq, one):
+    batch = _other_batch(example_inputs)
+    if batch is None or not _refuses(seq, batch):
         return seq
     try:
         other = _via_export(model, example_inputs, check_modes=check_modes, verify=True)
     except SeqifyError:
         return seq
-    if _refuses(other, one):
+    if _refuses(other, batch):
         return seq
     try:
-        check(model, other, one, frontend="export")
+        check(model, other, batch, frontend="export")
     except VerifyError:
         return seq  # fx's result is right where its guards hold: better than a wrong one
     return other
+
+
+def _batch_size(inputs: Any) -> int | None:
+    """The size of dim 0 that every tensor of ``inputs`` shares, or None."""
+    sizes = {t.shape[0] for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    return next(iter(sizes)) if len(sizes) == 1 else None
 
 
 def _scope_key(node: fx.Node) -> Any:
@@ -223,19 +235,36 @@ def _assemble(traced: Traced, *, mode_dependent: bool, group: Any = None, fronte
 
 
 def _via_export(model: nn.Module, example_inputs: Any, *, check_modes: bool, verify: bool) -> Sequential:
-    from ..frontends.export import export_trace
-
     if example_inputs is None:
         raise OptionError(
             f"frontend='export' needs example_inputs: torch.export runs {type(model).__name__}.forward on them "
             "(e.g. seqify.convert(model, example_inputs={'input_ids': ids}, frontend='export'))"
         )
-    traced = export_trace(model, example_inputs)
-    mode_dependent = check_modes and exported_mode_dependent(model, traced.graph, example_inputs)
-    seq = _assemble(traced, mode_dependent=mode_dependent, group=_scope_key, frontend="export")
+    twice = _other_batch(example_inputs) if _batch_size(example_inputs) == 1 else None
+    if twice is not None:
+        # export keeps a batch dimension symbolic only where the example's is above one: a one-sample example
+        # (how people trace) is exported twice over, so other batches and micro-batches run too, and checked
+        # on the example itself; a model that fixes its batch at one is exported as given
+        try:
+            seq = _export_layers(model, twice, check_modes=check_modes)
+            if verify:
+                check(model, seq, twice, frontend="export")
+                check(model, seq, example_inputs, frontend="export")
+            return seq
+        except SeqifyError:
+            pass
+    seq = _export_layers(model, example_inputs, check_modes=check_modes)
     if verify:
         check(model, seq, example_inputs, frontend="export")
     return seq
+
+
+def _export_layers(model: nn.Module, example_inputs: Any, *, check_modes: bool) -> Sequential:
+    from ..frontends.export import export_trace
+
+    traced = export_trace(model, example_inputs)
+    mode_dependent = check_modes and exported_mode_dependent(model, traced.graph, example_inputs)
+    return _assemble(traced, mode_dependent=mode_dependent, group=_scope_key, frontend="export")
 
 
 def _trace_fx(

@@ -615,3 +615,18 @@ def test_zoo_unet_has_one_skip_per_level() -> None:
         model.eval()
         with torch.no_grad():
             assert torch.equal(seq(x), model(x))
+
+
+@pytest.mark.parametrize("wrap", ["compile", "data_parallel", "both"])
+def test_a_wrapped_model_converts_as_the_module_it_runs(wrap: str) -> None:
+    # torch.compile and DataParallel compute their module's function: convert that module, sharing its parameters
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    wrapped: nn.Module = model
+    if wrap in ("data_parallel", "both"):
+        wrapped = nn.DataParallel(wrapped)
+    if wrap in ("compile", "both"):
+        wrapped = torch.compile(wrapped)
+    x = torch.randn(3, 4)
+    seq = seqify.convert(wrapped, example_inputs=(x,))
+    assert torch.equal(seq(x), model(x))
+    assert {id(p) for p in seq.parameters()} == {id(p) for p in model.parameters()}

@@ -228,6 +228,8 @@ def test_convert_options_that_name_nothing() -> None:
         seqify.convert(model, depth=0)
     with raises(seqify.OptionError, "takes an nn.Module, got function", "wrap the function in a module"):
         seqify.convert(lambda x: x)
+    with raises(seqify.OptionError, "TorchScript module", "before torch.jit.script"):
+        seqify.convert(torch.jit.script(model))
     # A single type or path is a list of one.
     seq = seqify.convert(model, leaf_types=Lin)
     assert isinstance(seq[0], Lin)

@@ -1,9 +1,10 @@
 """Sweep harness: convert a model the way a new user would and check it against its source, one line per model.
 
 Each check builds the model from a tiny config (no download), converts it with ``frontend="auto"`` and the
-example inputs (self-checked), then checks: eval forward bit-equal, a batch one larger (dynamic batch), train
-forward bit-equal with gradients allclose 1e-5, a 2-stage CPU pipeline over 2 micro-batches equal to the source
-run per micro-batch, and that the source was left alone. A failure is reported with its stage and first line.
+example inputs (self-checked), then checks: eval forward bit-equal, a batch one larger (dynamic batch), a 2-stage
+CPU pipeline over 2 micro-batches equal to the source run per micro-batch, a conversion on the example's first
+sample alone run on a batch of three, train forward bit-equal with gradients allclose 1e-5, and that the source
+was left alone. A failure is reported with its stage and first line.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def check(name: str, build: Callable[[], Built], *, pipeline: bool = True) -> di
             with torch.no_grad():
                 pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=two_stages(seq), chunks=2)
                 assert equal(seeded(pipe, **kwargs), by_micro_batch(model, kwargs, 2)), "pipeline differs"
+        stage = "one-sample example"
+        one = pytree.tree_map(lambda v: v[:1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v, kwargs)
+        small = seqify.convert(model, example_inputs=one)  # how people trace; then a batch of three
+        with torch.no_grad():
+            assert equal(seeded(small, **bigger(kwargs)), seeded(model, **bigger(kwargs))), "batch 3 differs"
+        del small
         stage = "train"
         again = seq.train() if not seq.mode_dependent else None
         assert_exact(model, (), kwargs=kwargs, train=True, convert=lambda m: again or seqify.convert(

@@ -25,6 +25,18 @@ from .splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, 
 __all__ = ["convert", "Plan", "linearize", "build"]
 
 
+def _unwrapped(model: Any) -> Any:
+    """The module a wrapper runs: ``torch.compile``'s, ``DataParallel``'s and ``DistributedDataParallel``'s
+    (they compute its function; the conversion shares its parameters and is checked against it)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
 def _check_options(
     model: Any, leaf_types: Any, leaf_paths: Any, depth: Any
 ) -> tuple[tuple[type, ...], tuple[str, ...]]:
@@ -35,6 +47,12 @@ def _check_options(
             "whose forward calls it"
         )
     name = type(model).__name__
+    if isinstance(model, torch.jit.ScriptModule):
+        raise OptionError(
+            f"seqify.convert takes a Python nn.Module, got the TorchScript module {name} (its forward is compiled "
+            "code that torch.fx and torch.export cannot read); convert the module before torch.jit.script, or "
+            "script the converted model's layers"
+        )
     types = (leaf_types,) if isinstance(leaf_types, type) else tuple(leaf_types)
     bad = [t for t in types if not isinstance(t, type)]
     if bad:
@@ -91,6 +109,7 @@ def convert(
     """
     if isinstance(model, Sequential):
         return model
+    model = _unwrapped(model)
     leaf_types, leaf_paths = _check_options(model, leaf_types, leaf_paths, depth)
     if frontend not in ("auto", "fx", "export"):
         raise OptionError(f"frontend={frontend!r}: choose 'auto', 'fx' or 'export'")

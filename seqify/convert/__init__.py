@@ -98,7 +98,9 @@ def convert(
             ``self.training``; such conversions refuse to run in the other mode.
         frontend: ``"fx"`` (torch.fx: module-level layers, works without example inputs), ``"export"``
             (non-strict torch.export on ``example_inputs``: transformers, diffusers and other forwards fx
-            cannot trace) or ``"auto"``: fx, and export where fx fails or its result fails the self-check;
+            cannot trace) or ``"auto"``: fx, and export where fx fails, its result fails the self-check, or
+            its shape guards refuse a batch on the other side of one that export's graph serves (a micro-batch
+            of one; a one-sample example, which export traces twice over so that every batch size runs);
             with ``example_inputs``, also per submodule: one fx would keep whole because it cannot trace
             inside it becomes export-made layers among fx's (``seq.layer_frontends``, ``seq.exported``).
         verify: with ``example_inputs``, run the source and the result once and raise

@@ -13,11 +13,12 @@ import torch.utils._pytree as pytree
 
 __all__ = ["recording_shape_ops", "FACTORIES", "TENSOR_METHODS"]
 
-#: torch functions that take sizes (``torch.ones(n, n)``): with a proxy size, torch's argument parser fails
-#: before fx's ``__torch_function__`` can record the call.
+#: torch functions that take sizes (``torch.ones(n, n)``) or make a tensor of a value (``torch.tensor(channels)``,
+#: RAFT's correlation scale): with a proxy there, torch's argument parser fails before fx's ``__torch_function__``
+#: can record the call.
 FACTORIES = (
     "ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "eye", "tril_indices",
-    "triu_indices",
+    "triu_indices", "tensor", "as_tensor", "scalar_tensor",
 )
 #: Methods of a real tensor (a buffer, a constant) called with proxy sizes or indices
 #: (``self.position_ids.expand(b, n)``, ``self.table[:, :n]``).

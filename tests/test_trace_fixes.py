@@ -446,3 +446,19 @@ def test_traced_on_one_sample_a_branch_on_batch_one_still_serves_bigger_batches(
 def test_guards_that_hold_at_batch_one_keep_the_fx_result() -> None:
     seq = seqify.convert(WidthBranch(), example_inputs=(torch.randn(4, 6),))
     assert seq.frontend == "fx" and seq.guards
+
+
+class ScaledByWidth(nn.Module):
+    """RAFT's correlation scale: a tensor made from a traced size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt(torch.tensor(x.shape[1])) + torch.as_tensor(x.shape[-1]) * torch.scalar_tensor(x.size(0))
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_a_tensor_made_from_a_traced_size(example: bool) -> None:
+    model = ScaledByWidth()
+    x = torch.randn(2, 3, 5)
+    seq = seqify.convert(model, example_inputs=(x,) if example else None)
+    for rows in (x, torch.randn(4, 7, 6)):
+        assert torch.equal(seq(rows), model(rows))

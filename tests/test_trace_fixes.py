@@ -462,3 +462,25 @@ def test_a_tensor_made_from_a_traced_size(example: bool) -> None:
     seq = seqify.convert(model, example_inputs=(x,) if example else None)
     for rows in (x, torch.randn(4, 7, 6)):
         assert torch.equal(seq(rows), model(rows))
+
+
+class RefusesOneSample(nn.Module):
+    """A model that itself refuses a batch of one (as BatchNorm does in training on one value per channel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            raise ValueError("expected more than one sample")
+        return self.proj(x)
+
+
+def test_a_source_that_refuses_one_sample_keeps_the_fx_result() -> None:
+    # fx's guard refuses one sample and export's graph would run it, but the source refuses it: nothing to gain
+    model = RefusesOneSample()
+    x = torch.randn(4, 6)
+    seq = seqify.convert(model, example_inputs=(x,))
+    assert seq.frontend == "fx" and seq.guards
+    assert torch.equal(seq(x), model(x))

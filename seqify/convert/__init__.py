@@ -170,10 +170,15 @@ def convert(
         raise
 
 
-def _other_batch(example_inputs: Any) -> Any:
-    """The example inputs at another batch size: the first sample alone, or a one-sample example twice; None where
-    their tensors share no batch dimension."""
-    size = _batch_size(example_inputs)
+def _batch_size(inputs: Any) -> int | None:
+    """The size of dim 0 that every tensor of ``inputs`` shares, or None."""
+    sizes = {t.shape[0] for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    return next(iter(sizes)) if len(sizes) == 1 else None
+
+
+def _other_batch(example_inputs: Any, size: int | None) -> Any:
+    """The example inputs (batch ``size``) at another batch size: the first sample alone, or a one-sample example
+    twice; None where their tensors share no batch dimension."""
     if not size:
         return None
     if size == 1:
@@ -206,26 +211,19 @@ def _batch_free(model: nn.Module, seq: Sequential, example_inputs: Any, *, check
     """
     if not seq.guards:
         return seq
-    batch = _other_batch(example_inputs)
+    size = _batch_size(example_inputs)
+    batch = _other_batch(example_inputs, size)
     if batch is None or not _refuses(seq, batch):
         return seq
     try:
         other = _via_export(model, example_inputs, check_modes=check_modes, verify=True)
+        if size != 1:
+            check(model, other, batch, frontend="export")  # on the first sample alone
+        elif _refuses(other, batch):
+            return seq  # exported as given, fixed at one sample (a one-sample example twice over is checked)
     except SeqifyError:
-        return seq
-    if _refuses(other, batch):
-        return seq
-    try:
-        check(model, other, batch, frontend="export")
-    except VerifyError:
-        return seq  # fx's result is right where its guards hold: better than a wrong one
+        return seq  # fx's result is right where its guards hold: better than none, or a wrong one
     return other
-
-
-def _batch_size(inputs: Any) -> int | None:
-    """The size of dim 0 that every tensor of ``inputs`` shares, or None."""
-    sizes = {t.shape[0] for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
-    return next(iter(sizes)) if len(sizes) == 1 else None
 
 
 def _scope_key(node: fx.Node) -> Any:
@@ -261,7 +259,7 @@ def _via_export(model: nn.Module, example_inputs: Any, *, check_modes: bool, ver
             f"frontend='export' needs example_inputs: torch.export runs {type(model).__name__}.forward on them "
             "(e.g. seqify.convert(model, example_inputs={'input_ids': ids}, frontend='export'))"
         )
-    twice = _other_batch(example_inputs) if _batch_size(example_inputs) == 1 else None
+    twice = _other_batch(example_inputs, 1) if _batch_size(example_inputs) == 1 else None
     if twice is not None:
         # export keeps a batch dimension symbolic only where the example's is above one: a one-sample example
         # (how people trace) is exported twice over, so other batches and micro-batches run too, and checked

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from .dist_sizes import KINDS, decode, encode, is_size
 from .errors import BoundaryError, PeerError, SeqifyError
 
-__all__ = ["Link", "Key", "ACTIVATION", "SKIP", "GRAD", "SKIP_GRAD", "directions", "peer", "leaves", "grads_for",
-           "like_grads"]
+__all__ = ["Link", "Books", "Key", "ACTIVATION", "SKIP", "GRAD", "SKIP_GRAD", "directions", "peer", "leaves",
+           "grads_for", "like_grads"]
 
 Key = tuple[int, int, int]  # (what, partition or route, micro-batch)
 ACTIVATION, SKIP, GRAD, SKIP_GRAD = 0, 1, 2, 3  # what a message carries
@@ -26,7 +26,11 @@ _MAX_TENSORS = 16
 _MAX_DIMS = 8
 _SLOT = 2 + _MAX_DIMS
 _KEY = 3
-_HEADER = _KEY + 2 + _MAX_TENSORS * _SLOT
+_BOOK = _KEY + 2 + _MAX_TENSORS * _SLOT  # the word saying "the rest of this step follows the book" (0: no)
+_HEADER = _BOOK + 1
+
+# what one message is, for a book: its key, kind and, per tensor, (dtype index, shape); or its size's words
+Entry = tuple[Key, int, tuple[Any, ...]]
 
 
 @contextmanager
@@ -74,6 +78,40 @@ def _describe(key: Key) -> str:
     return f"{what.format(key[1])}, micro-batch {key[2]}"
 
 
+class Books:
+    """What one rank sent to and received from each peer in its last training step, message by message (key,
+    kind, dtypes and shapes), kept across steps by a :class:`~seqify.distributed.DistributedStage`.
+
+    A step whose fixed programs were all built before it (same micro-batch sizes; ``Link.steady``) sends what
+    its last step sent, in the same order and shapes. Its first message to a peer says so in its header,
+    with the fingerprint of that sequence; the receiver, holding the same sequence as received, knows the
+    rest of the step's messages from that peer before they come: for each it queues the receive of its header
+    and of its tensors back to back, and its host goes on without waiting for the header. (Without the book
+    the host waits for each header to learn the shapes, a round trip through the host on the pipeline's
+    critical path; receiving the tensors before the header arrives would keep NCCL's larger receive kernel
+    spinning on the GPU's multiprocessors while the partition computes.)"""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[Entry]] = {}  # last finished step: peer -> what went to it, in order
+        self.got: dict[int, list[Entry]] = {}  # last finished step: peer -> what came from it, in order
+        self.sending: dict[int, list[Entry]] = {}  # this step, so far
+        self.getting: dict[int, list[Entry]] = {}
+
+    def rotate(self) -> None:
+        """The step finished: its messages are the book for the next."""
+        self.sent, self.got, self.sending, self.getting = self.sending, self.getting, {}, {}
+
+    def clear(self) -> None:
+        """A step failed part-way: no book (the next step's messages all carry headers)."""
+        self.sent, self.got, self.sending, self.getting = {}, {}, {}, {}
+
+
+def fingerprint(entries: Sequence[Entry]) -> int:
+    """A nonzero int64 naming a sequence of messages, equal on every process (ints only: no salted hashes)."""
+    words = tuple((k, kind, spec) for k, kind, spec in entries)
+    return (hash(words) & ((1 << 62) - 1)) | 1
+
+
 class Link:
     """Sends values (a tensor, a tuple of tensors, None, or a size: a Python int, float or bool or a
     ``torch.Size``, as a size skip holds) to other ranks under a key, with a header giving the key,
@@ -82,9 +120,11 @@ class Link:
     Between two ranks messages arrive in the order they were sent; :meth:`recv` of a key reads the
     sender's messages in that order, keeping those that are not yet wanted for a later :meth:`recv`.
     Every message a rank waits for was sent by an action that comes earlier in the shared schedule, so
-    as long as sends never block (they are ``isend``) no two ranks wait on each other."""
+    as long as sends never block (they are ``isend``) no two ranks wait on each other. With ``books``
+    (:class:`Books`), a ``steady`` step's receivers need not wait for headers after its first message."""
 
-    def __init__(self, device: torch.device, me: str = "this rank", directions: tuple[Any, Any] | None = None) -> None:
+    def __init__(self, device: torch.device, me: str = "this rank", directions: tuple[Any, Any] | None = None,
+                 books: Books | None = None) -> None:
         self.device = device
         self.me = me
         # (to higher ranks, to lower ranks): process groups that each carry one direction only (see directions())
@@ -92,6 +132,11 @@ class Link:
         self.rank = dist.get_rank() if directions is not None else -1
         self.pending: list[tuple[Any, torch.Tensor, int]] = []
         self.inbox: dict[tuple[int, Key], Any] = {}
+        self.books = books
+        self.steady = False  # set by the step: this step sends what the last one did (see Books)
+        self.booked: set[int] = set()  # peers whose receives of this step's later messages follow the book
+        self.reading: dict[int, int] = {}  # peer -> the next entry of its book, read without waiting for headers
+        self.unchecked: list[tuple[int, Entry, torch.Tensor]] = []  # headers received without waiting
 
     def send(self, key: Key, value: Any, dst: int) -> None:
         words: list[int] = []
@@ -117,11 +162,30 @@ class Link:
         if len(tensors) > _MAX_TENSORS or any(t.dim() > _MAX_DIMS for t in tensors):
             raise BoundaryError(f"at most {_MAX_TENSORS} tensors of at most {_MAX_DIMS} dims cross ranks at once "
                                 f"({_describe(key)} has {len(tensors)}): move the cut")
+        entry: Entry = (tuple(key), kind, tuple(words) if kind in KINDS else
+                        tuple((_DTYPES.index(t.dtype), tuple(t.shape)) for t in tensors))  # type: ignore[assignment]
+        book = 0
+        if self.books is not None:
+            done = self.books.sending.setdefault(dst, [])
+            last = self.books.sent.get(dst, [])
+            if dst in self.booked:  # this step's first message to dst said: the rest follows the book
+                if len(done) >= len(last) or last[len(done)] != entry:
+                    expected = _describe(last[len(done)][0]) if len(done) < len(last) else "nothing more"
+                    raise BoundaryError(
+                        f"{self.me} sends {_describe(key)} to rank {dst} where its last step sent {expected}: a step "
+                        "with unchanged micro-batch sizes must send what the last one did (its receiver posts their "
+                        "receives before their headers arrive). Keep every input's shape fixed between steps, or use "
+                        "graphs=False")
+            elif not done and self.steady and last and last[0] == entry:
+                book = fingerprint(last)
+                self.booked.add(dst)
+            done.append(entry)
         # pinned on GPUs: copying a pageable header to the device would first wait for every kernel this rank
         # has queued (a stream sync per message), where a pinned one is copied in stream order
         header = torch.zeros(_HEADER, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         header[:_KEY] = torch.tensor(key, dtype=torch.int64)
         header[_KEY], header[_KEY + 1] = kind, len(words) if kind in KINDS else len(tensors)
+        header[_BOOK] = book
         if words:
             header[_KEY + 2:_KEY + 2 + len(words)] = torch.tensor(words, dtype=torch.int64)
         for k, t in enumerate(tensors):
@@ -152,6 +216,8 @@ class Link:
         and the payload lands while those kernels run; the compute stream waits for it before its next kernel."""
         what = f"receiving {_describe(wanted)}"
         side = _incoming(self.device) if self.device.type == "cuda" else None
+        if src in self.reading:
+            return self._booked(src, what, side)
         if side is None:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             self._recv(header, src, what)
@@ -172,13 +238,75 @@ class Link:
         key = (int(header[0]), int(header[1]), int(header[2]))
         kind, n = int(header[_KEY]), int(header[_KEY + 1])
         if kind in KINDS:
-            return key, decode(kind, [int(v) for v in header[_KEY + 2:_KEY + 2 + n]])
-        tensors = []
+            words = [int(v) for v in header[_KEY + 2:_KEY + 2 + n]]
+            self._note(src, (key, kind, tuple(words)), int(header[_BOOK]))
+            return key, decode(kind, words)
+        specs = []
         for k in range(n):
             base = _KEY + 2 + k * _SLOT
-            dtype = _DTYPES[int(header[base])]
-            shape = [int(d) for d in header[base + 2:base + 2 + int(header[base + 1])]]
-            t = torch.empty(shape, dtype=dtype, device=self.device)
+            specs.append((int(header[base]), tuple(int(d) for d in header[base + 2:base + 2 + int(header[base + 1])])))
+        self._note(src, (key, kind, tuple(specs)), int(header[_BOOK]))
+        return key, self._land(src, what, kind, specs, streams)
+
+    def _note(self, src: int, entry: Entry, book: int) -> None:
+        """Write a message received with a header into this step's book; a nonzero ``book`` (the sender's
+        fingerprint of its last step's messages) says the rest of the step follows that book, unannounced."""
+        if self.books is not None:
+            self.books.getting.setdefault(src, []).append(entry)
+        if not book:
+            return
+        last = self.books.got.get(src, []) if self.books is not None else []
+        if not last or fingerprint(last) != book or last[0] != entry:
+            raise PeerError(
+                f"{self.me}: rank {src} sends this step's messages as its last step did, and says so, but this "
+                "rank did not receive that step as it was sent (it failed part-way, or the ranks' stages differ). "
+                "Restart the job from the last seqify.distributed.save; build every rank's stage alike")
+        self.reading[src] = 1
+
+    def _booked(self, src: int, what: str, side: Any) -> tuple[Key, Any]:
+        """The next message from ``src`` as the book says it comes: its header's receive and its tensors'
+        are queued back to back, so the tensors' receive (NCCL's larger kernel) starts once the header
+        arrives, as when the host waited for it, but the host does not wait (the header is checked at
+        :meth:`flush`). On the CPU the header is read and checked at once."""
+        assert self.books is not None
+        last, at = self.books.got[src], self.reading[src]
+        if at >= len(last):
+            raise PeerError(f"{self.me} waits for {what[len('receiving '):]} from rank {src}, which its last step "
+                            "did not send: the ranks run different schedules; build every rank's stage alike")
+        entry = last[at]
+        self.reading[src] = at + 1
+        self.books.getting.setdefault(src, []).append(entry)
+        key, kind, spec = entry
+        if side is None:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            self._recv(header, src, what)
+            self._check(src, entry, header)
+            value = decode(kind, list(spec)) if kind in KINDS else self._land(src, what, kind, list(spec), None)
+            return key, value
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(side):
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            self._recv(header, src, what)
+            self.unchecked.append((src, entry, header))
+            value = decode(kind, list(spec)) if kind in KINDS else self._land(src, what, kind, list(spec),
+                                                                             (side, compute))
+        return key, value
+
+    def _check(self, src: int, entry: Entry, header: torch.Tensor) -> None:
+        """A header received as the book foretold must say what the book says."""
+        key, kind, _ = entry
+        words = header.tolist()
+        if tuple(words[:_KEY]) != tuple(key) or words[_KEY] != kind:
+            got = (int(words[0]), int(words[1]), int(words[2]))
+            raise PeerError(f"{self.me} expected {_describe(key)} from rank {src}, as that rank's last step sent, "
+                            f"and received {_describe(got)}: the ranks run different schedules; build every rank's "
+                            "stage alike")
+
+    def _land(self, src: int, what: str, kind: int, specs: list[Any], streams: Any) -> Any:
+        """Receive the tensors ``specs`` ((dtype index, shape) each) announce, as the value of ``kind``."""
+        tensors = []
+        for dtype, shape in specs:
+            t = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
             self._recv(t, src, what)
             tensors.append(t)
         if streams is not None and tensors:  # the compute stream reads them after they land, and keeps them alive
@@ -187,8 +315,8 @@ class Link:
             for t in tensors:
                 t.record_stream(compute)
         if kind == 2:
-            return key, None
-        return key, (tensors[0] if kind == 0 else tuple(tensors))
+            return None
+        return tensors[0] if kind == 0 else tuple(tensors)
 
     def recv(self, key: Key, src: int) -> Any:
         """The value sent under ``key`` by rank ``src``."""
@@ -206,11 +334,16 @@ class Link:
             with peer(self.me, dst, "waiting for its sends to arrive"):
                 work.wait()
         self.pending.clear()
+        for src, entry, header in self.unchecked:
+            self._check(src, entry, header)
+        self.unchecked.clear()
         if self.inbox:
             (src, key), *_ = self.inbox
             raise PeerError(f"{self.me} ends the step with {len(self.inbox)} unread message(s) ({_describe(key)} "
                             f"from rank {src}): the ranks run different schedules; build every rank's stage with "
                             "the same schedule and chunks")
+        if self.books is not None:
+            self.books.rotate()
 
 
 _INCOMING: dict[torch.device, Any] = {}

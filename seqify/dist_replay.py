@@ -316,6 +316,8 @@ def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets:
     dtype = torch.get_autocast_dtype(kind)
     for p, prog in stage._programs.items():
         prog.begin(sizes, stop, plan.split, _partition_order(plan, p), autocast=dtype if on else None)
+    # every program built in an earlier step (same sizes, same everything): this step sends what that one did
+    link.steady = all(prog.programs and all(q is not None for q in prog.programs) for prog in stage._programs.values())
     run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop, plan.split)
     actions = plan.per_device()[stage.index]
     # The caller's autocast without its cache of weight casts, as CUDA graphs need (torch's

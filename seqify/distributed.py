@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .dist_checkpoint import load, merge, save
-from .dist_link import Link, directions, leaves, peer
+from .dist_link import Books, Link, directions, leaves, peer
 from .dist_replay import RankPrograms, program_step
 from .dist_schedule import RankRun
 from .errors import BalanceError, BoundaryError, DeviceError, ScheduleError
@@ -181,6 +181,7 @@ class DistributedStage(nn.Module):
         # one process group per message direction (seqify.dist_link.directions); None: the default group
         self._directions: tuple[Any, Any] | None = None
         self._plans: dict[int, Schedule] = {}  # per micro-batch count: built once
+        self._books = Books()  # the last training step's messages: a steady step's receivers need not wait for headers
         self.graphs = graphs
         self.runner = self.runners[self.owned[0]]
         # graphs=True: each partition's micro-batches as fixed programs (dist_replay), one set per partition
@@ -290,20 +291,25 @@ class DistributedStage(nn.Module):
         sizes = self._sizes(micro)
         m = len(sizes)
         targets = scatter(target.to(self.device), m) if self.is_last and target is not None else [None] * m
-        link = Link(self.device, self.me, self._directions)
         grad = torch.is_grad_enabled()
         if not grad:
-            return self._forward_only(micro, sizes, link, targets, loss_fn)
+            return self._forward_only(micro, sizes, Link(self.device, self.me, self._directions), targets, loss_fn)
+        # fixed programs send the same messages every step of the same sizes: after the first, receivers need not wait for headers
+        link = Link(self.device, self.me, self._directions, self._books if self._programs else None)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-        if self._programs:
-            losses = program_step(self, link, micro, targets, sizes, loss_fn, stop)
-        else:
-            plan = self.plan(m)
-            run = RankRun(self, link, micro, targets, sizes, loss_fn, stop, plan.split)
-            run.run(plan.per_device()[self.index])
-            losses = run.losses
-        self._all_reduce_grads()
-        link.flush()
+        try:
+            if self._programs:
+                losses = program_step(self, link, micro, targets, sizes, loss_fn, stop)
+            else:
+                plan = self.plan(m)
+                run = RankRun(self, link, micro, targets, sizes, loss_fn, stop, plan.split)
+                run.run(plan.per_device()[self.index])
+                losses = run.losses
+            self._all_reduce_grads()
+            link.flush()
+        except BaseException:
+            self._books.clear()  # what this step sent is not a book its peers hold
+            raise
         return torch.stack(losses).sum() if self.is_last else None
 
     def _forward_only(self, micro: list[Any], sizes: list[int], link: Link, targets: list[Any],

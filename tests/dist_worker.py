@@ -248,8 +248,15 @@ def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: lis
             send(self, key, value, dst)
 
         Link.send = logged  # type: ignore[method-assign]
+        booked, quiet = Link._booked, [0]  # messages received as the last step's book said, without waiting for headers
+
+        def counted(self: Link, src: int, what: str, side: Any) -> Any:
+            quiet[0] += 1
+            return booked(self, src, what, side)
+
+        Link._booked = counted  # type: ignore[method-assign]
         record: dict[str, Any] = {"stage": stage.index, "owned": stage.owned, "replica": stage.replica, "losses": [],
-                                  "grads": []}
+                                  "grads": [], "quiet": []}
         shard = slice(stage.replica * batch // stage.replicas, (stage.replica + 1) * batch // stage.replicas)
 
         def loss_of(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -263,6 +270,8 @@ def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: lis
             opt.zero_grad()
             loss = stage.step(x if stage.is_first else None, y if stage.is_last else None, loss_fn=loss_of)
             record["losses"].append(None if loss is None else float(loss))
+            record["quiet"].append(quiet[0])
+            quiet[0] = 0
             record["grads"].append({names[id(p)]: p.grad.clone() for p in stage.partition.parameters()
                                     if p.grad is not None})
             opt.step()

@@ -201,6 +201,8 @@ def test_fixed_programs_with_two_partitions_per_rank_equal_one_process(tmp_path:
     for r in results:  # every partition of the rank ran as programs, checkpointed below stop
         assert r["programs"] == {p: [i < stop for i in range(4)] for p in r["owned"]}
         assert r["split"] == {p: [schedule == "zb-h1"] * 4 for p in r["owned"]}
+        # the second step sends what the first did: after its first message to a peer, without headers
+        assert r["quiet"][0] == 0 and r["quiet"][1] > 0
     check(results, reference())
 
 

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,6 +82,63 @@ def summary(prof: profile, steps: int, wall: float) -> dict[int, dict[str, objec
     return out
 
 
+def timeline(step: Callable[[], None], device: torch.device) -> list[dict[str, object]]:
+    """One step with each action of this rank timed: when the host began and finished issuing it (a
+    receive waits there for the message's header) and when the GPU began and ended it, in ms from the
+    step's start (host and GPU clocks joined at a synchronize just before)."""
+    from seqify import dist_replay
+
+    from seqify.pipeline import replay
+
+    marks: list[tuple[str, int, int, float, float, torch.cuda.Event, torch.cuda.Event]] = []
+    saved = {k: getattr(dist_replay.ProgramRun, k) for k in ("forward", "backward", "weights")}
+    programs = {k: getattr(replay.Program, k) for k in ("forward", "backward", "weights")}
+    starts: list[torch.cuda.Event] = []
+
+    def begin(fn: Callable[..., object]) -> Callable[..., object]:
+        def run(self: object, *a: object, **k: object) -> object:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()  # the GPU reaches it once the receives it waits for have landed
+            starts.append(e)
+            return fn(self, *a, **k)
+        return run
+
+    def wrap(kind: str, fn: Callable[..., None]) -> Callable[..., None]:
+        def run(self: object, p: int, i: int) -> None:
+            t0 = time.perf_counter()
+            starts.clear()
+            fn(self, p, i)  # receives happen inside, before the program is queued
+            b = torch.cuda.Event(enable_timing=True)
+            b.record()
+            a = starts[0] if starts else b
+            t1 = time.perf_counter()
+            marks.append((kind, p, i, t0, t1, a, b))
+        return run
+
+    for k, fn in saved.items():
+        setattr(dist_replay.ProgramRun, k, wrap(k[0].upper(), fn))
+    for k, fn in programs.items():
+        setattr(replay.Program, k, begin(fn))
+    try:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.Event(enable_timing=True)
+        base.record()
+        torch.cuda.synchronize(device)
+        h0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize(device)
+    finally:
+        for k, fn in saved.items():
+            setattr(dist_replay.ProgramRun, k, fn)
+        for k, fn in programs.items():
+            setattr(replay.Program, k, fn)
+    rows = []
+    for kind, p, i, t0, t1, a, b in marks:
+        rows.append({"a": f"{kind}{p}.{i}", "host_in": round((t0 - h0) * 1e3, 3), "host_out": round((t1 - h0) * 1e3, 3),
+                     "gpu_start": round(base.elapsed_time(a), 3), "gpu_end": round(base.elapsed_time(b), 3)})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
@@ -89,14 +147,17 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default=".")
+    p.add_argument("--balance", type=int, nargs=2, default=None, help="layers per GPU (default: balanced by time)")
+    p.add_argument("--timeline", action="store_true",
+                   help="seqify.distributed: also one more step's per-action GPU start/end and host issue times")
     args = p.parse_args()
     torch.manual_seed(0)
     seq = seqify.convert(torchvision.models.resnet101())
     micro = torch.randn(max(1, args.batch // args.chunks), 3, 224, 224)
     if args.inprocess:
         devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
-        plan = seqify.balance(seq, 2, micro, by="time", device=devices[0])
-        model = seqify.pipeline(seq, devices=devices, balance=plan.balance, chunks=args.chunks, schedule="1f1b",
+        parts = args.balance or seqify.balance(seq, 2, micro, by="time", device=devices[0]).balance
+        model = seqify.pipeline(seq, devices=devices, balance=list(parts), chunks=args.chunks, schedule="1f1b",
                                 graphs=True, checkpoint="never")
         x = torch.randn(args.batch, 3, 224, 224, device=devices[0])
         y = torch.randint(0, 1000, (args.batch,), device=devices[-1])
@@ -107,12 +168,12 @@ def main() -> None:
             model.step(x, y, F.cross_entropy)
             opt.step()
 
-        label, sync = "in-process", devices
+        label, sync, parts = "in-process", devices, list(parts)
     else:
         import seqify.distributed as sd
 
         sd.init()
-        stage = sd.stage(seq, balance="time", chunks=args.chunks, schedule="1f1b", graphs=True, sample=micro)
+        stage = sd.stage(seq, balance=args.balance or "time", chunks=args.chunks, schedule="1f1b", graphs=True, sample=micro)
         x = torch.randn(args.batch, 3, 224, 224, device=stage.device)
         y = torch.randint(0, 1000, (args.batch,), device=stage.device)
         opt = torch.optim.SGD(stage.parameters(), lr=0.01)
@@ -122,7 +183,7 @@ def main() -> None:
             stage.step(x if stage.is_first else None, y if stage.is_last else None, loss_fn=F.cross_entropy)
             opt.step()
 
-        label, sync = f"seqify.distributed rank {torch.distributed.get_rank()}", [stage.device]
+        label, sync, parts = f"seqify.distributed rank {torch.distributed.get_rank()}", [stage.device], stage.balance
     for _ in range(args.warm):
         step()
     for d in sync:
@@ -134,7 +195,10 @@ def main() -> None:
         for d in sync:
             torch.cuda.synchronize(d)
         wall = (time.perf_counter() - start) / args.steps
-    rows = {"probe": label, "chunks": args.chunks, "batch": args.batch, "per_gpu": summary(prof, args.steps, wall)}
+    rows: dict[str, object] = {"probe": label, "chunks": args.chunks, "batch": args.batch, "balance": list(parts),
+                               "per_gpu": summary(prof, args.steps, wall)}
+    if args.timeline and not args.inprocess:
+        rows["timeline"] = timeline(step, sync[0])
     print(json.dumps(rows), flush=True)
     rank = os.environ.get("RANK", "inprocess")
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -241,6 +241,52 @@ def test_export_needs_example_inputs_and_refuses_attribute_writes() -> None:
     assert_unchanged(model, before)
 
 
+class Carried(nn.Module):
+    """A tensor state carried between calls in a plain attribute (not a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.state = torch.zeros(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state = self.state + x.sum().detach()
+        return self.f(x) * self.state
+
+
+class Scratch(nn.Module):
+    """RecurrentGemma's pattern without a cache: an attribute reset, then computed, every call (never read
+    from an earlier call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = None
+        y = self.f(x)
+        if self.last is None:
+            y = y * 2
+        self.last = y.detach()
+        return y
+
+
+def test_export_refuses_a_tensor_state_read_across_calls_and_keeps_one_written_first() -> None:
+    # a tensor attribute read then written was baked in as a constant: wrong from the second call on
+    model, x = Carried(), torch.randn(2, 4)
+    with pytest.raises(seqify.ConversionError, match="state"):
+        seqify.convert(model, example_inputs=x, frontend="export")
+    # written before it is read, each call: converted, and equal to the source call after call (after a first
+    # call left a tensor there, which used to be refused as a write of None over it)
+    model = Scratch()
+    model(x)
+    twin = copy.deepcopy(model)
+    seq = seqify.convert(model, example_inputs=x, frontend="export")
+    for _ in range(3):
+        assert torch.equal(seq(x), twin(x))
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_batchnorm_statistics_land_in_the_source(train: bool) -> None:
     x = torch.randn(4, 3, 6, 6)

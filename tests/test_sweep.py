@@ -1,5 +1,5 @@
-"""125 Hugging Face architectures no other test names (decoders, encoders, encoder-decoders, audio, vision,
-diffusers), each from a tiny config, checked as a new user meets them by ``benchmarks/sweep/harness.py``:
+"""158 Hugging Face architectures no other test names (decoders, recent decoder and state-space families,
+encoders, encoder-decoders, audio, vision, diffusers), each from a tiny config, checked as a new user meets them by ``benchmarks/sweep/harness.py``:
 convert (frontend="auto", example inputs), eval and train exact against the source, a batch one larger, a
 2-stage CPU pipeline. A model seqify cannot take must be refused with the SeqifyError listed here, at the
 stage listed here: never a raw crash, never a wrong model."""
@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "swe
 
 import harness  # noqa: E402
 
-REGISTRIES = {name: importlib.import_module(name).REGISTRY for name in ("hf_decoders", "hf_encoders", "hf_vision")}
+REGISTRIES = {name: importlib.import_module(name).REGISTRY for name in ("hf_decoders", "hf_recent", "hf_encoders",
+                                                                               "hf_vision")}
 
 # (stage, error class): refusals that are right. Data-dependent control flow torch.export cannot capture
 # (MoE routing written as a Python loop over the experts hit, LayerDrop's random skip in train mode, a labels
@@ -27,6 +28,7 @@ REGISTRIES = {name: importlib.import_module(name).REGISTRY for name in ("hf_deco
 # loss reduced over the whole batch, which micro-batches cannot make.
 REFUSED = {
     "mixtral_eager_experts": ("convert+eval", "ExportError"),
+    "dbrx": ("convert+eval", "ExportError"),
     "Wav2Vec2Model": ("train", "ExportError"),
     "HubertModel": ("train", "ExportError"),
     "M2M100ForConditionalGeneration": ("train", "ExportError"),

@@ -141,15 +141,17 @@ def _refuse_cache_output(model: nn.Module, structure: Any, spec: Any) -> None:
 
 @contextmanager
 def _writes(model: nn.Module) -> Iterator[list[tuple[str, Any, Any]]]:
-    """Record Python attributes the forward changes on the model's modules (export itself restores them)."""
+    """Record the plain attributes (not parameters, buffers or submodules) the forward changes on the model's
+    modules, tensors included (export itself restores them)."""
     paths = {id(m): p for p, m in model.named_modules()}
     seen: list[tuple[str, Any, Any]] = []
     original = nn.Module.__setattr__
 
     def setattr_(self: nn.Module, name: str, value: Any) -> None:
-        if id(self) in paths and not name.startswith("_") and name != "training":
+        if (id(self) in paths and not name.startswith("_") and name != "training"
+                and name not in self._parameters and name not in self._buffers and name not in self._modules):
             old = self.__dict__.get(name, _MISSING)
-            if old is not value and not isinstance(value, (torch.Tensor, nn.Module)) and not _same(old, value):
+            if old is not value and not isinstance(value, nn.Module) and not _same(old, value):
                 seen.append((f"{paths[id(self)]}.{name}".lstrip("."), old, value))
         original(self, name, value)
 
@@ -160,16 +162,67 @@ def _writes(model: nn.Module) -> Iterator[list[tuple[str, Any, Any]]]:
         nn.Module.__setattr__ = original  # type: ignore[method-assign]
 
 
-def _refuse_writes(model: nn.Module, seen: list[tuple[str, Any, Any]]) -> None:
-    """A forward that sets Python attributes (a step counter) would have its first value baked in."""
-    if seen:
-        where, old, value = seen[0]
-        raise ConversionError(
-            f"{type(model).__name__}: forward writes the attribute {where} ({'unset' if old is _MISSING else repr(old)} "
-            f"-> {value!r}); a converted model would compute every call with the value seen at conversion. Keep "
-            "the value in a buffer (register_buffer, updated in place), or convert with frontend='fx', which "
-            "refuses or keeps such modules whole"
-        )
+def _refuse_writes(model: nn.Module, kwargs: dict[str, Any], seen: list[tuple[str, Any, Any]]) -> None:
+    """A forward that sets an attribute it read before (a step counter, a state carried between calls) would
+    have the value seen at conversion baked in: refused. One that always writes an attribute before reading it
+    (RecurrentGemma's recurrent state without a cache: reset, then computed, every call) computes it afresh
+    each call, as the graph does: kept."""
+    if not seen or _fresh_each_call(model, kwargs, {where for where, _, _ in seen}):
+        return
+    where, old, value = seen[0]
+    raise ConversionError(
+        f"{type(model).__name__}: forward writes the attribute {where} ({_shown(old)} -> {_shown(value)}) after "
+        "reading the value an earlier call left; a converted model would compute every call with the value seen "
+        "at conversion. Keep the value in a buffer (register_buffer, updated in place), or convert with "
+        "frontend='fx', which refuses or keeps such modules whole"
+    )
+
+
+def _shown(value: Any) -> str:
+    if value is _MISSING:
+        return "unset"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return repr(value)
+
+
+class _Unread:
+    """Stands in for an attribute's value from before a call: reading it in any way raises."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"read of a value from before the call ({name})")
+
+    def __bool__(self) -> bool:
+        raise TypeError("read of a value from before the call")
+
+    def __eq__(self, other: object) -> bool:
+        raise TypeError("read of a value from before the call")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _fresh_each_call(model: nn.Module, kwargs: dict[str, Any], written: set[str]) -> bool:
+    """Whether the forward computes the same with the ``written`` attributes (``module.path.name``)
+    unreadable as with their values from before: then it writes each before reading it."""
+    def run(hide: bool) -> Any:
+        with preserved(model), torch.random.fork_rng(devices=[]), torch.no_grad():
+            if hide:
+                for where in written:
+                    owner, _, name = where.rpartition(".")
+                    (model.get_submodule(owner) if owner else model).__dict__[name] = _Unread()
+            torch.manual_seed(0)
+            return model(**kwargs)
+
+    try:
+        before, hidden = run(False), run(True)
+    except Exception:
+        return False
+    a, spec_a = pytree.tree_flatten(before)
+    b, spec_b = pytree.tree_flatten(hidden)
+    if spec_a != spec_b:
+        return False
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+               else type(x) is type(y) and _same(x, y) for x, y in zip(a, b))
 
 
 _MISSING = object()
@@ -211,7 +264,7 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
             except Exception as e:
                 last = e
                 continue
-        _refuse_writes(model, seen)
+        _refuse_writes(model, kwargs, seen)
         return ep
     assert last is not None
     failed = source_error(model, lambda: model(**kwargs), lambda: preserved(model))

@@ -89,6 +89,35 @@ def kept(model: nn.Module) -> Iterator[None]:
                 b.copy_(value)
 
 
+def state(model: nn.Module) -> dict[str, Any]:
+    """What a forward can change that a converted model cannot carry, by ``module.path.attribute``: each plain
+    attribute's object (a tensor's in-place version too) and the items of dict and list attributes.
+    Parameters and buffers are left out: a converted model updates the source's own."""
+    found: dict[str, Any] = {}
+    for path, m in model.named_modules():
+        for name, value in m.__dict__.items():
+            if name.startswith("_") or name == "training":
+                continue
+            where = f"{path}.{name}".lstrip(".")
+            if isinstance(value, torch.Tensor):
+                found[where] = (id(value), value._version)
+            elif type(value) is dict:
+                found[where] = (id(value), tuple((k, id(v)) for k, v in value.items()))
+            elif type(value) is list:
+                found[where] = (id(value), tuple(id(v) for v in value))
+            else:
+                found[where] = id(value)
+    return found
+
+
+def _changed(before: dict[str, Any], after: dict[str, Any]) -> str | None:
+    """The first attribute whose value a call changed (None: none did)."""
+    return next((k for k in after if before.get(k, _NONE) != after[k]), None)
+
+
+_NONE = object()
+
+
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> Any:
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
@@ -118,8 +147,14 @@ def first_difference(source: nn.Module, seq: nn.Module, example_inputs: Any, see
     return None if found is None else found[0]
 
 
-def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: int) -> tuple[str, str | None] | None:
-    """:func:`first_difference`'s sentence and the path of the source module it names (None: the output)."""
+SECOND = "<second call>"  # _difference's path when only a second call differs
+
+
+def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: int,
+                twice: bool = False) -> tuple[str, str | None] | None:
+    """:func:`first_difference`'s sentence and the path of the source module it names (None: the output);
+    with ``twice``, where a first call changes Python state, a second call of each is compared too (path
+    :data:`SECOND` when only that differs)."""
     args, kwargs = split_inputs(example_inputs)
     layers = dict(seq.named_children())
     by_name = {p.replace(".", "_"): p for p, _ in source.named_modules() if p}
@@ -127,14 +162,23 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
     paths = {id(m): p for p, m in source.named_modules() if p and not any(True for _ in m.children())}
     watched = {id(layer): name for name, layer in layers.items() if name in by_name}
     with kept(source):
+        before = state(source) if twice else {}
         try:
             expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
         except Exception as e:  # the inputs are wrong, not the conversion: say so, not "report a seqify bug"
             raise raises_itself(type(source).__name__, e) from e
+        # a call that changed Python state (a counter, a value kept in a dict or list): the next call may differ
+        changed = _changed(before, state(source)) if twice else None
+        again = _run(source, args, kwargs, seed) if changed else None
     with kept(source):
         got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed))
+        got_again = _run(seq, args, kwargs, seed) if changed else None
     same = bit_equal if _on_cpu(expected) else close  # bit-equal on the CPU; allclose on accelerators
     if same(expected, got):
+        if changed and not same(again, got_again):
+            return (f"the first call is equal, the second is not: the source's first call changed {changed!r}, "
+                    "and its second call computes with that (state kept between calls), which the converted "
+                    "model does not carry; it would match a first call only"), SECOND
         return None
     for name in layers:
         path = by_name.get(name)
@@ -176,7 +220,7 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
     if any(t.is_meta for t in tensors):
         return
     try:
-        found = _difference(source, seq, example_inputs, seed)
+        found = _difference(source, seq, example_inputs, seed, twice=True)
     except (VerifyError, ExampleInputError):
         raise
     except Exception as e:
@@ -196,6 +240,15 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
             f"the converted {type(source).__name__}{note} crashes on the example inputs where the source runs: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{cause}"
         ) from e
+    if found is not None and found[1] == SECOND:
+        note = f" made by the {frontend} frontend" if frontend else ""
+        raise VerifyError(
+            f"the converted {type(source).__name__}{note} does not compute what the source computes on a second call "
+            f"with the example inputs: {found[0]}. Keep such state in a buffer updated in place (the converted "
+            "model updates the source's buffers) or inside a submodule that changes it (the fx frontend keeps "
+            "such a submodule whole, as one layer), or reset it at the start of forward; pass verify=False to "
+            "accept a model that matches a first call only"
+        )
     if found is not None:
         difference, path = found
         note = f" made by the {frontend} frontend" if frontend else ""

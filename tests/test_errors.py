@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
-from exactness import assert_exact
+from exactness import assert_exact, assert_unchanged, snapshot
 from seqify.skip import Namespace, pop, skippable, stash
 
 pytestmark = pytest.mark.timeout(120)
@@ -834,6 +834,75 @@ class StepCounter(Lin):
 def test_forward_that_writes_an_attribute() -> None:
     with raises(seqify.StatefulForwardError, "StepCounter.forward", "self.step", "What to do", "submodule"):
         seqify.convert(StepCounter(), torch.randn(2, 4))
+
+
+class KeptInDict(Lin):
+    """A hidden state carried between calls in a dict attribute (mutated, never reassigned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x) + self.memory.get("h", torch.zeros_like(x))
+        self.memory["h"] = h.detach()
+        return h
+
+
+class CountedInList(Lin):
+    """A count kept as a list's length (appended to every call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x) * (len(self.seen) + 1)
+        self.seen.append(1)
+        return y
+
+
+class Ticker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ticks = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ticks += 1
+        return x * self.ticks
+
+
+class TicksInside(Lin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ticker = Ticker()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ticker(super().forward(x))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export", "auto"])
+@pytest.mark.parametrize(("model_cls", "attribute"), [(KeptInDict, "memory"), (CountedInList, "seen")])
+def test_state_kept_in_a_container_between_calls_is_refused(frontend: str, model_cls: type[nn.Module],
+                                                            attribute: str) -> None:
+    # every frontend returned these: equal on the first call, wrong from the second on (the graph read the
+    # container as it was at conversion). The self-check now calls source and result twice when the first call
+    # changed Python state, and names what changed
+    model = model_cls()
+    before = snapshot(model)
+    with raises(seqify.VerifyError, "second call", repr(attribute), "buffer", "verify=False"):
+        seqify.convert(model, example_inputs=torch.randn(2, 4), frontend=frontend)
+    assert_unchanged(model, before)
+
+
+def test_state_changed_inside_a_kept_submodule_still_converts() -> None:
+    # fx keeps a submodule that changes its attributes whole (one layer, the source's own module), so the
+    # converted model carries that state: the second-call check passes, and calls stay equal to the source's
+    model, x = TicksInside(), torch.randn(2, 4)
+    twin = copy.deepcopy(model)
+    seq = seqify.convert(model, example_inputs=x, frontend="fx")
+    for _ in range(3):
+        assert torch.equal(seq(x), twin(x))
 
 
 class KVCache:

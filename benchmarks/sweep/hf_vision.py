@@ -254,6 +254,252 @@ def unet2d_added_cond() -> harness.Built:
                    "added_cond_kwargs": {"text_embeds": torch.randn(B, 6), "time_ids": torch.randn(B, 2)}}
 
 
+# diffusers' recent image and video models (added 2026-11-25): Sana, DC-AE, Wan 2.x and its 3-D VAE, CogVideoX,
+# LTX-Video, AuraFlow, Stable Video Diffusion's UNet, UNet3D, Lumina 2, Qwen-Image
+def sana() -> harness.Built:
+    import diffusers as d
+
+    m = d.SanaTransformer2DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=8,
+        cross_attention_dim=16,
+        caption_channels=12,
+        mlp_ratio=2.0,
+        sample_size=8,
+        patch_size=1,
+        norm_elementwise_affine=False,
+    )
+    return m, {
+        "hidden_states": torch.randn(B, 4, 8, 8),
+        "encoder_hidden_states": torch.randn(B, 5, 12),
+        "timestep": torch.tensor([3, 7]),
+    }
+
+
+def autoencoder_dc() -> harness.Built:
+    import diffusers as d
+
+    m = d.AutoencoderDC(
+        in_channels=3,
+        latent_channels=4,
+        attention_head_dim=4,
+        encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 16),
+        decoder_block_out_channels=(8, 16),
+        encoder_layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        encoder_qkv_multiscales=((), (5,)),
+        decoder_qkv_multiscales=((), (5,)),
+        upsample_block_type="interpolate",
+        downsample_block_type="Conv",
+        decoder_norm_types="rms_norm",
+        decoder_act_fns="silu",
+    )
+    return m, {"sample": torch.randn(B, 3, 16, 16)}
+
+
+def wan() -> harness.Built:
+    import diffusers as d
+
+    m = d.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=12,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=1,
+        rope_max_seq_len=32,
+    )
+    return m, {
+        "hidden_states": torch.randn(B, 4, 2, 8, 8),
+        "timestep": torch.tensor([3, 7]),
+        "encoder_hidden_states": torch.randn(B, 5, 12),
+    }
+
+
+def autoencoder_kl_wan() -> harness.Built:
+    import diffusers as d
+
+    m = d.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False])
+    return m, {"sample": torch.randn(B, 3, 1, 16, 16)}
+
+
+def cogvideox() -> harness.Built:
+    import diffusers as d
+
+    m = d.CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=8,
+        text_embed_dim=12,
+        num_layers=1,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=5,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=5,
+    )
+    return m, {
+        "hidden_states": torch.randn(B, 2, 4, 8, 8),
+        "encoder_hidden_states": torch.randn(B, 5, 12),
+        "timestep": torch.tensor([3, 7]),
+    }
+
+
+def ltx_video() -> harness.Built:
+    import diffusers as d
+
+    m = d.LTXVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        num_layers=1,
+        caption_channels=12,
+    )
+    return m, {
+        "hidden_states": torch.randn(B, 2 * 4 * 4, 4),
+        "encoder_hidden_states": torch.randn(B, 5, 12),
+        "timestep": torch.tensor([3, 7]),
+        "encoder_attention_mask": torch.ones(B, 5),
+        "num_frames": 2,
+        "height": 4,
+        "width": 4,
+    }
+
+
+def auraflow() -> harness.Built:
+    import diffusers as d
+
+    m = d.AuraFlowTransformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_mmdit_layers=1,
+        num_single_dit_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=12,
+        caption_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+    return m, {
+        "hidden_states": torch.randn(B, 4, 8, 8),
+        "encoder_hidden_states": torch.randn(B, 5, 12),
+        "timestep": torch.tensor([3, 7]),
+    }
+
+
+def unet_spatio_temporal() -> harness.Built:
+    import diffusers as d
+
+    m = d.UNetSpatioTemporalConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=8,
+        num_attention_heads=(2, 2),
+        addition_time_embed_dim=4,
+        projection_class_embeddings_input_dim=12,
+        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+    )
+    return m, {
+        "sample": torch.randn(B, 2, 4, 8, 8),
+        "timestep": torch.tensor([3, 7]),
+        "encoder_hidden_states": torch.randn(B, 1, 8),
+        "added_time_ids": torch.randn(B, 3),
+    }
+
+
+def unet3d() -> harness.Built:
+    import diffusers as d
+
+    m = d.UNet3DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        cross_attention_dim=8,
+        attention_head_dim=4,
+        down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
+    )
+    return m, {
+        "sample": torch.randn(B, 4, 2, 8, 8),
+        "timestep": torch.tensor([3, 7]),
+        "encoder_hidden_states": torch.randn(B, 5, 8),
+    }
+
+
+def lumina2() -> harness.Built:
+    import diffusers as d
+
+    m = d.Lumina2Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        hidden_size=16,
+        num_layers=1,
+        num_refiner_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        multiple_of=8,
+        cap_feat_dim=12,
+        axes_dim_rope=(4, 2, 2),
+        axes_lens=(32, 32, 32),
+    )
+    return m, {
+        "hidden_states": torch.randn(B, 4, 8, 8),
+        "timestep": torch.tensor([0.3, 0.7]),
+        "encoder_hidden_states": torch.randn(B, 5, 12),
+        "encoder_attention_mask": torch.ones(B, 5, dtype=torch.bool),
+    }
+
+
+def qwen_image() -> harness.Built:
+    import diffusers as d
+
+    m = d.QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=12,
+        axes_dims_rope=(2, 2, 4),
+    )
+    return m, {
+        "hidden_states": torch.randn(B, 16, 16),
+        "encoder_hidden_states": torch.randn(B, 5, 12),
+        "encoder_hidden_states_mask": torch.ones(B, 5),
+        "timestep": torch.tensor([0.3, 0.7]),
+        "img_shapes": [(1, 4, 4)] * B,
+    }
+
+
 REGISTRY = {
     "deit": deit, "beit": beit, "swin": swin, "swinv2": swinv2, "convnext": convnext, "convnextv2": convnextv2,
     "resnet": resnet, "regnet": regnet, "segformer": segformer, "dinov2": dinov2, "dinov2_hidden": dinov2_hidden, "siglip_vision": siglip_vision,
@@ -263,6 +509,10 @@ REGISTRY = {
     "pixart": pixart, "sd3": sd3, "flux": flux, "controlnet": controlnet,
     "unet2d_class_labels": unet2d_class_labels, "unet2d_added_cond": unet2d_added_cond,
 }
+
+REGISTRY.update({name: globals()[name] for name in (
+    "sana", "autoencoder_dc", "wan", "autoencoder_kl_wan", "cogvideox", "ltx_video", "auraflow", "unet_spatio_temporal",
+    "unet3d", "lumina2", "qwen_image")})
 
 if __name__ == "__main__":
     raise SystemExit(harness.main(REGISTRY))

@@ -1,4 +1,4 @@
-"""169 Hugging Face architectures no other test names (decoders, recent decoder and state-space families,
+"""172 Hugging Face architectures no other test names (decoders, recent decoder and state-space families,
 encoders, encoder-decoders, audio, vision, diffusers), each from a tiny config, checked as a new user meets them by ``benchmarks/sweep/harness.py``:
 convert (frontend="auto", example inputs), eval and train exact against the source, a batch one larger, a
 2-stage CPU pipeline. A model seqify cannot take must be refused with the SeqifyError listed here, at the
@@ -41,6 +41,10 @@ REFUSED = {
     # Lumina 2 takes the set and max of its batch's sequence lengths in Python: the conversion holds for the
     # example's batch size (export cannot capture it at all), other batch sizes get SpecializationError
     "lumina2": ("bigger batch", "SpecializationError"),
+    # LLaVA and Idefics3 turn their batch of image features into a Python list (list(image_features)): the
+    # conversion holds for the example's batch size, other batch sizes get SpecializationError
+    "llava": ("bigger batch", "SpecializationError"),
+    "idefics3": ("bigger batch", "SpecializationError"),
 }
 
 CASES = [(registry, name) for registry, models in REGISTRIES.items() for name in models]

@@ -500,6 +500,93 @@ def qwen_image() -> harness.Built:
     }
 
 
+# vision-language models (added 2026-11-25): image tokens in a Llama or Gemma text model
+VOCAB = 64
+
+
+def llava() -> harness.Built:
+    import transformers as t
+
+    vc = t.CLIPVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
+        projection_dim=16,
+    )
+    tc = t.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    cfg = t.LlavaConfig(
+        vision_config=vc,
+        text_config=tc,
+        image_token_index=VOCAB - 1,
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+        image_seq_length=4,
+    )
+    cfg.use_cache = False
+    cfg.text_config.use_cache = False
+    m = t.LlavaForConditionalGeneration(cfg)
+    ids = torch.randint(0, VOCAB - 2, (B, 10))
+    ids[:, 1:5] = VOCAB - 1
+    return m, {"input_ids": ids, "pixel_values": torch.randn(B, 3, 8, 8), "use_cache": False}
+
+
+def paligemma() -> harness.Built:
+    import transformers as t
+
+    vc = t.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4
+    )
+    tc = t.GemmaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    cfg = t.PaliGemmaConfig(vision_config=vc, text_config=tc, image_token_index=VOCAB - 1, projection_dim=16)
+    cfg.text_config.use_cache = False
+    m = t.PaliGemmaForConditionalGeneration(cfg)
+    ids = torch.randint(0, VOCAB - 2, (B, 10))
+    ids[:, 0:4] = VOCAB - 1
+    return m, {"input_ids": ids, "pixel_values": torch.randn(B, 3, 8, 8), "use_cache": False}
+
+
+def idefics3() -> harness.Built:
+    import transformers as t
+
+    vc = t.Idefics3VisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4
+    )
+    tc = t.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    cfg = t.Idefics3Config(vision_config=vc, text_config=tc, image_token_id=VOCAB - 1, scale_factor=1)
+    m = t.Idefics3ForConditionalGeneration(cfg)
+    ids = torch.randint(0, VOCAB - 2, (B, 10))
+    ids[:, 1:5] = VOCAB - 1
+    return m, {"input_ids": ids, "pixel_values": torch.randn(B, 1, 3, 8, 8), "use_cache": False}
+
+
 REGISTRY = {
     "deit": deit, "beit": beit, "swin": swin, "swinv2": swinv2, "convnext": convnext, "convnextv2": convnextv2,
     "resnet": resnet, "regnet": regnet, "segformer": segformer, "dinov2": dinov2, "dinov2_hidden": dinov2_hidden, "siglip_vision": siglip_vision,
@@ -512,7 +599,7 @@ REGISTRY = {
 
 REGISTRY.update({name: globals()[name] for name in (
     "sana", "autoencoder_dc", "wan", "autoencoder_kl_wan", "cogvideox", "ltx_video", "auraflow", "unet_spatio_temporal",
-    "unet3d", "lumina2", "qwen_image")})
+    "unet3d", "lumina2", "qwen_image", "llava", "paligemma", "idefics3")})
 
 if __name__ == "__main__":
     raise SystemExit(harness.main(REGISTRY))

@@ -334,9 +334,12 @@ class Link:
             with peer(self.me, dst, "waiting for its sends to arrive"):
                 work.wait()
         self.pending.clear()
-        for src, entry, header in self.unchecked:
-            self._check(src, entry, header)
-        self.unchecked.clear()
+        if self.unchecked:  # headers received without waiting: landed once the receiving stream is done
+            with peer(self.me, self.unchecked[0][0], "waiting for its messages to arrive"):
+                _incoming(self.device).synchronize()
+            for src, entry, header in self.unchecked:
+                self._check(src, entry, header)
+            self.unchecked.clear()
         if self.inbox:
             (src, key), *_ = self.inbox
             raise PeerError(f"{self.me} ends the step with {len(self.inbox)} unread message(s) ({_describe(key)} "

@@ -169,12 +169,18 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
             raise raises_itself(type(source).__name__, e) from e
         # a call that changed Python state (a counter, a value kept in a dict or list): the next call may differ
         changed = _changed(before, state(source)) if twice else None
+        buffers = {n: b.detach().clone() for n, b in source.named_buffers()}  # as the source's call left them
         again = _run(source, args, kwargs, seed) if changed else None
     with kept(source):
         got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed))
+        left = {n: b.detach().clone() for n, b in source.named_buffers()}  # as the result's call left them
         got_again = _run(seq, args, kwargs, seed) if changed else None
     same = bit_equal if _on_cpu(expected) else close  # bit-equal on the CPU; allclose on accelerators
     if same(expected, got):
+        moved = next((n for n in buffers if n in left and not same(buffers[n], left[n])), None)
+        if moved is not None:  # a BatchNorm counter or statistic the conversion does not update as the source
+            owner = moved.rpartition(".")[0] or None
+            return f"the outputs are equal but buffer {moved!r} is not after the call (BatchNorm statistics?)", owner
         if changed and not same(again, got_again):
             return (f"the first call is equal, the second is not: the source's first call changed {changed!r}, "
                     "and its second call computes with that (state kept between calls), which the converted "

@@ -162,10 +162,10 @@ class Link:
         if len(tensors) > _MAX_TENSORS or any(t.dim() > _MAX_DIMS for t in tensors):
             raise BoundaryError(f"at most {_MAX_TENSORS} tensors of at most {_MAX_DIMS} dims cross ranks at once "
                                 f"({_describe(key)} has {len(tensors)}): move the cut")
-        entry: Entry = (tuple(key), kind, tuple(words) if kind in KINDS else
-                        tuple((_DTYPES.index(t.dtype), tuple(t.shape)) for t in tensors))  # type: ignore[assignment]
         book = 0
-        if self.books is not None:
+        if self.books is not None:  # (only then: a step without books pays nothing for them)
+            entry: Entry = (tuple(key), kind, tuple(words) if kind in KINDS else  # type: ignore[assignment]
+                            tuple((_DTYPES.index(t.dtype), tuple(t.shape)) for t in tensors))
             done = self.books.sending.setdefault(dst, [])
             last = self.books.sent.get(dst, [])
             if dst in self.booked:  # this step's first message to dst said: the rest follows the book

@@ -504,88 +504,53 @@ def qwen_image() -> harness.Built:
 VOCAB = 64
 
 
+def _vision(config: str) -> Any:
+    import transformers as t
+
+    return getattr(t, config)(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=8, patch_size=4)
+
+
+def _text(config: str, **extra: Any) -> Any:
+    import transformers as t
+
+    return getattr(t, config)(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, **extra)
+
+
+def _with_images(model: Any, first: int, pixels: torch.Tensor) -> harness.Built:
+    """``model`` on 10 tokens per row whose positions ``first..first+3`` are the image token (the last id)."""
+    ids = torch.randint(0, VOCAB - 2, (B, 10))
+    ids[:, first:first + 4] = VOCAB - 1
+    return model, {"input_ids": ids, "pixel_values": pixels, "use_cache": False}
+
+
 def llava() -> harness.Built:
     import transformers as t
 
-    vc = t.CLIPVisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=8,
-        patch_size=4,
-        projection_dim=16,
-    )
-    tc = t.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    cfg = t.LlavaConfig(
-        vision_config=vc,
-        text_config=tc,
-        image_token_index=VOCAB - 1,
-        vision_feature_layer=-1,
-        projector_hidden_act="gelu",
-        image_seq_length=4,
-    )
-    cfg.use_cache = False
-    cfg.text_config.use_cache = False
-    m = t.LlavaForConditionalGeneration(cfg)
-    ids = torch.randint(0, VOCAB - 2, (B, 10))
-    ids[:, 1:5] = VOCAB - 1
-    return m, {"input_ids": ids, "pixel_values": torch.randn(B, 3, 8, 8), "use_cache": False}
+    cfg = t.LlavaConfig(vision_config=_vision("CLIPVisionConfig"), text_config=_text("LlamaConfig"),
+                        image_token_index=VOCAB - 1, vision_feature_layer=-1, projector_hidden_act="gelu",
+                        image_seq_length=4)
+    cfg.vision_config.projection_dim = 16
+    cfg.use_cache = cfg.text_config.use_cache = False
+    return _with_images(t.LlavaForConditionalGeneration(cfg), 1, torch.randn(B, 3, 8, 8))
 
 
 def paligemma() -> harness.Built:
     import transformers as t
 
-    vc = t.SiglipVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4
-    )
-    tc = t.GemmaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-    )
-    cfg = t.PaliGemmaConfig(vision_config=vc, text_config=tc, image_token_index=VOCAB - 1, projection_dim=16)
+    cfg = t.PaliGemmaConfig(vision_config=_vision("SiglipVisionConfig"), text_config=_text("GemmaConfig", head_dim=8),
+                            image_token_index=VOCAB - 1, projection_dim=16)
     cfg.text_config.use_cache = False
-    m = t.PaliGemmaForConditionalGeneration(cfg)
-    ids = torch.randint(0, VOCAB - 2, (B, 10))
-    ids[:, 0:4] = VOCAB - 1
-    return m, {"input_ids": ids, "pixel_values": torch.randn(B, 3, 8, 8), "use_cache": False}
+    return _with_images(t.PaliGemmaForConditionalGeneration(cfg), 0, torch.randn(B, 3, 8, 8))
 
 
 def idefics3() -> harness.Built:
     import transformers as t
 
-    vc = t.Idefics3VisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4
-    )
-    tc = t.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    cfg = t.Idefics3Config(vision_config=vc, text_config=tc, image_token_id=VOCAB - 1, scale_factor=1)
-    m = t.Idefics3ForConditionalGeneration(cfg)
-    ids = torch.randint(0, VOCAB - 2, (B, 10))
-    ids[:, 1:5] = VOCAB - 1
-    return m, {"input_ids": ids, "pixel_values": torch.randn(B, 1, 3, 8, 8), "use_cache": False}
-
+    cfg = t.Idefics3Config(vision_config=_vision("Idefics3VisionConfig"), text_config=_text("LlamaConfig"),
+                           image_token_id=VOCAB - 1, scale_factor=1)
+    return _with_images(t.Idefics3ForConditionalGeneration(cfg), 1, torch.randn(B, 1, 3, 8, 8))
 
 REGISTRY = {
     "deit": deit, "beit": beit, "swin": swin, "swinv2": swinv2, "convnext": convnext, "convnextv2": convnextv2,

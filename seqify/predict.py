@@ -11,13 +11,16 @@ The model, per candidate (partitions on devices, ``m`` micro-batches of ``b`` sa
   it, backward two thirds (``TRAINING_FACTOR``), and a checkpointed micro-batch's backward runs its
   forward again;
 * every (micro-batch, partition) task costs the executor ``task_s`` of host time, and on CUDA without
-  graphs every layer call costs ``launch_s`` of host time to issue (the host issues all devices' forwards
-  from one thread, so step time is at least their sum);
+  graphs every layer call costs the host the seconds the profile took to issue it (``host_s``; else the
+  calibrated ``launch_s``). One thread issues the work: ``pipe.step`` every action in turn, ``pipe(x)``
+  every forward in turn and then autograd's thread per device its backwards, so a step takes at least
+  that long (GPT-2's eager pipelines over two GPUs were host-bound: 330 ms of issue per 195 ms of work);
 * a value crossing a cut between two devices costs ``copy_latency_s + bytes / copy_bytes_per_s`` each way;
 * a split backward (zero-bubble schedules) is B, the input gradients, ``1 - weight_share`` of it, and W,
   the weight gradients, ``weight_share`` of it, plus what splitting costs the executor beyond one
-  backward (``split_backward - 1`` of it, measured: autograd's W walks the graph from the outputs again),
-  W a task of its own; the first partition has no input gradient to send: its B is empty and its W the
+  backward (``split_backward - 1`` of it, measured: eager W walks the graph from the outputs again;
+  ``split_replayed - 1`` under captured graphs, whose W starts from the gradients B kept), W a task of
+  its own; the first partition has no input gradient to send: its B is empty and its W the
   whole backward;
 * the actions of the candidate's :class:`~seqify.pipeline.schedule.Schedule` (GPipe, 1F1B, interleaved,
   ZB-H1) run on their device in the schedule's order as soon as what they need is done: the fill-drain
@@ -65,6 +68,7 @@ class LayerModel:
     cut_per_sample: tuple[float, ...]
     sizes: tuple[int, ...] = ()
     times: tuple[tuple[float, ...], ...] = ()
+    host_s: tuple[float, ...] = ()  # on CUDA: the host's seconds to issue each layer's forward+backward
 
     @classmethod
     def fit(cls, lo: tuple[int, Sequence[float]], hi: tuple[int, Sequence[float]], saved: Sequence[int],
@@ -81,18 +85,30 @@ class LayerModel:
 
     @classmethod
     def through(cls, points: Sequence[tuple[int, Sequence[float]]], saved: Sequence[int], state: Sequence[int],
-                cut: Sequence[int], batch: int) -> LayerModel:
+                cut: Sequence[int], batch: int, host: Sequence[float] = ()) -> LayerModel:
         """Each layer's times profiled at several batch sizes, ``points = [(size, times), ...]``, kept as
-        they are (the line of :meth:`fit` through the smallest and largest); bytes measured at ``batch``."""
+        they are (the line of :meth:`fit` through the smallest and largest); bytes measured at ``batch``;
+        ``host``: each layer's host seconds to issue it (empty where not measured)."""
         by_size = {int(b): tuple(float(t) for t in times) for b, times in points}
         sizes = tuple(sorted(by_size))
         line = cls.fit((sizes[0], by_size[sizes[0]]), (sizes[-1], by_size[sizes[-1]]), saved, state, cut, batch)
+        line = replace(line, host_s=tuple(float(h) for h in host))
         if len(sizes) < 3:
             return line
         return replace(line, sizes=sizes, times=tuple(by_size[b] for b in sizes))
 
     def __len__(self) -> int:
         return len(self.fixed_s)
+
+    def issue_seconds(self, start: int, stop: int, cal: Calibration, graphs: bool) -> float:
+        """The host's seconds to issue layers ``start..stop-1`` once (forward and backward): nothing
+        per layer when replayed as captured graphs; else the profiled seconds where the profile has
+        them (CUDA), or the calibrated launch cost per layer call."""
+        if graphs:
+            return 0.0
+        if self.host_s and not cal.host_serial:
+            return math.fsum(self.host_s[start:stop])
+        return (stop - start) * cal.launch_s
 
     def scaled(self, factor: float) -> LayerModel:
         """Every layer's time times ``factor`` (bytes unchanged)."""
@@ -120,7 +136,8 @@ class Calibration:
     """Measured overheads of the executor and the devices: see the module docstring. ``host_serial``:
     every partition runs on the host (CPU devices), so no two tasks overlap. ``split_backward``: the
     seconds of a backward split into input and weight gradients over those of one whole backward
-    (1.0: splitting is free)."""
+    (1.0: splitting is free); ``split_replayed``: the same for captured graphs, which split at the
+    boundary where weights join the inputs' path (GPU work only: replay issues no per-op host work)."""
 
     task_s: float
     launch_s: float
@@ -128,6 +145,7 @@ class Calibration:
     copy_bytes_per_s: float
     host_serial: bool
     split_backward: float = 1.0
+    split_replayed: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -197,11 +215,10 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
     built = schedule_of(c.schedule, placement, m)
     split = built.split
     stop_ckpt = {"always": m, "except_last": m - 1, "never": 0}[c.checkpoint]
-    launch = 0.0 if c.graphs else cal.launch_s
     compute = [layers.seconds(a, z, b) for a, z in zip(starts, stops)]
     fwd = [t / TRAINING_FACTOR for t in compute]
     bwd = [t - f for t, f in zip(compute, fwd)]
-    issue = [cal.task_s + n * launch for n in c.balance]
+    issue = [cal.task_s + layers.issue_seconds(a, z, cal, c.graphs) for a, z in zip(starts, stops)]
     copy = [0.0] + [
         cal.copy_latency_s + layers.cut_per_sample[starts[j]] * b / cal.copy_bytes_per_s
         if c.devices[j] != c.devices[j - 1] else 0.0
@@ -222,7 +239,8 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
             return combine(bwd[j] + recompute, host)
         if kind == "B":  # input gradients only; the first partition has none to send
             return 0.0 if j == 0 else combine(bwd[j] * (1 - weight_share) + recompute, host)
-        whole = bwd[j] if j == 0 else bwd[j] * (weight_share + max(cal.split_backward - 1.0, 0.0))
+        extra = (cal.split_replayed if c.graphs else cal.split_backward) - 1.0
+        whole = bwd[j] if j == 0 else bwd[j] * (weight_share + max(extra, 0.0))
         return combine(whole, cal.task_s + (host if j == 0 else 0.0))
 
     orders = device_orders(c, m)
@@ -231,14 +249,27 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
         seconds += math.fsum(2 * copy[j] * m for j in range(p))
     else:
         seconds = _simulate(orders, duration, copy, p, m, c.schedule == "gpipe")
-        host = sum(issue[j] / TRAINING_FACTOR for j in range(p)) * m  # one thread issues every forward
-        seconds = max(seconds, host)
+        seconds = max(seconds, _host_seconds(c, issue, m, placement))
     parts = [PartitionMemory(params=sum(layers.state_bytes[a:z]), grads=sum(layers.state_bytes[a:z]),
                              activations=int(math.fsum(layers.saved_per_sample[a:z]) * b),
                              inputs=int(layers.cut_per_sample[a] * b) if a > 0 else 0)
              for a, z in zip(starts, stops)]
     per_device = plan_memory(parts, built, c.checkpoint).per_device
     return Prediction(seconds, max(per_device), per_device)
+
+
+def _host_seconds(c: Candidate, issue: list[float], m: int, placement: tuple[int, ...]) -> float:
+    """The least time one host thread needs to issue the step: ``pipe.step`` (every schedule but
+    eager GPipe) issues each action from the caller's thread in turn, forwards and backwards alike;
+    ``pipe(x)`` with ``loss.backward()`` issues the forwards in turn, then autograd's thread per device
+    issues that device's backwards beside the others'."""
+    if c.schedule != "gpipe" or c.graphs:
+        return math.fsum(issue) * m
+    forwards = math.fsum(issue) / TRAINING_FACTOR * m
+    backwards = [0.0] * (max(placement) + 1)
+    for j, d in enumerate(placement):
+        backwards[d] += issue[j] * (1 - 1 / TRAINING_FACTOR) * m
+    return forwards + max(backwards)
 
 
 def _simulate(orders: list[list[Action]], run: Callable[[str, int, int], float], copy: list[float], p: int,

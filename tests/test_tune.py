@@ -388,6 +388,62 @@ def test_a_costly_split_backward_makes_zero_bubble_lose() -> None:
     assert 1.0 <= measured <= 2.0
 
 
+def test_eager_steps_are_bound_by_the_hosts_profiled_issue_time_and_replayed_ones_are_not() -> None:
+    """One thread issues an eager step: with 1 ms of host time per layer call (the profile's ``host_s``)
+    and little GPU work, pipe.step's 1F1B takes every action's issue time in turn, m x all layers, and
+    pipe(x)'s fill-drain its forwards in turn plus one device's backwards (autograd's thread per device);
+    captured graphs issue nothing per layer."""
+    from dataclasses import replace
+
+    layers = replace(uniform(8, 1e-5), host_s=(1e-3,) * 8)
+    two = ("cuda:0", "cuda:1")
+    one_f1b = predict(Candidate((4, 4), two, 4, "never", schedule="1f1b"), layers, IDEAL, 16).seconds
+    assert one_f1b == pytest.approx(4 * 8 * 1e-3, rel=0.02)
+    fill_drain = predict(Candidate((4, 4), two, 4, "never"), layers, IDEAL, 16).seconds
+    assert fill_drain == pytest.approx(4 * 8 * 1e-3 / 3 + 4 * 4 * 1e-3 * 2 / 3, rel=0.02)
+    replayed = predict(Candidate((4, 4), two, 4, "never", graphs=True, schedule="1f1b"), layers, IDEAL, 16).seconds
+    assert replayed == pytest.approx(predict(Candidate((4, 4), two, 4, "never", graphs=True, schedule="1f1b"),
+                                             uniform(8, 1e-5), IDEAL, 16).seconds)
+    assert replayed < one_f1b / 10
+    # without a profiled issue time (CPU profiles), the calibrated launch cost per layer call stands
+    launched = replace(IDEAL, launch_s=1e-3)
+    assert predict(Candidate((4, 4), two, 4, "never", schedule="1f1b"), uniform(8, 1e-5), launched, 16).seconds \
+        == pytest.approx(one_f1b, rel=0.02)
+
+
+def test_replayed_zero_bubble_is_weighed_with_the_replayed_split() -> None:
+    """Eager W walks the graph again (split_backward); a captured W starts where B stopped
+    (split_replayed): each candidate is predicted with its own."""
+    from dataclasses import replace
+
+    cal = replace(IDEAL, split_backward=1.6, split_replayed=1.0)
+    eager = balanced("zb-h1", 1, 8, cal=cal).seconds
+    replayed = balanced("zb-h1", 1, 8, cal=cal, graphs=True).seconds
+    assert replayed == pytest.approx(balanced("zb-h1", 1, 8, graphs=True).seconds)
+    assert eager > balanced("zb-h1", 1, 8).seconds and replayed < eager
+
+
+def test_the_best_eager_and_replayed_candidates_are_both_timed() -> None:
+    from seqify.pipeline.config import Trial
+
+    def trial(ms: float, graphs: bool) -> Trial:
+        return Trial(chunks=4, loops=1, by="time", checkpoint="never", graphs=graphs, schedule="1f1b",
+                     balance=(4, 4), predicted_s=ms / 1e3, memory_bytes=0, memory_per_device=(0, 0))
+
+    fits = [trial(200, False), trial(210, False), trial(220, False), trial(300, True), trial(310, True)]
+    got = tuning._timed_first(fits, 2)
+    assert [t.graphs for t in got[:2]] == [False, True] and got[1] is fits[3]
+    assert sorted(id(t) for t in got) == sorted(id(t) for t in fits)  # reordered, nothing lost
+    assert tuning._timed_first(fits, 1) == fits  # one to time: the best prediction
+    mixed = [fits[0], fits[3], fits[1]]
+    assert tuning._timed_first(mixed, 2) == mixed  # both kinds already timed
+
+
+def test_split_backward_at_the_boundary_is_measured_too() -> None:
+    measured = tuning.split_backward(torch.device("cpu"), width=32, depth=2, batch=4, boundary=True)
+    assert 1.0 <= measured <= 2.0
+
+
 def replace_split(cal: Calibration, factor: float) -> Calibration:
     from dataclasses import replace
 

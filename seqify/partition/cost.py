@@ -64,6 +64,7 @@ class LayerCosts:
     output_bytes: tuple[int, ...]
     skip_bytes: Mapping[SkipKey, int] = field(default_factory=dict)
     measured: bool = True
+    host: tuple[float, ...] = ()  # by='time' on CUDA: host seconds to issue each layer's forward+backward
 
     def __len__(self) -> int:
         return len(self.cost)
@@ -134,7 +135,8 @@ def time_costs(
     _need(sample, "time")
     lays = layers(model)
     prof = profile(lays, first_input(model, sample), device, repeats=repeats, progress=progress)
-    return LayerCosts("time", prof.times, _state_bytes(lays), prof.saved_bytes, prof.output_bytes, prof.skip_bytes)
+    return LayerCosts("time", prof.times, _state_bytes(lays), prof.saved_bytes, prof.output_bytes, prof.skip_bytes,
+                      host=prof.host_times)
 
 
 def memory_costs(

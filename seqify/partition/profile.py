@@ -33,6 +33,7 @@ class Profile:
     saved_bytes: tuple[int, ...]
     output_bytes: tuple[int, ...]
     skip_bytes: Mapping[SkipKey, int]
+    host_times: tuple[float, ...] = ()  # CUDA: seconds the host takes to issue each layer's forward+backward
 
 
 @dataclass
@@ -71,7 +72,8 @@ def profile(
     not on ``device`` run as copies moved there. Time is the median of ``repeats`` runs after one
     measuring run: wall-clock on CPU; on CUDA the GPU time between two events, with the GPU held busy
     (``torch.cuda._sleep``) while the layer's kernels are queued, so that the per-call launch and
-    synchronisation overhead a pipeline hides is not counted. Peak bytes are the CUDA allocator's peak
+    synchronisation overhead a pipeline hides is not counted; the host's seconds to issue the layer are
+    kept apart (``host_times``: what an eager pipeline pays per layer call). Peak bytes are the CUDA allocator's peak
     above the layer's start (on CPU, the bytes autograd saves for backward).
     """
     if repeats < 1:
@@ -81,6 +83,7 @@ def profile(
     snapshot = _snapshot(layers.modules)
     skips = Skips()
     times: list[float] = []
+    host: list[float] = []
     peaks: list[int] = []
     saved: list[int] = []
     outputs: list[int] = []
@@ -110,6 +113,9 @@ def profile(
                         "per channel), or balance by='params' (no sample needed)"
                     ) from e
                 times.append(statistics.median(r.seconds for r in runs))
+                # the host's time to issue it: the held runs' (the GPU spins meanwhile), unless a sync inside
+                # the layer made them wait out the spin; the first, unheld run waited for its own work only
+                host.append(min(step.queued, *(r.queued for r in runs)))
                 peaks.append(step.peak if cuda else sum(kept.values()))
                 saved.append(sum(kept.values()))
                 outputs.append(nbytes(step.output))
@@ -119,7 +125,8 @@ def profile(
                 del step, runs, last
     finally:
         _restore(snapshot)
-    return Profile(dev, tuple(times), tuple(peaks), tuple(saved), tuple(outputs), dict(skips.bytes))
+    return Profile(dev, tuple(times), tuple(peaks), tuple(saved), tuple(outputs), dict(skips.bytes),
+                   tuple(host) if cuda else ())
 
 
 def _step(

@@ -239,13 +239,38 @@ def split_backward(device: torch.device, *, width: int = 128, depth: int = 6, ba
     with torch.random.fork_rng(devices=[]):
         chain = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]).to(device)
         x = torch.randn(batch, width, device=device, requires_grad=True)
-    weights = list(chain.parameters())
+    return _split_ratio(lambda: chain(x).sum(), x, list(chain.parameters()), device, boundary=boundary)
+
+
+def model_split(model: nn.Module, sample: Any, device: torch.device, *, rounds: int = 2) -> float | None:
+    """:func:`split_backward` with ``boundary=True`` measured on ``model`` itself, its input made to want
+    a gradient so B walks the whole model (a weight whose backward also yields the input's gradient,
+    BatchNorm's, runs that backward again in W: on CNNs splitting costs more than on a linear chain).
+    None where the sample is not one floating-point tensor or the model does not fit ``device``. The
+    model is left as it was."""
+    if not (isinstance(sample, torch.Tensor) and sample.is_floating_point()):
+        return None
+    weights = [p for p in model.parameters() if p.requires_grad]
+    try:
+        with _kept(model):  # its device, gradients and BatchNorm statistics as they were
+            model.to(device).train()
+            x = sample.to(device).detach().requires_grad_(True)
+            return _split_ratio(lambda: _loss(model(x)), x, weights, device, boundary=True, rounds=rounds)
+    except torch.OutOfMemoryError:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+
+
+def _split_ratio(run: Any, x: torch.Tensor, weights: list[torch.Tensor], device: torch.device, *,
+                 boundary: bool, rounds: int = 4) -> float:
+    """(split backward) / (whole backward) seconds of the scalar ``run()`` returns, forward subtracted."""
 
     def whole() -> None:
-        chain(x).sum().backward()
+        run().backward()
 
     def split() -> None:
-        y = chain(x).sum()
+        y = run()
         if boundary:
             one = torch.ones_like(y)
             _, groups = input_grads([y], [one], [x], weights)
@@ -256,13 +281,13 @@ def split_backward(device: torch.device, *, width: int = 128, depth: int = 6, ba
 
     def forward() -> None:
         with torch.enable_grad():
-            chain(x).sum()
+            run()
 
     kinds = (("forward", forward), ("whole", whole), ("split", split))
     for _, fn in kinds * 2:  # warm: allocations and kernels' first runs
         fn()
     times = {name: float("inf") for name, _ in kinds}
-    for _ in range(4):  # rounds of all three, the fastest of each: noise from a shared machine only adds
+    for _ in range(rounds):  # rounds of all three, the fastest of each: noise from a shared machine only adds
         for name, fn in kinds:
             _sync([device])
             start = time.perf_counter()
@@ -502,6 +527,9 @@ def tune(
         micro = [batch // c for c in counts if batch // c >= lo]  # the sizes the candidates' micro-batches have
         layers, hi = layer_model(model, sample, placed[0], lo=lo, sizes=micro, show=show)
         layers = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
+        if placed[0].type == "cuda" and schedule in (None, "zb-h1"):  # a replayed split, as this model splits
+            own = model_split(model, sample, placed[0])
+            cal = replace(cal, split_replayed=own) if own is not None else cal
         found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s)
         if not found:
             given = {k: v for k, v in fixed.items() if v is not None}

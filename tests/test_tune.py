@@ -442,6 +442,12 @@ def test_the_best_eager_and_replayed_candidates_are_both_timed() -> None:
 def test_split_backward_at_the_boundary_is_measured_too() -> None:
     measured = tuning.split_backward(torch.device("cpu"), width=32, depth=2, batch=4, boundary=True)
     assert 1.0 <= measured <= 2.0
+    _, seq, _ = source_and_seq()
+    before = snapshot(seq)
+    own = tuning.model_split(seq, torch.randn(8, 6, dtype=torch.float64), torch.device("cpu"))
+    assert own is not None and 1.0 <= own <= 2.0
+    assert tuning.model_split(seq, torch.zeros(8, 6, dtype=torch.long), torch.device("cpu")) is None  # tokens
+    assert_unchanged(seq, before)
 
 
 def replace_split(cal: Calibration, factor: float) -> Calibration:

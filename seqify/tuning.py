@@ -50,8 +50,9 @@ __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrat
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 LOOPS = (1, 2, 4)
 STRATEGIES = ("time", "flops", "memory")
-#: what the candidates range over, in the cache key: choices cached before schedules were weighed are not reused
-SPACE = "schedules+checkpoint+loops+balance+chunks"
+#: what the candidates range over and how they are weighed, in the cache key: choices cached by an earlier
+#: search (before schedules were weighed, or before the host's issue time and the replayed split were) are not reused
+SPACE = "schedules+checkpoint+loops+balance+chunks;host-issue+replayed-split"
 
 
 def cache_path() -> str:
@@ -485,7 +486,8 @@ def tune(
             or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1');
             ``None`` searches it. Schedules other than GPipe are timed, and later run, by ``pipe.step``.
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
-            prediction); ``steps`` timed steps each after ``warm`` untimed ones.
+            prediction; from 2, the best eager and the best replayed candidate are among them);
+            ``steps`` timed steps each after ``warm`` untimed ones.
         cache: read and write the on-disk cache (:func:`cache_path`).
         show: progress bars on stderr (on a terminal, or with ``SEQIFY_PROGRESS=1``).
 

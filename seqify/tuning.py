@@ -486,7 +486,8 @@ def tune(
             or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1');
             ``None`` searches it. Schedules other than GPipe are timed, and later run, by ``pipe.step``.
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
-            prediction; from 2, the best eager and the best replayed candidate are among them);
+            prediction; from 2, the best eager or replayed candidate is timed too where the ``top`` are
+            all of the other kind);
             ``steps`` timed steps each after ``warm`` untimed ones.
         cache: read and write the on-disk cache (:func:`cache_path`).
         show: progress bars on stderr (on a terminal, or with ``SEQIFY_PROGRESS=1``).
@@ -567,9 +568,9 @@ def tune(
                 f"{least.label()}); raise memory_cap to at least that, use more devices, or a smaller mini-batch"
             )
         fits.sort(key=lambda t: t.predicted_s)
-        fits = _timed_first(fits, top)
+        timed = _to_time(fits, top)
         confirmed = []
-        for t in progress(fits[:top], min(top, len(fits)), "seqify tune: timing the best candidates", show):
+        for t in progress(timed, len(timed), "seqify tune: timing the best candidates", show):
             try:
                 pipe = pipeline(model, **_options(t, placed)).train()
                 seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
@@ -581,11 +582,11 @@ def tune(
             confirmed.append(replace(t, measured_s=seconds))
             del pipe
         if top > 0 and not confirmed:
-            raise MemoryCapError(f"each of the {min(top, len(fits))} best candidates ran out of memory in a timed "
+            raise MemoryCapError(f"each of the {len(timed)} best candidates ran out of memory in a timed "
                                  "step; pass a memory_cap below the devices' memory, use more devices, or a smaller "
                                  "mini-batch")
     best = min(confirmed, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
-    shown = confirmed + [t for t in fits[len(confirmed):len(confirmed) + 8]]
+    shown = confirmed + [t for t in fits if not any(t is u for u in timed)][:8]
     cfg = PipeConfig(chunks=best.chunks, loops=best.loops, balance=best.balance, by=best.by,
                      checkpoint=best.checkpoint, graphs=best.graphs, devices=tuple(str(d) for d in placed),
                      batch=batch, predicted_s=best.predicted_s, measured_s=best.measured_s,
@@ -595,17 +596,16 @@ def tune(
     return cfg
 
 
-def _timed_first(fits: list[Trial], top: int) -> list[Trial]:
-    """``fits`` (best predicted first) reordered so the ``top`` to time hold the best eager and the best
-    replayed candidate when both kinds exist and ``top >= 2``: the two are predicted from different costs
-    (the host's issue time against the GPU's work), and an error in one must not keep the other untimed
+def _to_time(fits: list[Trial], top: int) -> list[Trial]:
+    """The candidates to time: the ``top`` best predicted (``fits`` is sorted), and with ``top >= 2`` also the
+    best of the other kind (eager or replayed) when none of them is: the two kinds are predicted from different
+    costs (the host's issue time against the GPU's work), and an error in one must not keep the other untimed
     (GPT-2 on two H100s: eager predicted 214 ms, measured 375; graphs predicted 307, measured 226)."""
-    if top < 2 or len(fits) <= top or len({t.graphs for t in fits[:top]}) > 1:
-        return fits
-    other = next((k for k, t in enumerate(fits) if t.graphs != fits[0].graphs), None)
-    if other is None:
-        return fits
-    return fits[:top - 1] + [fits[other]] + [t for k, t in enumerate(fits) if k >= top - 1 and k != other]
+    best = fits[:top]
+    if top < 2 or len({t.graphs for t in best}) > 1:
+        return best
+    other = next((t for t in fits[top:] if t.graphs != best[0].graphs), None)
+    return best + ([other] if other is not None else [])
 
 
 def _trial(c: Candidate, by: str, loops: int, p: Prediction) -> Trial:

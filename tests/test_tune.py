@@ -431,12 +431,12 @@ def test_the_best_eager_and_replayed_candidates_are_both_timed() -> None:
                      balance=(4, 4), predicted_s=ms / 1e3, memory_bytes=0, memory_per_device=(0, 0))
 
     fits = [trial(200, False), trial(210, False), trial(220, False), trial(300, True), trial(310, True)]
-    got = tuning._timed_first(fits, 2)
-    assert [t.graphs for t in got[:2]] == [False, True] and got[1] is fits[3]
-    assert sorted(id(t) for t in got) == sorted(id(t) for t in fits)  # reordered, nothing lost
-    assert tuning._timed_first(fits, 1) == fits  # one to time: the best prediction
+    got = tuning._to_time(fits, 2)
+    assert got == fits[:2] + [fits[3]]  # the two best, and the best replayed one beside them
+    assert tuning._to_time(fits, 1) == fits[:1]  # one to time: the best prediction
     mixed = [fits[0], fits[3], fits[1]]
-    assert tuning._timed_first(mixed, 2) == mixed  # both kinds already timed
+    assert tuning._to_time(mixed, 2) == mixed[:2]  # both kinds among the best already
+    assert tuning._to_time(fits[:3], 2) == fits[:2]  # no other kind to add
 
 
 def test_split_backward_at_the_boundary_is_measured_too() -> None:

@@ -79,7 +79,8 @@ def check(name: str, build: Callable[[], Built], *, pipeline: bool = True) -> di
         torch.manual_seed(0)
         model, kwargs = build()
         for m in model.modules():
-            if isinstance(m, nn.Dropout):
+            # in-place dropout after a softmax (timm's TNT) breaks the source's own backward once p > 0
+            if isinstance(m, nn.Dropout) and not m.inplace:
                 m.p = 0.25
         stage = "convert+eval"
         seq = assert_exact(model, (), kwargs=kwargs, train=False,

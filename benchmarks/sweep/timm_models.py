@@ -1,7 +1,7 @@
 """Sweep: timm architectures no test names, at their own input size, randomly initialised (no download).
 
 Run: ``python benchmarks/sweep/timm_models.py [names...] [--trace]``; one line per model (see harness.py). Not in
-the CI (about 10 minutes on one core): a wider look than tests/test_timm.py, run by hand.
+the CI (about 50 minutes on one core): a wider look than tests/test_timm.py, run by hand.
 """
 
 from __future__ import annotations
@@ -27,6 +27,19 @@ NAMES = [
     "nextvit_small", "starnet_s1", "vit_little_patch16_reg4_gap_256", "efficientformer_l1", "cs3darknet_s",
     "resnest14d", "nf_resnet26", "halonet26t", "botnet26t_256", "lambda_resnet26t", "visformer_tiny", "pit_ti_224",
     "tnt_s_patch16_224", "convit_tiny", "fasternet_t0",
+    # added 2026-11-25 (stop 26)
+    "repvit_m1", "fastvit_t8", "mobilevit_xxs", "mobilevitv2_050", "edgenext_xx_small", "levit_128s", "cait_xxs24_224",
+    "deit_tiny_distilled_patch16_224", "efficientvit_b0", "efficientvit_m0", "tiny_vit_5m_224", "swinv2_cr_tiny_ns_224",
+    "swinv2_tiny_window8_256", "maxxvit_rmlp_nano_rw_256", "coatnet_nano_rw_224", "regnetz_b16", "ecaresnet26t",
+    "seresnext26d_32x4d", "gernet_s", "repvgg_a0", "mobileone_s0", "hgnet_tiny", "hgnetv2_b0", "xception41",
+    "inception_v4", "mnasnet_small", "fbnetc_100", "ghostnet_100", "dm_nfnet_f0", "resnetv2_50x1_bit", "resnetrs50",
+    "cspdarknet53", "darknet53", "densenetblur121d", "rdnet_tiny", "vit_relpos_small_patch16_224", "mambaout_femto",
+    "vitamin_small_224", "convformer_s18", "caformer_s18", "pvt_v2_b0", "flexivit_small", "deit3_small_patch16_224",
+    "levit_conv_128s", "repghostnet_050", "sam2_hiera_tiny", "gcresnet33ts", "sebotnet33ts_256", "eca_halonext26ts",
+    "resnet50_gn", "bat_resnext26ts", "vit_base_patch16_clip_224", "beit_base_patch16_224",
+    "vit_medium_patch16_rope_reg1_gap_256", "coat_tiny", "crossvit_9_240", "pit_xs_distilled_224", "dla46_c",
+    "vgg11_bn", "legacy_seresnet18", "tf_efficientnetv2_b0", "efficientnet_lite0", "mixnet_s", "mobilenetv3_rw",
+    "csatv2", "shvit_s1", "starnet_s050", "naflexvit_base_patch16_gap",
 ]
 
 

@@ -52,7 +52,8 @@ def main() -> None:
         one()
     wall, per = busy(one, devs[:1])
     rows.append({"name": "one GPU", "wall_ms": wall * 1e3, "host_ms": host(one, devs[:1]) * 1e3,
-                 "busy_ms": {k: v * 1e3 for k, v in per.items()}, "peak_gib": torch.cuda.max_memory_allocated(0) / 2**30})
+                 "busy_ms": {k: v * 1e3 for k, v in per.items()}, "peak_gib": torch.cuda.max_memory_allocated(0) / 2**30,
+                 "reserved_gib": torch.cuda.max_memory_reserved(0) / 2**30})
     print(json.dumps(rows[-1]), flush=True)
     for name, opts in CONFIGS.items():
         if args.only and not any(w in name for w in args.only):
@@ -74,7 +75,8 @@ def main() -> None:
             rows.append({"name": name, "balance": list(cfg.balance), "predicted_ms": cfg.predicted_s * 1e3,
                          "wall_ms": wall * 1e3, "host_ms": host(step, devs) * 1e3,
                          "busy_ms": {k: v * 1e3 for k, v in per.items()},
-                         "peak_gib": [torch.cuda.max_memory_allocated(d) / 2**30 for d in devs]})
+                         "peak_gib": [torch.cuda.max_memory_allocated(d) / 2**30 for d in devs],
+                         "reserved_gib": [torch.cuda.max_memory_reserved(d) / 2**30 for d in devs]})
             del pipe
         except Exception as e:  # noqa: BLE001 - a probe reports and goes on
             rows.append({"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})

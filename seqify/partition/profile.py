@@ -73,8 +73,8 @@ def profile(
     measuring run: wall-clock on CPU; on CUDA the GPU time between two events, with the GPU held busy
     (``torch.cuda._sleep``) while the layer's kernels are queued, so that the per-call launch and
     synchronisation overhead a pipeline hides is not counted; the host's seconds to issue the layer are
-    kept apart (``host_times``: what an eager pipeline pays per layer call). Peak bytes are the CUDA allocator's peak
-    above the layer's start (on CPU, the bytes autograd saves for backward).
+    kept apart (``host_times``: what an eager pipeline pays per layer call). Peak bytes are the CUDA
+    allocator's peak above the layer's start (on CPU, the bytes autograd saves for backward).
     """
     if repeats < 1:
         raise BalanceError(f"repeats={repeats}: profile each layer at least once")

@@ -2,7 +2,7 @@
 # One device-tool call (nvidia-h200-x2 for the pipeline rows; one-GPU kinds put partitions on one GPU):
 # install seqify without dependencies (the image has torch, torchvision, transformers, networkx), then run
 # the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist, side-by-side [fp32|bf16],
-# dist-gap, casts, check [SECONDS], families SECONDS [FAMILY...]). Output goes to $OUT.
+# dist-gap, casts, llama-side, check [SECONDS], families SECONDS [FAMILY...]). Output goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
@@ -34,6 +34,13 @@ case "${1:-tests}" in
     timeout 90 python3 benchmarks/probe/skip_values.py --device cuda --bf16 2>&1 | tee "$OUT/llama-skips.log" | tail -12
     timeout 480 python3 benchmarks/llama_bench.py --precision bf16 --balance time --chunks 8 16 --loops 1 \
       --schedules gpipe 1f1b zb-h1 --graphs both --steps 3 --warmup 1 --out "$OUT/llama-bf16.json" 2>&1 | tee "$OUT/llama-bf16.log" | tail -30
+    ;;
+  llama-side)  # issue 12's Llama targets in one call: one GPU, seqify's ZB-H1 and interleaved (graphs, casts once)
+    # and torch.distributed.pipelining on hand cuts at decoder-layer boundaries
+    timeout 330 python3 benchmarks/llama_bench.py --precision bf16 --balance time --chunks 4 8 --schedules zb-h1 \
+      interleaved --graphs graphs --loops 1 2 4 --steps 5 --warmup 2 --out "$OUT/llama.json" > "$OUT/llama.log" 2>&1
+    timeout 230 torchrun --nproc-per-node 2 benchmarks/llama_anchor.py --chunks 4 8 --out "$OUT" > "$OUT/llama-torchpp.log" 2>&1
+    python3 benchmarks/llama_anchor.py --table "$OUT/llama.json" "$OUT/llama-torchpp.json" | tee "$OUT/llama-side-by-side.txt"
     ;;
   llama)
     timeout 560 python3 benchmarks/llama_bench.py --precision fp32 --steps 3 --warmup 1 --out "$OUT/llama.json" 2>&1 | tee "$OUT/llama.log" | tail -40

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -84,7 +83,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     alternative the tuner reports but did not time (up to ``alternatives`` of them), so each row shows
     the tuner's prediction next to a measurement (``memory_cap`` and ``schedule`` go to the tuner). The
     model is left where it was."""
-    from .tuning import _kept, step_seconds, tune
+    from .tuning import _kept, _on_cuda, _peaks, step_seconds, tune
 
     placed = [torch.device(d) for d in devices]
     # Every row starts from the sample on the first device: a sample left on the CPU would make each
@@ -136,24 +135,6 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
                                memory_per_device=t.memory_per_device or (t.memory_bytes,),
                                allocated_per_device=allocated, reserved_per_device=reserved))
     return result
-
-
-def _on_cuda(devices: Sequence[torch.device]) -> list[torch.device]:
-    """The distinct CUDA devices among ``devices``, in order."""
-    return list(dict.fromkeys(d for d in devices if d.type == "cuda"))
-
-
-@contextmanager
-def _peaks(devices: Sequence[torch.device]) -> Iterator[Callable[[], tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """Measure the peak allocated and reserved bytes per CUDA device of the block, from an emptied cache;
-    the value yielded returns them once the block is done (empty on the CPU)."""
-    cuda = _on_cuda(devices)
-    for d in cuda:
-        with torch.cuda.device(d):
-            torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(d)
-    yield lambda: (tuple(torch.cuda.max_memory_allocated(d) for d in cuda),
-                   tuple(torch.cuda.max_memory_reserved(d) for d in cuda))
 
 
 def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -52,7 +52,7 @@ LOOPS = (1, 2, 4)
 STRATEGIES = ("time", "flops", "memory")
 #: what the candidates range over and how they are weighed, in the cache key: choices cached by an earlier
 #: search (before schedules were weighed, or before the host's issue time and the replayed split were) are not reused
-SPACE = "schedules+checkpoint+loops+balance+chunks;host-issue+replayed-split"
+SPACE = "schedules+checkpoint+loops+balance+chunks;host-issue+replayed-split;lean"
 
 
 def cache_path() -> str:
@@ -333,18 +333,49 @@ def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int,
 
 
 def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
-            *, steps: int, warm: int) -> LayerModel:
+            *, steps: int, warm: int) -> tuple[LayerModel, int | None]:
     """Scale the layer times so the model on one device predicts its measured step: profiling a layer
     alone adds or hides per-call costs a whole step does not have (on CPU, an autograd call per layer).
-    Left as profiled where the model does not fit one device."""
+    Also the peak bytes that step allocated on a GPU (the lean bound of :func:`_lean`; ``None`` on the CPU).
+    Left as profiled, with no bound, where the model does not fit one device."""
     alone = Candidate((len(layers),), (str(device),), 1, "never")
     predicted = predict(alone, layers, cal, batch).seconds
     try:
-        measured = step_seconds(model.to(device).train(), pytree.tree_map(
-            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample), [device], steps=steps, warm=warm)
+        with _peaks([device]) as got:
+            measured = step_seconds(model.to(device).train(), pytree.tree_map(
+                lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample), [device], steps=steps, warm=warm)
     except torch.OutOfMemoryError:
-        return layers
-    return layers.scaled(measured / predicted) if predicted > 0 else layers
+        return layers, None
+    peak = got()[0]
+    return (layers.scaled(measured / predicted) if predicted > 0 else layers), (max(peak) if peak else None)
+
+
+def _on_cuda(devices: Sequence[torch.device]) -> list[torch.device]:
+    """The distinct CUDA devices among ``devices``, in order."""
+    return list(dict.fromkeys(d for d in devices if d.type == "cuda"))
+
+
+@contextmanager
+def _peaks(devices: Sequence[torch.device]) -> Iterator[Callable[[], tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Measure the peak allocated and reserved bytes per CUDA device of the block, from an emptied cache;
+    the value yielded returns them once the block is done (empty on the CPU)."""
+    cuda = _on_cuda(devices)
+    for d in cuda:
+        with torch.cuda.device(d):
+            torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(d)
+    yield lambda: (tuple(torch.cuda.max_memory_allocated(d) for d in cuda),
+                   tuple(torch.cuda.max_memory_reserved(d) for d in cuda))
+
+
+def _lean(confirmed: list[Trial], bound: int | None) -> list[Trial]:
+    """The confirmed candidates whose timed steps allocated at most ``bound`` bytes on every device (the model
+    training on one device, or the user's memory cap): a pipeline that holds more on some GPU than one GPU
+    training the whole model is no gain (people pipeline because a model does not fit). All of them when
+    there is no bound or nothing was measured (the CPU)."""
+    if bound is None:
+        return confirmed
+    return [t for t in confirmed if not t.measured_peak or max(t.measured_peak) <= bound]
 
 
 # -- candidates --------------------------------------------------------------------------------------------
@@ -482,6 +513,9 @@ def tune(
         memory_cap: bytes a device may hold (parameters, gradients and the activations the schedule
             keeps in flight, predicted; optimizer state not counted): candidates predicted over it are
             rejected, and :class:`MemoryCapError` names the smallest cap that works when none fits.
+            On GPUs the timed candidates' allocated peaks are read too: one that held more than the cap
+            on some device, or (cap or not) more than the model training on one device, is chosen only
+            when none of the timed ones stays under (the next best predicted are timed first).
         chunks, loops, balance, checkpoint, graphs, schedule: fix that choice (``balance``: a strategy
             or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1');
             ``None`` searches it. Schedules other than GPipe are timed, and later run, by ``pipe.step``.
@@ -529,7 +563,8 @@ def tune(
         lo = max(2 if batch >= 2 else 1, batch // max(counts))
         micro = [batch // c for c in counts if batch // c >= lo]  # the sizes the candidates' micro-batches have
         layers, hi = layer_model(model, sample, placed[0], lo=lo, sizes=micro, show=show)
-        layers = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
+        layers, alone = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
+        bound = min((b for b in (alone, memory_cap) if b is not None), default=None)
         if placed[0].type == "cuda" and schedule in (None, "zb-h1"):  # a replayed split, as this model splits
             own = model_split(model, sample, placed[0])
             cal = replace(cal, split_replayed=own) if own is not None else cal
@@ -569,23 +604,16 @@ def tune(
             )
         fits.sort(key=lambda t: t.predicted_s)
         timed = _to_time(fits, top)
-        confirmed = []
-        for t in progress(timed, len(timed), "seqify tune: timing the best candidates", show):
-            try:
-                pipe = pipeline(model, **_options(t, placed)).train()
-                seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
-            except torch.OutOfMemoryError:  # predicted to fit but did not: the next candidate
-                pipe = None
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                continue
-            confirmed.append(replace(t, measured_s=seconds))
-            del pipe
+        confirmed = _confirm(model, sample, placed, timed, steps=steps, warm=warm, show=show)
+        if confirmed and not _lean(confirmed, bound):  # each held more than the bound: time the next best too
+            more = [t for t in fits if not any(t is u for u in timed)][:max(top, 1)]
+            confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
+            timed += more
         if top > 0 and not confirmed:
             raise MemoryCapError(f"each of the {len(timed)} best candidates ran out of memory in a timed "
                                  "step; pass a memory_cap below the devices' memory, use more devices, or a smaller "
                                  "mini-batch")
-    best = min(confirmed, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
+    best = min(_lean(confirmed, bound) or confirmed, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
     shown = confirmed + [t for t in fits if not any(t is u for u in timed)][:8]
     cfg = PipeConfig(chunks=best.chunks, loops=best.loops, balance=best.balance, by=best.by,
                      checkpoint=best.checkpoint, graphs=best.graphs, devices=tuple(str(d) for d in placed),
@@ -594,6 +622,26 @@ def tune(
     if cache:
         _write_cache(key, cfg)
     return cfg
+
+
+def _confirm(model: nn.Module, sample: Any, placed: list[torch.device], timed: list[Trial], *, steps: int, warm: int,
+             show: bool) -> list[Trial]:
+    """``timed`` with measured step seconds and, on GPUs, the peak bytes each device allocated while the
+    pipeline was built, captured and ran its steps (from an emptied cache); a candidate that runs out of
+    memory is left out."""
+    confirmed = []
+    for t in progress(timed, len(timed), "seqify tune: timing the best candidates", show):
+        pipe = None
+        try:
+            with _peaks(placed) as got:
+                pipe = pipeline(model, **_options(t, placed)).train()
+                seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
+        except torch.OutOfMemoryError:  # predicted to fit but did not: the next candidate
+            continue
+        finally:
+            del pipe
+        confirmed.append(replace(t, measured_s=seconds, measured_peak=got()[0]))
+    return confirmed
 
 
 def _to_time(fits: list[Trial], top: int) -> list[Trial]:

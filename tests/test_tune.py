@@ -577,7 +577,7 @@ def test_bench_reads_each_cuda_devices_peaks_from_an_emptied_cache(monkeypatch: 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[d.index][0])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks[d.index][1])
     devices = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 0), torch.device("cpu")]
-    with bench._peaks(devices) as got:
+    with tuning._peaks(devices) as got:
         assert calls == [("empty", None), ("reset", 0), ("empty", None), ("reset", 1)]
     assert got() == ((5, 2), (7, 3))
     row = bench.Row("x", 0.1, 0.1, allocated_per_device=(5 * 2**20, 2 * 2**20), reserved_per_device=(7 * 2**20, 3 * 2**20))
@@ -662,3 +662,73 @@ def test_a_device_listed_twice_is_one_device_to_the_tuner() -> None:
     apart = Candidate((4, 4), ("cuda:0", "cuda:1"), 4, "never", placement=_layout("gpipe", two, 1)[1])
     assert predict(shared, layers, IDEAL, 16).seconds == pytest.approx(8 * 1e-3 * 16)  # all the work, in turn
     assert predict(apart, layers, IDEAL, 16).seconds < 0.7 * predict(shared, layers, IDEAL, 16).seconds
+
+
+def fake_gpu_readings(monkeypatch, seq: nn.Module, over: set[int], alone: int = 100) -> list[float]:
+    """Stand-ins for a GPU's clock and allocator on CPU partitions: the one-device step of ``seq`` allocates
+    ``alone`` bytes; timed candidate k (in timing order) measures 10 ms less than the one before it, and
+    allocates ``5 * alone`` bytes per device when k is in ``over``, else ``alone // 2``. Calibration runs as
+    it does. Returns the candidates' seconds."""
+    seen: list[float] = []  # the timed candidates' seconds
+    real = tuning.step_seconds
+    anchored = []
+
+    def seconds(model, sample, devices, **kw) -> float:
+        if model is seq:  # the model alone on one device: the candidates come after it
+            anchored.append(True)
+            return 0.5
+        if not anchored:
+            return real(model, sample, devices, **kw)
+        seen.append(0.2 - 0.01 * len(seen))
+        return seen[-1]
+
+    @contextlib.contextmanager
+    def peaks(devices):
+        def got() -> tuple[tuple[int, ...], tuple[int, ...]]:
+            if len(devices) == 1:
+                return (alone,), ()
+            return tuple((5 * alone if len(seen) - 1 in over else alone // 2) for _ in devices), ()
+
+        yield got
+
+    monkeypatch.setattr(tuning, "step_seconds", seconds)
+    monkeypatch.setattr(tuning, "_peaks", peaks)
+    return seen
+
+
+def test_a_pipeline_holding_more_than_one_device_is_not_chosen_while_a_lean_one_is_timed(monkeypatch) -> None:
+    _, seq, x = source_and_seq()
+    fake_gpu_readings(monkeypatch, seq, over={2})  # the last timed candidate is the fastest, but holds 5x one device
+    cfg = seqify.tune(seq, x, devices=CPU2, top=3, steps=1, show=False, cache=False)
+    confirmed = [t for t in cfg.trials if t.measured_s is not None]
+    assert len(confirmed) >= 3 and confirmed[2].measured_peak == (500, 500)
+    assert cfg.measured_s == confirmed[1].measured_s  # the fastest one that stays under one device's 100 bytes
+    assert "measured peak MiB" in str(cfg)
+
+    fake_gpu_readings(monkeypatch, seq, over=set(), alone=100)  # control: every candidate lean, the fastest wins
+    cfg = seqify.tune(seq, x, devices=CPU2, top=3, steps=1, show=False, cache=False)
+    confirmed = [t for t in cfg.trials if t.measured_s is not None]
+    assert cfg.measured_s == min(t.measured_s for t in confirmed) == confirmed[2].measured_s
+
+
+def test_when_every_timed_candidate_holds_too_much_the_next_best_are_timed(monkeypatch) -> None:
+    _, seq, x = source_and_seq()
+    fake_gpu_readings(monkeypatch, seq, over={0})
+    cfg = seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False, cache=False)
+    confirmed = [t for t in cfg.trials if t.measured_s is not None]
+    assert len(confirmed) == 2 and confirmed[0].measured_peak == (500, 500)
+    assert cfg.measured_s == confirmed[1].measured_s  # slower than the first, but within one device's memory
+
+    fake_gpu_readings(monkeypatch, seq, over=set())  # control: the first one stays under, nothing more is timed
+    cfg = seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False, cache=False)
+    assert len([t for t in cfg.trials if t.measured_s is not None]) == 1
+
+
+def test_measured_peaks_survive_a_saved_config(tmp_path, monkeypatch) -> None:
+    _, seq, x = source_and_seq()
+    fake_gpu_readings(monkeypatch, seq, over=set())
+    cfg = seqify.tune(seq, x, devices=CPU2, top=2, steps=1, show=False, cache=False)
+    cfg.save(tmp_path / "c.json")
+    again = seqify.PipeConfig.load(tmp_path / "c.json")
+    assert [t.measured_peak for t in again.trials] == [t.measured_peak for t in cfg.trials]
+    assert any(t.measured_peak == (50, 50) for t in again.trials)

@@ -15,7 +15,8 @@ class Trial:
     """One candidate the tuner considered: its options (``schedule``: one of
     :data:`~seqify.pipeline.schedule.SCHEDULES`; ``None`` in files from before schedules were tuned means
     GPipe), predicted step seconds, measured step seconds (``None`` when it was not confirmed by timed
-    steps), predicted peak bytes on the fullest device and on each pipeline device."""
+    steps), predicted peak bytes on the fullest device and on each pipeline device, and the peak bytes each
+    pipeline device allocated while its timed steps ran (CUDA only; empty where not measured)."""
 
     chunks: int
     loops: int
@@ -28,6 +29,7 @@ class Trial:
     measured_s: float | None = None
     memory_bytes: int = 0
     memory_per_device: tuple[int, ...] = ()
+    measured_peak: tuple[int, ...] = ()
 
     def layout(self) -> str:
         """The options but the schedule: ``chunks 4, loops 1, by time, checkpoint never`` (plus graphs)."""
@@ -105,7 +107,8 @@ class PipeConfig:
                 "cfg.save(path) from seqify.tune(...) or pipe.config"
             )
         trials = tuple(Trial(**{**t, "balance": tuple(t["balance"]),
-                                "memory_per_device": tuple(t.get("memory_per_device", ()))})
+                                "memory_per_device": tuple(t.get("memory_per_device", ())),
+                                "measured_peak": tuple(t.get("measured_peak", ()))})
                        for t in data.get("trials", ()))
         return cls(**{**data, "balance": tuple(data["balance"]), "devices": tuple(data["devices"]), "trials": trials,
                       "memory_per_device": tuple(data.get("memory_per_device", ()))})
@@ -147,14 +150,17 @@ class PipeConfig:
 
 def trial_table(trials: tuple[Trial, ...] | list[Trial], chosen: PipeConfig | None = None) -> str:
     """The candidates as a table: options, schedule, predicted and measured ms per step, predicted peak
-    MiB per pipeline device."""
-    rows = [("", "candidate", "schedule", "predicted ms", "measured ms", "error", "peak MiB per device")]
+    MiB per pipeline device, and the peak MiB allocated in the timed steps where measured (CUDA)."""
+    rows = [("", "candidate", "schedule", "predicted ms", "measured ms", "error", "peak MiB per device",
+             "measured peak MiB")]
     for t in trials:
         mark = "*" if chosen is not None and _same(t, chosen) else ""
         measured = f"{t.measured_s * 1e3:.2f}" if t.measured_s is not None else "-"
         error = f"{(t.predicted_s / t.measured_s - 1) * 100:+.0f}%" if t.measured_s else "-"
         peak = megabytes(t.memory_per_device or (t.memory_bytes,))
-        rows.append((mark, t.layout(), t.schedule or "gpipe", f"{t.predicted_s * 1e3:.2f}", measured, error, peak))
+        held = megabytes(t.measured_peak) if t.measured_peak else "-"
+        rows.append((mark, t.layout(), t.schedule or "gpipe", f"{t.predicted_s * 1e3:.2f}", measured, error, peak,
+                     held))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
                      for r in rows)

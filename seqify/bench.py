@@ -103,8 +103,10 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
                memory_cap=memory_cap, schedule=schedule)
     trials = list(cfg.trials)
     todo = [k for k, t in enumerate(trials) if t.measured_s is None][:alternatives]
-    # The tuner timed its choice but took no memory: on CUDA it runs once more here for its peaks.
-    again = [k for k, t in enumerate(trials) if _is(t, cfg) and t.measured_s is not None] if _on_cuda(placed) else []
+    # The tuner's timed candidates carry their peaks; one without (a configuration from an older cache) runs
+    # once more here on CUDA for them.
+    peaks.update({k: (t.measured_peak, t.measured_reserved) for k, t in enumerate(trials) if t.measured_peak})
+    again = [k for k, t in enumerate(trials) if t.measured_s is not None and not t.measured_peak] if _on_cuda(placed) else []
     oom: set[int] = set()
     with _kept(model):
         for k in progress(again + todo, len(again + todo), "seqify bench: timing the alternatives", show):

@@ -640,7 +640,8 @@ def _confirm(model: nn.Module, sample: Any, placed: list[torch.device], timed: l
             continue
         finally:
             del pipe
-        confirmed.append(replace(t, measured_s=seconds, measured_peak=got()[0]))
+        allocated, reserved = got()
+        confirmed.append(replace(t, measured_s=seconds, measured_peak=allocated, measured_reserved=reserved))
     return confirmed
 
 

@@ -671,13 +671,11 @@ def fake_gpu_readings(monkeypatch, seq: nn.Module, over: set[int], alone: int = 
     it does. Returns the candidates' seconds."""
     seen: list[float] = []  # the timed candidates' seconds
     real = tuning.step_seconds
-    anchored = []
 
     def seconds(model, sample, devices, **kw) -> float:
-        if model is seq:  # the model alone on one device: the candidates come after it
-            anchored.append(True)
+        if model is seq:  # the model alone on one device
             return 0.5
-        if not anchored:
+        if getattr(model, "model", None) is not seq:  # calibration's own pipelines
             return real(model, sample, devices, **kw)
         seen.append(0.2 - 0.01 * len(seen))
         return seen[-1]
@@ -732,3 +730,17 @@ def test_measured_peaks_survive_a_saved_config(tmp_path, monkeypatch) -> None:
     again = seqify.PipeConfig.load(tmp_path / "c.json")
     assert [t.measured_peak for t in again.trials] == [t.measured_peak for t in cfg.trials]
     assert any(t.measured_peak == (50, 50) for t in again.trials)
+
+
+def test_bench_rows_carry_the_peaks_the_tuner_measured(monkeypatch) -> None:
+    """Every row that ran shows peaks per device, the tuner's extra timed candidates included (on two GPUs
+    they ran without: a tiny model's pipelines all held more than it on one GPU, so more were timed)."""
+    from seqify.bench import bench
+
+    _, seq, x = source_and_seq()
+    fake_gpu_readings(monkeypatch, seq, over={0})
+    result = bench(seq, x, CPU2, top=1, alternatives=1, steps=1, warm=0, cache=False, show=False)
+    ran = [r for r in result.rows if r.measured_s is not None]
+    assert len(ran) == 4  # one device, the choice, the first candidate (over the bound), one alternative
+    assert ran[0].allocated_per_device == (100,) and all(len(r.allocated_per_device) == 2 for r in ran[1:])
+    assert sorted(r.allocated_per_device for r in ran[1:3]) == [(50, 50), (500, 500)]

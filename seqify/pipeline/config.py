@@ -16,7 +16,7 @@ class Trial:
     :data:`~seqify.pipeline.schedule.SCHEDULES`; ``None`` in files from before schedules were tuned means
     GPipe), predicted step seconds, measured step seconds (``None`` when it was not confirmed by timed
     steps), predicted peak bytes on the fullest device and on each pipeline device, and the peak bytes each
-    pipeline device allocated while its timed steps ran (CUDA only; empty where not measured)."""
+    CUDA device allocated and reserved while it was built and timed (empty where not measured)."""
 
     chunks: int
     loops: int
@@ -30,6 +30,7 @@ class Trial:
     memory_bytes: int = 0
     memory_per_device: tuple[int, ...] = ()
     measured_peak: tuple[int, ...] = ()
+    measured_reserved: tuple[int, ...] = ()
 
     def layout(self) -> str:
         """The options but the schedule: ``chunks 4, loops 1, by time, checkpoint never`` (plus graphs)."""
@@ -108,7 +109,8 @@ class PipeConfig:
             )
         trials = tuple(Trial(**{**t, "balance": tuple(t["balance"]),
                                 "memory_per_device": tuple(t.get("memory_per_device", ())),
-                                "measured_peak": tuple(t.get("measured_peak", ()))})
+                                "measured_peak": tuple(t.get("measured_peak", ())),
+                                "measured_reserved": tuple(t.get("measured_reserved", ()))})
                        for t in data.get("trials", ()))
         return cls(**{**data, "balance": tuple(data["balance"]), "devices": tuple(data["devices"]), "trials": trials,
                       "memory_per_device": tuple(data.get("memory_per_device", ()))})

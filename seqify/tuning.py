@@ -333,11 +333,11 @@ def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int,
 
 
 def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
-            *, steps: int, warm: int) -> tuple[LayerModel, int | None]:
+            *, steps: int, warm: int) -> tuple[LayerModel, tuple[int, int] | None]:
     """Scale the layer times so the model on one device predicts its measured step: profiling a layer
     alone adds or hides per-call costs a whole step does not have (on CPU, an autograd call per layer).
-    Also the peak bytes that step allocated on a GPU (the lean bound of :func:`_lean`; ``None`` on the CPU).
-    Left as profiled, with no bound, where the model does not fit one device."""
+    Also the peak bytes that step allocated and reserved on a GPU (the bounds of :func:`_lean`; ``None`` on
+    the CPU). Left as profiled, with no bounds, where the model does not fit one device."""
     alone = Candidate((len(layers),), (str(device),), 1, "never")
     predicted = predict(alone, layers, cal, batch).seconds
     try:
@@ -346,8 +346,9 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
                 lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample), [device], steps=steps, warm=warm)
     except torch.OutOfMemoryError:
         return layers, None
-    peak = got()[0]
-    return (layers.scaled(measured / predicted) if predicted > 0 else layers), (max(peak) if peak else None)
+    allocated, reserved = got()
+    return (layers.scaled(measured / predicted) if predicted > 0 else layers), (
+        (allocated[0], reserved[0]) if allocated else None)
 
 
 def _on_cuda(devices: Sequence[torch.device]) -> list[torch.device]:
@@ -368,14 +369,16 @@ def _peaks(devices: Sequence[torch.device]) -> Iterator[Callable[[], tuple[tuple
                    tuple(torch.cuda.max_memory_reserved(d) for d in cuda))
 
 
-def _lean(confirmed: list[Trial], bound: int | None) -> list[Trial]:
-    """The confirmed candidates whose timed steps allocated at most ``bound`` bytes on every device (the model
-    training on one device, or the user's memory cap): a pipeline that holds more on some GPU than one GPU
-    training the whole model is no gain (people pipeline because a model does not fit). All of them when
-    there is no bound or nothing was measured (the CPU)."""
-    if bound is None:
-        return confirmed
-    return [t for t in confirmed if not t.measured_peak or max(t.measured_peak) <= bound]
+def _lean(confirmed: list[Trial], allocated: int | None, reserved: int | None) -> list[Trial]:
+    """The confirmed candidates whose timed steps allocated at most ``allocated`` and reserved at most
+    ``reserved`` bytes on every device (the model training on one device; the allocated bound also the
+    user's memory cap): a pipeline that holds more on some GPU than one GPU training the whole model is no
+    gain (people pipeline because a model does not fit). A bound that is ``None``, or a candidate not
+    measured (the CPU), passes."""
+    def within(peaks: tuple[int, ...], bound: int | None) -> bool:
+        return bound is None or not peaks or max(peaks) <= bound
+
+    return [t for t in confirmed if within(t.measured_peak, allocated) and within(t.measured_reserved, reserved)]
 
 
 # -- candidates --------------------------------------------------------------------------------------------
@@ -514,8 +517,9 @@ def tune(
             keeps in flight, predicted; optimizer state not counted): candidates predicted over it are
             rejected, and :class:`MemoryCapError` names the smallest cap that works when none fits.
             On GPUs the timed candidates' allocated peaks are read too: one that held more than the cap
-            on some device, or (cap or not) more than the model training on one device, is chosen only
-            when none of the timed ones stays under (the next best predicted are timed first).
+            on some device, or (cap or not) more than the model training on one device (allocated against
+            allocated, reserved against reserved), is chosen only when none of the timed ones stays under
+            (the next best predicted are timed first).
         chunks, loops, balance, checkpoint, graphs, schedule: fix that choice (``balance``: a strategy
             or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1');
             ``None`` searches it. Schedules other than GPipe are timed, and later run, by ``pipe.step``.
@@ -564,7 +568,9 @@ def tune(
         micro = [batch // c for c in counts if batch // c >= lo]  # the sizes the candidates' micro-batches have
         layers, hi = layer_model(model, sample, placed[0], lo=lo, sizes=micro, show=show)
         layers, alone = _anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
-        bound = min((b for b in (alone, memory_cap) if b is not None), default=None)
+        # no timed candidate may hold more on some GPU than the model training on one (or than the cap)
+        limits = [b for b in (alone[0] if alone else None, memory_cap) if b is not None]
+        bound = (int(min(limits)) if limits else None, alone[1] if alone else None)
         if placed[0].type == "cuda" and schedule in (None, "zb-h1"):  # a replayed split, as this model splits
             own = model_split(model, sample, placed[0])
             cal = replace(cal, split_replayed=own) if own is not None else cal
@@ -605,7 +611,7 @@ def tune(
         fits.sort(key=lambda t: t.predicted_s)
         timed = _to_time(fits, top)
         confirmed = _confirm(model, sample, placed, timed, steps=steps, warm=warm, show=show)
-        if confirmed and not _lean(confirmed, bound):  # each held more than the bound: time the next best too
+        if confirmed and not _lean(confirmed, *bound):  # each held more than the bound: time the next best too
             more = [t for t in fits if not any(t is u for u in timed)][:max(top, 1)]
             confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
             timed += more
@@ -613,7 +619,7 @@ def tune(
             raise MemoryCapError(f"each of the {len(timed)} best candidates ran out of memory in a timed "
                                  "step; pass a memory_cap below the devices' memory, use more devices, or a smaller "
                                  "mini-batch")
-    best = min(_lean(confirmed, bound) or confirmed, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
+    best = min(_lean(confirmed, *bound) or confirmed, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
     shown = confirmed + [t for t in fits if not any(t is u for u in timed)][:8]
     cfg = PipeConfig(chunks=best.chunks, loops=best.loops, balance=best.balance, by=best.by,
                      checkpoint=best.checkpoint, graphs=best.graphs, devices=tuple(str(d) for d in placed),

@@ -667,8 +667,8 @@ def test_a_device_listed_twice_is_one_device_to_the_tuner() -> None:
 def fake_gpu_readings(monkeypatch, seq: nn.Module, over: set[int], alone: int = 100) -> list[float]:
     """Stand-ins for a GPU's clock and allocator on CPU partitions: the one-device step of ``seq`` allocates
     ``alone`` bytes; timed candidate k (in timing order) measures 10 ms less than the one before it, and
-    allocates ``5 * alone`` bytes per device when k is in ``over``, else ``alone // 2``. Calibration runs as
-    it does. Returns the candidates' seconds."""
+    allocates ``5 * alone`` bytes per device when k is in ``over``, else ``alone // 2`` (reserving as much;
+    one device reserves ``2 * alone``). Calibration runs as it does. Returns the candidates' seconds."""
     seen: list[float] = []  # the timed candidates' seconds
     real = tuning.step_seconds
 
@@ -682,10 +682,11 @@ def fake_gpu_readings(monkeypatch, seq: nn.Module, over: set[int], alone: int = 
 
     @contextlib.contextmanager
     def peaks(devices):
-        def got() -> tuple[tuple[int, ...], tuple[int, ...]]:
+        def got() -> tuple[tuple[int, ...], tuple[int, ...]]:  # allocated, reserved
             if len(devices) == 1:
-                return (alone,), ()
-            return tuple((5 * alone if len(seen) - 1 in over else alone // 2) for _ in devices), ()
+                return (alone,), (2 * alone,)
+            held = tuple((5 * alone if len(seen) - 1 in over else alone // 2) for _ in devices)
+            return held, held
 
         yield got
 
@@ -744,3 +745,17 @@ def test_bench_rows_carry_the_peaks_the_tuner_measured(monkeypatch) -> None:
     assert len(ran) == 4  # one device, the choice, the first candidate (over the bound), one alternative
     assert ran[0].allocated_per_device == (100,) and all(len(r.allocated_per_device) == 2 for r in ran[1:])
     assert sorted(r.allocated_per_device for r in ran[1:3]) == [(50, 50), (500, 500)]
+
+
+def test_lean_bounds_allocated_and_reserved_apart() -> None:
+    """A candidate within one device's allocated bytes but over its reserved ones is not lean (LR-ASPP on two
+    H200s: 8.9 GiB allocated against 13.3 on one GPU, 18.5 reserved against 15.1); unmeasured ones pass."""
+    t = tuning.Trial(chunks=2, loops=1, by="time", checkpoint="never", graphs=True, schedule="gpipe", balance=(1, 1),
+                     predicted_s=0.1, measured_s=0.1, measured_peak=(80, 90), measured_reserved=(100, 185))
+    assert tuning._lean([t], 133, 151) == []
+    assert tuning._lean([t], 133, 190) == [t]
+    assert tuning._lean([t], 85, None) == []  # the cap (or one device) bounds allocated bytes alone
+    assert tuning._lean([t], None, None) == [t]
+    unmeasured = tuning.Trial(chunks=2, loops=1, by="time", checkpoint="never", graphs=False, schedule="gpipe",
+                              balance=(1, 1), predicted_s=0.1)
+    assert tuning._lean([unmeasured], 1, 1) == [unmeasured]

@@ -30,7 +30,9 @@ The model, per candidate (partitions on devices, ``m`` micro-batches of ``b`` sa
   micro-batch). Partitions on CPU devices share the host: nothing overlaps, so their step is the sum of
   their work;
 * peak memory per pipeline device is :func:`seqify.pipeline.memory.predict` on the schedule: parameters
-  and gradients plus the most activations (or, checkpointed, stage inputs) the schedule keeps in flight.
+  and gradients plus the most activations (or, checkpointed, stage inputs) the schedule keeps in flight,
+  and under a split backward what each B keeps for its W (``kept_per_sample``: each weighted layer's
+  output bytes, the shape of the gradient W starts from).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class LayerModel:
     sizes: tuple[int, ...] = ()
     times: tuple[tuple[float, ...], ...] = ()
     host_s: tuple[float, ...] = ()  # on CUDA: the host's seconds to issue each layer's forward+backward
+    kept_per_sample: tuple[float, ...] = ()  # bytes per sample a split backward's B keeps for W (see predict)
 
     @classmethod
     def fit(cls, lo: tuple[int, Sequence[float]], hi: tuple[int, Sequence[float]], saved: Sequence[int],
@@ -252,7 +255,8 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
         seconds = max(seconds, _host_seconds(c, issue, m, placement))
     parts = [PartitionMemory(params=sum(layers.state_bytes[a:z]), grads=sum(layers.state_bytes[a:z]),
                              activations=int(math.fsum(layers.saved_per_sample[a:z]) * b),
-                             inputs=int(layers.cut_per_sample[a] * b) if a > 0 else 0)
+                             inputs=int(layers.cut_per_sample[a] * b) if a > 0 else 0,
+                             kept=int(math.fsum(layers.kept_per_sample[a:z]) * b) if a > 0 else 0)
              for a, z in zip(starts, stops)]
     per_device = plan_memory(parts, built, c.checkpoint).per_device
     return Prediction(seconds, max(per_device), per_device)

@@ -52,7 +52,7 @@ LOOPS = (1, 2, 4)
 STRATEGIES = ("time", "flops", "memory")
 #: what the candidates range over and how they are weighed, in the cache key: choices cached by an earlier
 #: search (before schedules were weighed, or before the host's issue time and the replayed split were) are not reused
-SPACE = "schedules+checkpoint+loops+balance+chunks;host-issue+replayed-split;lean"
+SPACE = "schedules+checkpoint+loops+balance+chunks;host-issue+replayed-split;lean;kept-for-w"
 
 
 def cache_path() -> str:
@@ -329,7 +329,10 @@ def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int,
     # A layer's issue cost hardly depends on the batch: the least of its runs, the least disturbed.
     issue = [min(h) for h in zip(*host)] if all(host) else []
     fitted = LayerModel.through(points, hi.activation_bytes, hi.state_bytes, live[: len(lays)], batch, issue)
-    return fitted, hi
+    # What a split backward's B keeps for W: the gradient at each weighted layer's output, shaped like it
+    # (on the CPU, FCN-ResNet50's partitions: exactly the bytes dist_backward.input_grads kept).
+    kept = tuple(o / batch if s > 0 else 0.0 for o, s in zip(hi.output_bytes, hi.state_bytes))
+    return replace(fitted, kept_per_sample=kept), hi
 
 
 def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,

@@ -8,6 +8,7 @@ from torch import nn
 
 import seqify
 from seqify.errors import MemoryCapError
+from seqify.pipeline import memory
 from seqify.pipeline.memory import parse_bytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -19,6 +20,9 @@ P1 = 2 * (8 * 8 + 8) * F64  # partition 1: two Linear(8, 8)
 # What autograd keeps per micro-batch: partition 0 the Linear's input and the ReLU's output; partition 1
 # the inputs of its two Linears. A checkpointed micro-batch keeps only the partition's input.
 A0, A1 = 2 * MB, 2 * MB
+# What a split backward's B keeps for W per micro-batch: the gradient at each weighted layer's output
+# (partition 1: its two Linears'); partition 0's B has no input gradient to compute and keeps nothing.
+K1 = 2 * MB
 
 
 def make(schedule: str = "gpipe", **options: object) -> seqify.Pipeline:
@@ -34,7 +38,7 @@ X = torch.randn(16, 8, dtype=torch.float64)
 @pytest.mark.parametrize("schedule,checkpoint,expected", [
     ("gpipe", "never", (2 * P0 + 4 * A0, 2 * P1 + 4 * A1)),  # every micro-batch in flight
     ("1f1b", "never", (2 * P0 + 2 * A0, 2 * P1 + 1 * A1)),  # stage s holds partitions - s
-    ("zb-h1", "never", (2 * P0 + 2 * A0, 2 * P1 + 2 * A1)),  # W deferred: up to partitions on each
+    ("zb-h1", "never", (2 * P0 + 2 * A0, 2 * P1 + 2 * A1 + 2 * K1)),  # W deferred: F0 B0 F1 B1 before W0 on 1
     ("gpipe", "always", (2 * P0 + 4 * MB + A0, 2 * P1 + 4 * MB + A1)),  # inputs kept, one recompute
     ("gpipe", "except_last", (2 * P0 + 3 * MB + A0 + A0, 2 * P1 + 3 * MB + A1 + A1)),
 ])
@@ -81,3 +85,42 @@ def test_parse_bytes() -> None:
     for bad in ("lots", "-1GiB", 0, True, "4 parsecs"):
         with pytest.raises(MemoryCapError):
             parse_bytes(bad)  # type: ignore[arg-type]
+
+
+def test_what_b_keeps_for_w_is_what_the_split_backward_keeps() -> None:
+    """The plan's ``kept`` bytes per partition against the gradients the library's own B
+    (dist_backward.input_grads) keeps for W on the same micro-batch, for a net with a skip."""
+    from seqify.dist_backward import input_grads
+
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+            self.bn = nn.BatchNorm1d(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.a(x))
+            return self.d(self.bn(self.c(torch.tanh(self.b(h))) + h))
+
+    seq = seqify.convert(Net().double())
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu", "cpu"], balance=[2, 3, len(seq) - 5], chunks=4)
+    parts = memory.measure(pipe.stages, X[:4])
+    assert parts[0].kept == 0 and all(p.kept > 0 for p in parts[1:])
+    pending: dict = {}
+    x = X[:4]
+    for stage, part in zip(pipe.stages, parts):
+        skips = {k: pending.pop(k).detach().requires_grad_(True) for k in stage.pops}
+        x = x.detach().requires_grad_(stage.index > 0)
+        with torch.enable_grad():
+            y, made = stage(x, skips)
+        outs = [y] + [v for v in made.values() if isinstance(v, torch.Tensor)]
+        wrt = [t for t in [x, *skips.values()] if t.requires_grad]
+        if wrt:
+            _, groups = input_grads(outs, [torch.ones_like(o) for o in outs], wrt, list(stage.layers.parameters()))
+            assert groups is not None
+            grads = {id(g): g for group in groups for gs in group["grads"] for g in gs if isinstance(g, torch.Tensor)}
+            assert part.kept == sum(g.numel() * g.element_size() for g in grads.values())
+        pending.update(made)
+        x = y

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import MemoryCapError
 from ..skip.namespace import SkipKey
@@ -42,13 +43,16 @@ def _size(n: int) -> str:
 @dataclass(frozen=True)
 class PartitionMemory:
     """Bytes one partition needs: its parameters and buffers, its parameters' gradients, what its
-    forward keeps for backward per micro-batch, and what it receives per micro-batch (all a
-    checkpointed micro-batch keeps)."""
+    forward keeps for backward per micro-batch, what it receives per micro-batch (all a checkpointed
+    micro-batch keeps), and what a split backward's B keeps for W per micro-batch (the gradient at each
+    weighted layer's output: W starts from them; none in the first partition, whose B has no input
+    gradient to compute)."""
 
     params: int
     grads: int
     activations: int
     inputs: int
+    kept: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,9 @@ def _to(value: Any, device: torch.device) -> Any:
 
 def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
     """Run one micro-batch ``x`` through the partitions once, counting the bytes autograd saves in each
-    (each view once; parameters are not activations; on a GPU, the bytes the forward leaves allocated).
-    Buffers (running statistics) are restored."""
+    (each view once; parameters are not activations; on a GPU, the bytes the forward leaves allocated)
+    and, after the first, the bytes of its weighted layers' outputs (the gradients a split backward's B
+    keeps for W have their shapes). Buffers (running statistics) are restored."""
     saved = [(b, b.clone()) for s in stages for b in s.layers.buffers()]
     out: list[PartitionMemory] = []
     pending: dict[SkipKey, Any] = {}
@@ -110,30 +115,44 @@ def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
                     kept += _bytes(t)
                 return t
 
+            outputs = 0
+
+            def output(module: nn.Module, args: Any, result: Any) -> None:
+                nonlocal outputs
+                values = (result,) if isinstance(result, torch.Tensor) else result
+                outputs += sum(_bytes(t) for t in values if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+            weighted = [m for m in stage.modules if any(p.requires_grad for p in m.parameters())]
+            first = stage is stages[0]  # its B has no input gradient to compute, so keeps nothing
+            hooks = [] if first else [m.register_forward_hook(output) for m in weighted]
             skips = {key: _to(pending.pop(key), stage.device) for key in stage.pops}
             x = _to(x, stage.device)
             inputs = [t for t in ((x,) if isinstance(x, torch.Tensor) else tuple(x)) if isinstance(t, torch.Tensor)]
             inputs += [v for v in skips.values() if isinstance(v, torch.Tensor)]
             received = sum(_bytes(t) for t in {_key(t): t for t in inputs}.values())
             x = x.detach() if isinstance(x, torch.Tensor) else x
-            if stage.device.type == "cuda":
-                # On a GPU, what the forward leaves allocated (activations autograd keeps, and the outputs).
-                # Saved-tensor hooks are not used there: after a forward under them, capturing that
-                # partition's backward as a CUDA graph fails (seen with torch 2.11 on H200).
-                torch.cuda.synchronize(stage.device)
-                start = torch.cuda.memory_allocated(stage.device)
-                with torch.enable_grad():
-                    x, made = stage.fresh(x, skips)
-                torch.cuda.synchronize(stage.device)
-                kept = max(0, torch.cuda.memory_allocated(stage.device) - start)
-            else:
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    x, made = stage.fresh(x, skips)
+            try:
+                if stage.device.type == "cuda":
+                    # On a GPU, what the forward leaves allocated (activations autograd keeps, and the outputs).
+                    # Saved-tensor hooks are not used there: after a forward under them, capturing that
+                    # partition's backward as a CUDA graph fails (seen with torch 2.11 on H200).
+                    torch.cuda.synchronize(stage.device)
+                    start = torch.cuda.memory_allocated(stage.device)
+                    with torch.enable_grad():
+                        x, made = stage.fresh(x, skips)
+                    torch.cuda.synchronize(stage.device)
+                    kept = max(0, torch.cuda.memory_allocated(stage.device) - start)
+                else:
+                    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        x, made = stage.fresh(x, skips)
+            finally:
+                for h in hooks:
+                    h.remove()
             pending.update(made)
             buffers = sum(b.numel() * b.element_size() for b in stage.layers.buffers())
             weights = sum(p.numel() * p.element_size() for p in params)
             grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-            out.append(PartitionMemory(weights + buffers, grads, kept, received))
+            out.append(PartitionMemory(weights + buffers, grads, kept, received, outputs))
     finally:
         with torch.no_grad():
             for b, copy in saved:
@@ -144,8 +163,8 @@ def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
 def predict(parts: Sequence[PartitionMemory], schedule: Schedule, checkpoint: str) -> MemoryPlan:
     """Each device's predicted peak under ``schedule``: its partitions' parameters and gradients, plus
     the most activations it holds at once (F keeps a partition's activations, or only its inputs for a
-    checkpointed micro-batch, until B frees them, or W in split schedules), plus, when it checkpoints,
-    the largest activations one recomputation rebuilds."""
+    checkpointed micro-batch, until B frees them, or W in split schedules, where B adds what it keeps for
+    W until then), plus, when it checkpoints, the largest activations one recomputation rebuilds."""
     m = schedule.microbatches
     stop = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
     free = "W" if schedule.split else "B"
@@ -156,11 +175,12 @@ def predict(parts: Sequence[PartitionMemory], schedule: Schedule, checkpoint: st
         held = most = 0
         for a in actions:
             size = parts[a.partition].inputs if a.microbatch < stop else parts[a.partition].activations
-            if a.kind == "F":
-                held += size
+            kept = parts[a.partition].kept if schedule.split else 0
+            if a.kind == "F" or (a.kind == "B" and kept):
+                held += size if a.kind == "F" else kept
                 most = max(most, held)
             elif a.kind == free:
-                held -= size
+                held -= size + kept
         recompute = max(parts[p].activations for p in owned) if stop else 0
         peaks.append(static + most + recompute)
     return MemoryPlan(schedule.name, checkpoint, tuple(peaks))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -759,3 +760,19 @@ def test_lean_bounds_allocated_and_reserved_apart() -> None:
     unmeasured = tuning.Trial(chunks=2, loops=1, by="time", checkpoint="never", graphs=False, schedule="gpipe",
                               balance=(1, 1), predicted_s=0.1)
     assert tuning._lean([unmeasured], 1, 1) == [unmeasured]
+
+
+def test_the_profile_prices_what_b_keeps_for_w_and_zero_bubble_holds_it() -> None:
+    """layer_model: each weighted layer keeps its output's bytes per sample for W (weightless layers
+    nothing); a ZB-H1 prediction holds them from B to W on every partition but the first, 1F1B never."""
+    _, seq, x = source_and_seq()
+    layers, hi = tuning.layer_model(seq, x, torch.device("cpu"), lo=2, show=False)
+    want = tuple(o / 8 if s > 0 else 0.0 for o, s in zip(hi.output_bytes, hi.state_bytes))
+    assert layers.kept_per_sample == want and any(want) and not all(want)
+    none = replace(layers, kept_per_sample=())
+    for schedule, more in (("zb-h1", True), ("1f1b", False)):
+        names, slots = layout(schedule, 1)
+        c = Candidate((4, len(seq) - 4), names, 4, "never", False, schedule, slots)
+        with_kept, without = predict(c, layers, IDEAL, 8).per_device, predict(c, none, IDEAL, 8).per_device
+        assert with_kept[0] == without[0]  # the first partition's B keeps nothing
+        assert (with_kept[1] > without[1]) is more

@@ -54,10 +54,6 @@ def parts(lm: nn.Module, edges: list[int]) -> list[Part]:
     return [Part(lm, edges[i], edges[i + 1], i == 0, i == n - 1) for i in range(n)]
 
 
-def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return llama_bench.loss_of(logits, target)
-
-
 def stages_of(placement: str, rank: int) -> list[int]:
     """The stages a rank holds: one of two, looped (r and r + 2) or a V (r and 3 - r) of four."""
     return {"one": [rank], "loop": [rank, rank + 2], "v": [rank, 3 - rank]}[placement]
@@ -79,6 +75,7 @@ def settings(args: argparse.Namespace, layers: int) -> list[tuple[str, list[int]
 def run(args: argparse.Namespace) -> None:
     import torch.distributed.pipelining as tpp
     from torch.distributed.pipelining import PipelineStage
+    from transformers import LlamaForCausalLM
 
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", rank)
@@ -94,8 +91,6 @@ def run(args: argparse.Namespace) -> None:
         cut = f"-cut{edges[1]}" if n == 2 and edges[1] != cfg.num_hidden_layers // 2 else ""
         name = f"llama-torchpp-{sname}{cut}-c{chunks}"
         try:
-            from transformers import LlamaForCausalLM
-
             torch.manual_seed(0)
             lm = LlamaForCausalLM(cfg)  # on the CPU: only this rank's stages move to its GPU
             every = parts(lm, edges)
@@ -103,7 +98,7 @@ def run(args: argparse.Namespace) -> None:
             stages = [PipelineStage(every[i].to(device), i, n, device) for i in mine]
             lm = every = None
             sched = getattr(tpp, "Schedule" + sname)(stages if n > 2 else stages[0], n_microbatches=chunks,
-                                                      loss_fn=loss_fn)
+                                                      loss_fn=llama_bench.loss_of)
             opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
             last = any(i == n - 1 for i in mine)
 
@@ -120,8 +115,7 @@ def run(args: argparse.Namespace) -> None:
         except Exception as e:  # noqa: BLE001 - one schedule failing still reports the others
             r = ranks.error_row(name, e)
         stages = sched = opt = None
-        ranks.report(rows, r)
-        torch.cuda.reset_peak_memory_stats(device)
+        ranks.report(rows, r)  # (ranks.measure resets the peaks after each configuration's warm-up steps)
     ranks.finish(rows, os.path.join(args.out, "llama-torchpp.json"))
 
 

@@ -83,7 +83,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     alternative the tuner reports but did not time (up to ``alternatives`` of them), so each row shows
     the tuner's prediction next to a measurement (``memory_cap`` and ``schedule`` go to the tuner). The
     model is left where it was."""
-    from .tuning import _kept, _on_cuda, _peaks, step_seconds, tune
+    from .tuning import _kept, _peaks, step_seconds, tune
 
     placed = [torch.device(d) for d in devices]
     # Every row starts from the sample on the first device: a sample left on the CPU would make each
@@ -103,13 +103,12 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
                memory_cap=memory_cap, schedule=schedule)
     trials = list(cfg.trials)
     todo = [k for k, t in enumerate(trials) if t.measured_s is None][:alternatives]
-    # The tuner's timed candidates carry their peaks; one without (a configuration from an older cache) runs
-    # once more here on CUDA for them.
+    # The tuner's timed candidates carry the peaks it read (on CUDA; the cache key names that, so no cached
+    # choice lacks them); the alternatives are timed here.
     peaks.update({k: (t.measured_peak, t.measured_reserved) for k, t in enumerate(trials) if t.measured_peak})
-    again = [k for k, t in enumerate(trials) if t.measured_s is not None and not t.measured_peak] if _on_cuda(placed) else []
     oom: set[int] = set()
     with _kept(model):
-        for k in progress(again + todo, len(again + todo), "seqify bench: timing the alternatives", show):
+        for k in progress(todo, len(todo), "seqify bench: timing the alternatives", show):
             t = trials[k]
             pipe = None
             try:
@@ -117,8 +116,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
                     pipe = pipeline(model, **_options(t, placed)).train()
                     seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
                 peaks[k] = got()
-                if k in todo:
-                    trials[k] = replace(t, measured_s=seconds)
+                trials[k] = replace(t, measured_s=seconds)
             except torch.OutOfMemoryError:
                 oom.add(k)
             del pipe

@@ -40,6 +40,7 @@ from .partition.graph import dataflow, live_bytes
 from .partition.walk import layers as walk_layers
 from .pipeline import tied
 from .pipeline.config import PipeConfig, Trial
+from .pipeline.memory import weighted
 from .pipeline.pipe import CHECKPOINT, Pipeline, pipeline, resolve_devices
 from .pipeline.schedule import SCHEDULES, round_robin, v_shape
 from .predict import Calibration, Candidate, LayerModel, Prediction, predict
@@ -330,8 +331,8 @@ def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int,
     issue = [min(h) for h in zip(*host)] if all(host) else []
     fitted = LayerModel.through(points, hi.activation_bytes, hi.state_bytes, live[: len(lays)], batch, issue)
     # What a split backward's B keeps for W: the gradient at each weighted layer's output, shaped like it
-    # (on the CPU, FCN-ResNet50's partitions: exactly the bytes dist_backward.input_grads kept).
-    kept = tuple(o / batch if s > 0 else 0.0 for o, s in zip(hi.output_bytes, hi.state_bytes))
+    # (benchmarks/probe/zb_kept.py: for FCN, RegNet and VGG partitions, the bytes dist_backward.input_grads kept).
+    kept = tuple(o / batch if weighted(m) else 0.0 for o, m in zip(hi.output_bytes, lays.modules))
     return replace(fitted, kept_per_sample=kept), hi
 
 

@@ -763,12 +763,17 @@ def test_lean_bounds_allocated_and_reserved_apart() -> None:
 
 
 def test_the_profile_prices_what_b_keeps_for_w_and_zero_bubble_holds_it() -> None:
-    """layer_model: each weighted layer keeps its output's bytes per sample for W (weightless layers
-    nothing); a ZB-H1 prediction holds them from B to W on every partition but the first, 1F1B never."""
+    """layer_model prices what B keeps for W as pipe.plan_memory's measurement does (which
+    tests/test_memory.py checks against the split backward itself): the same bytes for the second
+    partition, none for weightless layers; a ZB-H1 prediction holds them from B to W on every partition
+    but the first, 1F1B never."""
+    from seqify.pipeline import memory
+
     _, seq, x = source_and_seq()
-    layers, hi = tuning.layer_model(seq, x, torch.device("cpu"), lo=2, show=False)
-    want = tuple(o / 8 if s > 0 else 0.0 for o, s in zip(hi.output_bytes, hi.state_bytes))
-    assert layers.kept_per_sample == want and any(want) and not all(want)
+    layers, _ = tuning.layer_model(seq, x, torch.device("cpu"), lo=2, show=False)
+    assert any(layers.kept_per_sample) and not all(layers.kept_per_sample)
+    parts = memory.measure(seqify.pipeline(seq, devices=CPU2, balance=[4, len(seq) - 4], chunks=1).stages, x)
+    assert sum(layers.kept_per_sample[4:]) * 8 == parts[1].kept > 0
     none = replace(layers, kept_per_sample=())
     for schedule, more in (("zb-h1", True), ("1f1b", False)):
         names, slots = layout(schedule, 1)

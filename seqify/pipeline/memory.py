@@ -15,7 +15,7 @@ from ..skip.namespace import SkipKey
 from .schedule import Schedule
 from .stage import Stage
 
-__all__ = ["MemoryPlan", "PartitionMemory", "measure", "parse_bytes", "predict"]
+__all__ = ["MemoryPlan", "PartitionMemory", "measure", "parse_bytes", "predict", "weighted"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -74,6 +74,12 @@ class MemoryPlan:
         return f"{self.schedule}, checkpoint={self.checkpoint!r}: {devices}"
 
 
+def weighted(layer: nn.Module) -> bool:
+    """Whether a layer has a parameter that wants a gradient: a split backward's B then keeps the gradient
+    at the layer's output for W (the bytes of that output)."""
+    return any(p.requires_grad for p in layer.parameters())
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -105,26 +111,27 @@ def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
             params = list(stage.layers.parameters())
             own = {p.untyped_storage().data_ptr() for p in params}
             seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-            kept = 0
+            saved_bytes = 0
 
             def pack(t: torch.Tensor) -> torch.Tensor:
-                nonlocal kept
+                nonlocal saved_bytes
                 key = _key(t)
                 if t.untyped_storage().data_ptr() not in own and key not in seen:
                     seen.add(key)
-                    kept += _bytes(t)
+                    saved_bytes += _bytes(t)
                 return t
 
             outputs = 0
 
             def output(module: nn.Module, args: Any, result: Any) -> None:
                 nonlocal outputs
-                values = (result,) if isinstance(result, torch.Tensor) else result
+                values = result if isinstance(result, (tuple, list)) else (result,)
                 outputs += sum(_bytes(t) for t in values if isinstance(t, torch.Tensor) and t.is_floating_point())
 
-            weighted = [m for m in stage.modules if any(p.requires_grad for p in m.parameters())]
-            first = stage is stages[0]  # its B has no input gradient to compute, so keeps nothing
-            hooks = [] if first else [m.register_forward_hook(output) for m in weighted]
+            # the first partition's B has no input gradient to compute, so keeps nothing for W
+            later = stage is not stages[0]
+            # the partition's own modules (stage.modules may wrap some, e.g. a layer holding a tied weight)
+            hooks = [m.register_forward_hook(output) for m in stage.layers.children() if later and weighted(m)]
             skips = {key: _to(pending.pop(key), stage.device) for key in stage.pops}
             x = _to(x, stage.device)
             inputs = [t for t in ((x,) if isinstance(x, torch.Tensor) else tuple(x)) if isinstance(t, torch.Tensor)]
@@ -141,7 +148,7 @@ def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
                     with torch.enable_grad():
                         x, made = stage.fresh(x, skips)
                     torch.cuda.synchronize(stage.device)
-                    kept = max(0, torch.cuda.memory_allocated(stage.device) - start)
+                    saved_bytes = max(0, torch.cuda.memory_allocated(stage.device) - start)
                 else:
                     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                         x, made = stage.fresh(x, skips)
@@ -152,7 +159,7 @@ def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
             buffers = sum(b.numel() * b.element_size() for b in stage.layers.buffers())
             weights = sum(p.numel() * p.element_size() for p in params)
             grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-            out.append(PartitionMemory(weights + buffers, grads, kept, received, outputs))
+            out.append(PartitionMemory(weights + buffers, grads, saved_bytes, received, outputs))
     finally:
         with torch.no_grad():
             for b, copy in saved:
@@ -176,11 +183,13 @@ def predict(parts: Sequence[PartitionMemory], schedule: Schedule, checkpoint: st
         for a in actions:
             size = parts[a.partition].inputs if a.microbatch < stop else parts[a.partition].activations
             kept = parts[a.partition].kept if schedule.split else 0
-            if a.kind == "F" or (a.kind == "B" and kept):
-                held += size if a.kind == "F" else kept
-                most = max(most, held)
+            if a.kind == "F":
+                held += size
+            elif a.kind == "B" and schedule.split:
+                held += kept
             elif a.kind == free:
                 held -= size + kept
+            most = max(most, held)
         recompute = max(parts[p].activations for p in owned) if stop else 0
         peaks.append(static + most + recompute)
     return MemoryPlan(schedule.name, checkpoint, tuple(peaks))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ try:  # private helpers of torch.distributed.pipelining (torch >= 2.5): optional
 except ImportError:  # pragma: no cover - older or trimmed torch: W walks the whole graph again
     get_param_groups = None
 
-__all__ = ["input_grads", "weight_grads", "weight_values"]
+__all__ = ["NOW", "Later", "accumulate", "input_grads", "weight_grads", "weight_values"]
 
 
 def _node(t: torch.Tensor) -> Any:
@@ -28,38 +29,67 @@ def _node(t: torch.Tensor) -> Any:
         return _get_grad_fn_or_grad_acc(t)
 
 
-def _groups(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-            params: Sequence[torch.Tensor]) -> list[dict[str, Any]] | None:
-    """torch's parameter groups (weights with the boundary nodes they meet the inputs' path at), or
-    None when some weight the outputs reach is in no group."""
+#: Autograd nodes whose backward yields their weights' gradients with the input's, from the same
+#: reductions (normalisations): B takes those weights' gradients along, so W neither runs the node again
+#: nor keeps the gradient at its output. Mirrored for modules by :func:`seqify.pipeline.memory.weighted`.
+NOW = ("BatchNormBackward", "LayerNormBackward", "GroupNormBackward")
+
+
+@dataclass
+class Later:
+    """What B leaves for W: which weights W still owes a gradient (``owed``; B returned the others'), and
+    the gradients B kept where the owed weights' sub-graphs join the inputs' path (``groups``; None: W
+    walks from the outputs again)."""
+
+    owed: list[bool]
+    groups: list[dict[str, Any]] | None
+
+
+def _now(node: Any, reverse: dict[Any, list[Any]]) -> bool:
+    """Whether every node reading this weight is a normalisation whose backward yields its gradient."""
+    users = reverse.get(node, [])
+    return bool(users) and all(any(k in u.name() for k in NOW) for u in users)
+
+
+def _plan(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+          params: Sequence[torch.Tensor]) -> tuple[list[bool], list[dict[str, Any]] | None]:
+    """Which weights B differentiates along with the inputs, and torch's parameter groups of the rest
+    (weights with the boundary nodes they meet the inputs' path at), or None where some owed weight
+    the outputs reach is in no group."""
     if get_param_groups is None or not inputs or not params:
-        return None
+        return [False] * len(params), None
     roots = [n for n in map(_node, outs) if n is not None]
     reverse = construct_reverse_graph(roots)
-    nodes = {p: _node(p) for p in params}
-    reached = [n for n in nodes.values() if n in reverse or n in roots]  # weights some output depends on
-    groups = get_param_groups([n for n in map(_node, inputs) if n is not None],
-                              reached, reverse)
+    nodes = [_node(p) for p in params]
+    now = [_now(n, reverse) for n in nodes]
+    reached = [n for n, b in zip(nodes, now) if not b and (n in reverse or n in roots)]  # owed, reached
+    if not reached:
+        return now, []
+    groups = get_param_groups([n for n in map(_node, inputs) if n is not None], reached, reverse)
     covered = {n for g in groups for n in g["params"]}
     if covered != set(reached) or any(not g["intermediates"] for g in groups):
-        return None
-    return groups
+        return now, None
+    return now, groups
 
 
 def input_grads(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
-                params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], list[dict[str, Any]] | None]:
-    """B: the gradients of ``inputs`` (None where unused), and what :func:`weight_grads` needs (None:
-    walk from the outputs again).
+                params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], Later]:
+    """B: the gradients of ``inputs`` (None where unused), those of the normalisations' weights (:data:`NOW`;
+    None for every other weight), and what :func:`weight_grads` needs for the rest.
 
     ``torch.autograd.grad`` runs to the inputs only, with hooks that keep the gradients arriving at the
-    *boundary*: the nodes where each weight's sub-graph joins the path from inputs to outputs
+    *boundary*: the nodes where each owed weight's sub-graph joins the path from inputs to outputs
     (torch.distributed.pipelining's ``stage_backward_input``, without its in-place detach of the
     outputs). W then differentiates from those saved gradients to the weights only
-    (``stage_backward_weight``), so B + W walk the graph about once, not twice. Where that cannot cover
-    every weight (a weight reaching an output without meeting the inputs' path, say a learned
-    embedding stashed as a skip), or torch's helpers are missing, W walks the retained graph again from
-    the outputs (``torch.autograd.backward(..., inputs=weights)``): exact either way."""
-    groups = _groups(outs, inputs, params)
+    (``stage_backward_weight``), so B + W walk the graph about once, not twice. A normalisation computes
+    its weights' gradients from the reductions its input's gradient needs, so B takes them along rather
+    than W running the node a second time (on a ResNet, half its W nodes and half what B keeps). Where the
+    boundary cannot cover every owed weight (a weight reaching an output without meeting the inputs'
+    path, say a learned embedding stashed as a skip), or torch's helpers are missing, W walks the
+    retained graph again from the outputs (``torch.autograd.backward(..., inputs=weights)``): exact either
+    way."""
+    now, groups = _plan(outs, inputs, params)
+    early = [p for p, b in zip(params, now) if b]
     handles = []
     try:
         for group in groups or []:
@@ -70,13 +100,15 @@ def input_grads(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | Non
                     group["grads"][k] = grad_outputs
 
                 handles.append(node.register_prehook(keep))
-        got = torch.autograd.grad(outs, list(inputs), list(grads), retain_graph=True, allow_unused=True)
+        got = torch.autograd.grad(outs, list(inputs) + early, list(grads), retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
     if groups is not None and any(g is None for group in groups for g in group["grads"]):
         groups = None  # a boundary node B never ran: fall back rather than miss its weights
-    return list(got), groups
+    found = iter(got[len(inputs):])
+    weights = [next(found) if b else None for b in now]
+    return list(got[: len(inputs)]), weights, Later([not b for b in now], groups)
 
 
 def _from_boundary(params: Sequence[torch.Tensor], groups: list[dict[str, Any]]) -> list[torch.Tensor | None]:
@@ -118,27 +150,35 @@ def _clamp(kept: tuple[torch.Tensor | None, ...], _: Any) -> tuple[torch.Tensor 
 
 
 def weight_values(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor],
-                  groups: list[dict[str, Any]] | None, retain_graph: bool = True) -> list[torch.Tensor | None]:
-    """W, returned rather than written: each of ``params``' gradient (None where none arrives), from
-    B's boundary (``groups``) or else from the outputs. Touches no ``.grad`` (what a captured W graph
-    needs: the caller adds these into its own accumulators). The graph stays unless ``retain_graph`` is
-    False and W walked it from the outputs; dropping ``outs`` and ``groups`` releases it."""
-    if groups is not None:
-        return _from_boundary(params, groups)
-    if not outs or not params:
+                  later: Later | None, retain_graph: bool = True) -> list[torch.Tensor | None]:
+    """W, returned rather than written: the gradient of each of ``params`` that B left owed (None where B
+    took it or none arrives), from B's boundary or else from the outputs (``later`` None: B took nothing,
+    W is the whole weights' backward). Touches no ``.grad`` (what a captured W graph needs: the caller
+    adds these into its own accumulators). The graph stays unless ``retain_graph`` is False and W walked
+    it from the outputs; dropping ``outs`` and ``later`` releases it."""
+    owed = later.owed if later is not None else [True] * len(params)
+    if later is not None and later.groups is not None:
+        return _from_boundary(params, later.groups)
+    wanted = [p for p, o in zip(params, owed) if o]
+    if not outs or not wanted:
         return [None] * len(params)
-    return list(torch.autograd.grad(list(outs), list(params), list(grads), retain_graph=retain_graph,
-                                    allow_unused=True))
+    found = iter(torch.autograd.grad(list(outs), wanted, list(grads), retain_graph=retain_graph, allow_unused=True))
+    return [next(found) if o else None for o in owed]
 
 
-def weight_grads(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor],
-                 groups: list[dict[str, Any]] | None) -> None:
-    """W: add the weights' gradients into ``.grad``, from B's boundary or else from the outputs
-    (:func:`weight_values`, releasing the graph when it walked from the outputs)."""
-    for p, g in zip(params, weight_values(outs, grads, params, groups, retain_graph=False)):
+def accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add ``grads`` into the parameters' ``.grad`` (None: nothing arrived)."""
+    for p, g in zip(params, grads):
         if g is None:
             continue
         if p.grad is None:
             p.grad = g
         else:
             p.grad += g
+
+
+def weight_grads(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor],
+                 later: Later | None) -> None:
+    """W: add the owed weights' gradients into ``.grad``, from B's boundary or else from the outputs
+    (:func:`weight_values`, releasing the graph when it walked from the outputs)."""
+    accumulate(params, weight_values(outs, grads, params, later, retain_graph=False))

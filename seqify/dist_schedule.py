@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .dist_backward import input_grads, weight_grads
+from .dist_backward import Later, accumulate, input_grads, weight_grads
 from .dist_link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Key, Link, grads_for, leaves, like_grads
 from .dist_sizes import is_size
 from .errors import ScheduleError
@@ -46,7 +46,7 @@ class _Work:
     stashed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> tensors of the stashed skip
     outs: list[torch.Tensor] = field(default_factory=list)  # what W differentiates (split schedules)
     grads: list[torch.Tensor | None] = field(default_factory=list)
-    boundary: list[dict[str, Any]] | None = None  # what B saved for W (see dist_backward)
+    boundary: Later | None = None  # what B left for W (see dist_backward)
 
 
 class RankRun:
@@ -178,7 +178,8 @@ class RankRun:
             del self.work[(p, i)]
         else:
             if outs and wanted:
-                found, w.boundary = input_grads(outs, grads, wanted, self.s.params[p])
+                found, now, w.boundary = input_grads(outs, grads, wanted, self.s.params[p])
+                accumulate(self.s.params[p], now)  # the normalisations' weights: B yields their gradients
                 got = {id(t): g for t, g in zip(wanted, found)}
             w.outs, w.grads = outs, grads
         if p > 0:

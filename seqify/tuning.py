@@ -246,8 +246,8 @@ def split_backward(device: torch.device, *, width: int = 128, depth: int = 6, ba
 
 def model_split(model: nn.Module, sample: Any, device: torch.device, *, rounds: int = 2) -> float | None:
     """:func:`split_backward` with ``boundary=True`` measured on ``model`` itself, its input made to want
-    a gradient so B walks the whole model (a weight whose backward also yields the input's gradient,
-    BatchNorm's, runs that backward again in W: on CNNs splitting costs more than on a linear chain).
+    a gradient so B walks the whole model (what W runs again differs by model: a linear chain's W is its
+    weight GEMMs, a CNN's its convolutions' weight kernels beside B taking its normalisations' weights).
     None where the sample is not one floating-point tensor or the model does not fit ``device``. The
     model is left as it was."""
     if not (isinstance(sample, torch.Tensor) and sample.is_floating_point()):
@@ -275,8 +275,8 @@ def _split_ratio(run: Any, x: torch.Tensor, weights: list[torch.Tensor], device:
         y = run()
         if boundary:
             one = torch.ones_like(y)
-            _, groups = input_grads([y], [one], [x], weights)
-            weight_values([y], [one], weights, groups, retain_graph=False)
+            _, _, later = input_grads([y], [one], [x], weights)
+            weight_values([y], [one], weights, later, retain_graph=False)
             return
         torch.autograd.grad(y, [x], retain_graph=True)
         torch.autograd.backward(y, inputs=weights)

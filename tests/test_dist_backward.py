@@ -16,18 +16,24 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class Net(nn.Module):
-    """A residual, a Linear called twice (two paths into one weight) and an output the inputs never reach."""
+    """A residual, a Linear called twice (two paths into one weight), normalisations (whose weights'
+    gradients B takes along) and an output the inputs never reach."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(4, 4)
         self.b = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.ln = nn.LayerNorm(4)
         self.emb = nn.Parameter(torch.randn(4))
 
     def forward(self, x: torch.Tensor, stray: bool) -> list[torch.Tensor]:
-        h = torch.relu(self.a(x)) + x
-        y = self.b(torch.tanh(self.b(h))) * h
+        h = self.bn(torch.relu(self.a(x)) + x)
+        y = self.b(torch.tanh(self.b(h))) * self.ln(h)
         return [y, self.emb * 2] if stray else [y]
+
+
+NORMS = ("bn.weight", "bn.bias", "ln.weight", "ln.bias")
 
 
 def ran(run: Callable[[nn.Module, torch.Tensor], list[torch.Tensor]]) -> tuple[
@@ -42,12 +48,41 @@ def ran(run: Callable[[nn.Module, torch.Tensor], list[torch.Tensor]]) -> tuple[
 
 
 def split_vs_whole(run: Callable[[nn.Module, torch.Tensor], list[torch.Tensor]]) -> bool:
-    """Compare B + W with one backward; whether W started from B's boundary."""
+    """Compare B + W with one backward; whether W started from B's boundary. B returns the
+    normalisations' weights' gradients and W the others', each normalisation's backward running once."""
     net, x, outs, grads, params = ran(run)
-    dx, boundary = input_grads(outs, grads, [x], params)
-    assert all(p.grad is None for p in params)  # B leaves the weights alone
-    weight_grads(outs, grads, params, boundary)
-    split = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+    names = [n for n, _ in net.named_parameters()]
+    runs = {"bn": 0, "ln": 0}
+    found = {}
+
+    def seen(name: str) -> Callable[..., None]:
+        def count(*_: object) -> None:
+            runs[name] += 1
+        return count
+
+    def find(node: object) -> None:  # the normalisations' autograd nodes, by walking from the outputs
+        if node is None or id(node) in found:
+            return
+        found[id(node)] = node
+        for k in ("BatchNorm", "LayerNorm"):
+            if k in node.name():
+                node.register_hook(seen("bn" if k == "BatchNorm" else "ln"))
+        for nxt, _ in node.next_functions:
+            find(nxt)
+
+    for o in outs:
+        find(o.grad_fn)
+    dx, now, later = input_grads(outs, grads, [x], params)
+    assert all(p.grad is None for p in params)  # B returns gradients, writes no .grad
+    assert [n for n, g in zip(names, now) if g is not None] == list(NORMS)
+    assert later.owed == [n not in NORMS for n in names]
+    assert runs == {"bn": 1, "ln": 1}
+    weight_grads(outs, grads, params, later)
+    if later.groups is not None:  # from the boundary W runs no normalisation again (walking from the
+        assert runs == {"bn": 1, "ln": 1}  # outputs it must pass through them to reach `a`)
+    assert all(p.grad is None for n, p in zip(names, params) if n in NORMS)
+    split = [g.clone() if g is not None else torch.zeros_like(p) if p.grad is None else p.grad.clone()
+             for p, g in zip(params, now)]
     for p in params:
         p.grad = None
     again = run(net, x)
@@ -55,7 +90,7 @@ def split_vs_whole(run: Callable[[nn.Module, torch.Tensor], list[torch.Tensor]])
     torch.testing.assert_close(dx[0], whole[0], rtol=1e-12, atol=1e-14)
     for got, want in zip(split, whole[1:]):
         torch.testing.assert_close(got, want if want is not None else torch.zeros_like(got), rtol=1e-12, atol=1e-14)
-    return boundary is not None
+    return later.groups is not None
 
 
 def test_w_starts_from_b_boundary_and_adds_up() -> None:
@@ -77,11 +112,12 @@ def test_weight_values_returns_w_without_touching_grad(stray: bool) -> None:
     _, x, outs, grads, params = ran(lambda net, x: net(x, stray))
     whole = torch.autograd.grad(outs, params, grads, retain_graph=True, allow_unused=True)
     with torch.no_grad():
-        _, boundary = input_grads(outs, grads, [x], params)
-        got = weight_values(outs, grads, params, boundary)
-    assert (boundary is None) == stray
+        _, now, later = input_grads(outs, grads, [x], params)
+        got = weight_values(outs, grads, params, later)
+    assert (later.groups is None) == stray
     assert all(p.grad is None for p in params)
-    for g, want in zip(got, whole):
+    assert all((a is None) != (b is None) for a, b in zip(now, got) if a is not None or b is not None)
+    for g, want in zip((b if a is None else a for a, b in zip(now, got)), whole):
         assert (g is None) == (want is None)
         if want is not None:
             torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-14)

@@ -103,9 +103,9 @@ def test_zb_h1_b_sends_input_gradients_before_w_computes_weight_gradients(monkey
     from_boundary: list[bool] = []
     real_w = ds.weight_grads
 
-    def boundary(outs: Any, grads: Any, params: Any, groups: Any) -> None:
-        from_boundary.append(groups is not None)
-        real_w(outs, grads, params, groups)
+    def boundary(outs: Any, grads: Any, params: Any, later: Any) -> None:
+        from_boundary.append(later is not None and later.groups is not None)
+        real_w(outs, grads, params, later)
 
     monkeypatch.setattr(ds, "weight_grads", boundary)
     x, y = worker.data("skippy", 8)

@@ -118,7 +118,8 @@ def test_what_b_keeps_for_w_is_what_the_split_backward_keeps() -> None:
         outs = [y] + [v for v in made.values() if isinstance(v, torch.Tensor)]
         wrt = [t for t in [x, *skips.values()] if t.requires_grad]
         if wrt:
-            _, groups = input_grads(outs, [torch.ones_like(o) for o in outs], wrt, list(stage.layers.parameters()))
+            _, _, later = input_grads(outs, [torch.ones_like(o) for o in outs], wrt, list(stage.layers.parameters()))
+            groups = later.groups
             assert groups is not None
             grads = {id(g): g for group in groups for gs in group["grads"] for g in gs if isinstance(g, torch.Tensor)}
             assert part.kept == sum(g.numel() * g.element_size() for g in grads.values())

@@ -46,7 +46,7 @@ def split_kept(stages: list[Any], x: Any) -> list[int | None]:
         outs = [t for t in [y, *made.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
         kept: int | None = 0
         if ins:
-            _, groups = input_grads(outs, [torch.ones_like(o) for o in outs], ins, list(stage.layers.parameters()))
+            groups = input_grads(outs, [torch.ones_like(o) for o in outs], ins, list(stage.layers.parameters()))[2].groups
             grads = {id(g): g for group in groups or [] for gs in group["grads"] for g in gs if isinstance(g, torch.Tensor)}
             kept = sum(g.numel() * g.element_size() for g in grads.values()) if groups is not None else None
         out.append(kept)

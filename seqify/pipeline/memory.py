@@ -74,10 +74,17 @@ class MemoryPlan:
         return f"{self.schedule}, checkpoint={self.checkpoint!r}: {devices}"
 
 
+#: Normalisations whose weights' gradients a split backward's B computes along with the input's (their
+#: backward yields both from the same reductions): they keep nothing for W. The modules behind
+#: :data:`seqify.dist_backward.NOW`'s autograd nodes.
+NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
+
+
 def weighted(layer: nn.Module) -> bool:
-    """Whether a layer has a parameter that wants a gradient: a split backward's B then keeps the gradient
-    at the layer's output for W (the bytes of that output)."""
-    return any(p.requires_grad for p in layer.parameters())
+    """Whether a layer has a parameter that wants a gradient and that a split backward's W computes (not
+    a normalisation's, :data:`NORMS`): B then keeps the gradient at the layer's output for W (the bytes
+    of that output)."""
+    return not isinstance(layer, NORMS) and any(p.requires_grad for p in layer.parameters())
 
 
 def _bytes(t: torch.Tensor) -> int:

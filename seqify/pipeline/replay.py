@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dist_backward import input_grads, weight_values
+from ..dist_backward import Later, input_grads, weight_values
 from ..errors import BoundaryError, GraphError
 from ..skip.namespace import SkipKey
 from ..skip.sizes import size_skips
@@ -131,10 +131,10 @@ class Program:
         self.in_grads: list[torch.Tensor | None] = [None] * len(inputs)
         # (forward, backward (B when split), weights (W; split only)), once captured
         self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None, torch.cuda.CUDAGraph | None] | None = None
-        # What B keeps for W (split only): the outputs it differentiated, their gradients, the boundary
-        # (None: W walks from the outputs again). Set and used while running eagerly or capturing, never
-        # on a replay.
-        self.kept: tuple[list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]] | None] | None = None
+        # What B keeps for W (split only): the outputs it differentiated, their gradients, what W owes
+        # (None: W is the whole weights' backward). Set and used while running eagerly or capturing,
+        # never on a replay.
+        self.kept: tuple[list[torch.Tensor], list[torch.Tensor], Later | None] | None = None
         self.touched = [False] * len(params)  # which parameters some backward reached (the others keep .grad)
         self.grad = bool(params) or any(t.requires_grad for t in inputs)  # False: an inference program
 
@@ -184,10 +184,11 @@ class Program:
         if not wrt_inputs or all(g is None for g in self.out_grads):
             return
         outs, grads = self._differentiated()
-        found, groups = input_grads(outs, grads, [self.inputs[k] for k in wrt_inputs], self.wrt)
+        found, now, later = input_grads(outs, grads, [self.inputs[k] for k in wrt_inputs], self.wrt)
         for k, g in zip(wrt_inputs, found):
             self.in_grads[k] = g
-        self.kept = (outs, grads, groups)
+        self._add(now)  # the normalisations' weights, whose gradients B yields anyway
+        self.kept = (outs, grads, later)
 
     @_with_casts
     def _grads_weight(self) -> None:
@@ -200,10 +201,10 @@ class Program:
             kept = (outs, grads, None)
         if kept is None or not kept[0]:
             return
-        outs, grads, groups = kept
+        outs, grads, later = kept
         if self.params:
-            self._add(weight_values(outs, grads, self.wrt, groups, retain_graph=False))
-        del outs, grads, groups, kept
+            self._add(weight_values(outs, grads, self.wrt, later, retain_graph=False))
+        del outs, grads, later, kept
         # The graph's last owner goes (same memory); requires_grad stays: a replayed step's loss and the
         # next partition's inputs read it to know what gets a gradient.
         self.outputs = tuple(o.detach().requires_grad_(o.requires_grad) for o in self.outputs)

@@ -2,7 +2,7 @@
 # One device-tool call (nvidia-h200-x2 for the pipeline rows; one-GPU kinds put partitions on one GPU):
 # install seqify without dependencies (the image has torch, torchvision, transformers, networkx), then run
 # the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist, side-by-side [fp32|bf16],
-# dist-gap, casts, llama-side, check [SECONDS], families SECONDS [FAMILY...]). Output goes to $OUT.
+# dist-gap, casts, llama-side, busy [SECONDS], check [SECONDS], families SECONDS [FAMILY...]). Output goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
@@ -63,6 +63,10 @@ case "${1:-tests}" in
   dist-gap)  # issue 15's 8-chunk gap: GPU busy, NCCL and idle time per GPU, in-process against seqify.distributed
     timeout 150 python3 benchmarks/probe/dist_gap.py --inprocess --chunks 8 --out "$OUT" 2>&1 | grep '^{'
     timeout 150 torchrun --nproc-per-node 2 benchmarks/probe/dist_gap.py --chunks 8 --out "$OUT" 2>&1 | grep '^{'
+    ;;
+  busy)  # issue 13: ResNet-101's pipelined step against the ceiling its micro-batch size allows (GPU busy and gaps)
+    timeout "${2:-240}" python3 benchmarks/probe/resnet_pipe_busy.py --chunks 4 8 16 --schedules 1f1b zb-h1 \
+      --out "$OUT" 2>&1 | tee "$OUT/resnet-busy.log" | grep -v '^    '
     ;;
   check)  # every GPU test, seqify installed as a package (subprocess and torchrun workers import it)
     timeout "${2:-330}" python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests --timeout 240 2>&1 \

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--schedules", nargs="+", default=["gpipe"], choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe"], choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"])
     parser.add_argument("--graphs", choices=["eager", "graphs", "both"], default="both")
     parser.add_argument("--loops", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--shift", type=int, nargs="+", default=[0],

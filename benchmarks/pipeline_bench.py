@@ -1,7 +1,7 @@
 """Training throughput of ResNet-101 on GPUs: one GPU, seqify's pipeline, torchgpipe and torch pipelining.
 
     python benchmarks/pipeline_bench.py [--batch 256] [--chunks 4 8 16 32] [--loops 1 2] [--precision fp32]
-                                        [--schedule gpipe 1f1b interleaved zb-h1] [--anchors] [--out DIR]
+                                        [--schedule gpipe 1f1b interleaved zb-h1 zb-h2] [--anchors] [--out DIR]
 
 Everything runs in one invocation on the same GPUs, one configuration after another: the one-GPU
 baseline (the source model, eager), the converted model on one GPU, seqify over two GPUs (eager and
@@ -10,7 +10,7 @@ cuda:0, cuda:1, cuda:0, cuda:1, CUDA-graphed, run breadth-first), torchgpipe 0.0
 installed, and torch.distributed.pipelining with hand-cut stages (through torchrun, --anchors).
 ``--schedule`` adds, per chunk count, one row per schedule side by side, trained with
 ``pipe.step(x, y, loss_fn)``: gpipe (looped with ``--loops 2``), 1f1b, interleaved (two partitions per
-GPU) and zb-h1 (also in a V over two partitions per GPU with ``--loops 2``), with CUDA graphs and
+GPU), zb-h1 (also in a V over two partitions per GPU with ``--loops 2``) and zb-h2, with CUDA graphs and
 eagerly (``--schedule-graphs``), each with the memory the schedule's plan predicts per GPU. The
 schedule rows run on every visible GPU (one GPU: partitions share it, which shows memory, not speed).
 Prints a table of samples/s, the ratio to the one-GPU baseline of the same precision, and the peak
@@ -37,6 +37,7 @@ import torchvision
 from torch import nn
 
 import seqify
+from seqify.pipeline.schedule import SCHEDULES
 
 ROWS: list[dict[str, Any]] = []
 
@@ -119,7 +120,8 @@ def schedule_rows(args: argparse.Namespace, x: torch.Tensor, y1: torch.Tensor, b
     modes = {"eager": [False], "graphs": [True], "both": [False, True]}[args.schedule_graphs]
     for chunks in args.chunks:
         for schedule in args.schedule:
-            layouts = [2] if schedule == "interleaved" else ([1, 2] if 2 in args.loops and schedule != "1f1b" else [1])
+            one = schedule in ("1f1b", "zb-h2")  # one partition per GPU only
+            layouts = [2] if schedule == "interleaved" else ([1, 2] if 2 in args.loops and not one else [1])
             for loops, graphs in [(lo, g) for lo in layouts for g in modes]:
                 shape = ("-v" if schedule == "zb-h1" else f"-loop{loops}") if loops > 1 else ""
                 name = f"sched-{schedule}{shape}-{'graphs' if graphs else 'eager'}-c{chunks}{tag}"
@@ -233,7 +235,7 @@ def main() -> None:
     p.add_argument("--skip-eager", action="store_true", help="only CUDA-graphed seqify runs")
     p.add_argument("--loops", type=int, nargs="+", default=[1],
                    help="partitions per GPU to try (1: one partition per GPU; 2: cuda:0, cuda:1, cuda:0, cuda:1)")
-    p.add_argument("--schedule", nargs="+", default=[], choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
+    p.add_argument("--schedule", nargs="+", default=[], choices=list(SCHEDULES),
                    help="also train with pipe.step under these schedules, one row each per chunk count")
     p.add_argument("--schedule-graphs", choices=["eager", "graphs", "both"], default="both",
                    help="--schedule rows with CUDA graphs, eagerly, or both (default)")

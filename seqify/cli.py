@@ -19,6 +19,7 @@ from .convert import convert
 from .demo import NOT_EXACT, OK, _bit_equal, _gpus, _section, demo
 from .errors import BalanceError, SampleError, SeqifyError, SpecError, UntraceableError
 from .partition.cost import BY
+from .pipeline.schedule import SCHEDULES
 
 __all__ = ["main"]
 
@@ -448,7 +449,7 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true", help="tuning: measure again instead of reading the cache")
     p.add_argument("--memory-cap", metavar="SIZE", help="tuning: bytes per device, e.g. 40GiB; candidates predicted "
                    "over it are rejected")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+    p.add_argument("--schedule", choices=SCHEDULES,
                    help="tuning: fix the schedule (default: the tuner weighs every one that applies)")
     p.add_argument("--bf16", action="store_true", help="tuning: train under bf16 autocast (torch.autocast on the "
                    "devices' type), as mixed-precision training runs; the choice is cached apart from float32's")

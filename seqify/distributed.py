@@ -68,8 +68,9 @@ def placement_for(schedule: str | Schedule, ranks: int, loops: int) -> tuple[int
             raise ScheduleError(f"zb-h1 with loops={loops}: it runs one partition per rank, or two placed in a V "
                                 "(loops=2); use schedule='interleaved' for more")
         return v_shape(ranks)
-    if schedule == "1f1b":
-        raise ScheduleError("1f1b runs one partition per rank; with loops > 1 use schedule='interleaved' (or 'gpipe')")
+    if schedule in ("1f1b", "zb-h2"):
+        raise ScheduleError(f"{schedule} runs one partition per rank; with loops > 1 use schedule='interleaved' (or "
+                            "'gpipe', or 'zb-h1' with loops=2)")
     return round_robin(ranks, loops)
 
 

@@ -42,7 +42,7 @@ from .pipeline import tied
 from .pipeline.config import PipeConfig, Trial
 from .pipeline.memory import weighted
 from .pipeline.pipe import CHECKPOINT, Pipeline, pipeline, resolve_devices
-from .pipeline.schedule import SCHEDULES, round_robin, v_shape
+from .pipeline.schedule import SCHEDULES, SPLIT, round_robin, v_shape
 from .predict import Calibration, Candidate, LayerModel, Prediction, predict
 from .progress import progress
 
@@ -389,13 +389,13 @@ def _lean(confirmed: list[Trial], allocated: int | None, reserved: int | None) -
 
 
 def _schedules(loops: int, sample: Any) -> tuple[str, ...]:
-    """The schedules that apply with ``loops`` partitions per device: GPipe always; 1F1B with one
-    partition per device; interleaved 1F1B with several; ZB-H1 with one, or two in a V. Only GPipe for a
-    sample of keyword arguments (``pipe.step``, which runs the others, takes positional inputs)."""
+    """The schedules that apply with ``loops`` partitions per device: GPipe always; 1F1B, ZB-H1 and ZB-H2
+    with one partition per device; interleaved 1F1B with several; ZB-H1 also with two in a V. Only GPipe
+    for a sample of keyword arguments (``pipe.step``, which runs the others, takes positional inputs)."""
     if isinstance(sample, dict):
         return ("gpipe",)
     if loops == 1:
-        return ("gpipe", "1f1b", "zb-h1")
+        return ("gpipe", "1f1b", "zb-h1", "zb-h2")
     return ("gpipe", "interleaved", "zb-h1") if loops == 2 else ("gpipe", "interleaved")
 
 
@@ -566,7 +566,7 @@ def tune(
                 pass  # an entry from another version: measure again
     batch = _batch(sample)
     with _kept(model):
-        cal = calibrate(placed, split=schedule in (None, "zb-h1") and not isinstance(sample, dict))
+        cal = calibrate(placed, split=(schedule is None or schedule in SPLIT) and not isinstance(sample, dict))
         counts = [chunks] if chunks else [c for c in CHUNKS if c <= batch]
         lo = max(2 if batch >= 2 else 1, batch // max(counts))
         micro = [batch // c for c in counts if batch // c >= lo]  # the sizes the candidates' micro-batches have
@@ -575,7 +575,7 @@ def tune(
         # no timed candidate may hold more on some GPU than the model training on one (or than the cap)
         limits = [b for b in (alone[0] if alone else None, memory_cap) if b is not None]
         bound = (int(min(limits)) if limits else None, alone[1] if alone else None)
-        if placed[0].type == "cuda" and schedule in (None, "zb-h1"):  # a replayed split, as this model splits
+        if placed[0].type == "cuda" and (schedule is None or schedule in SPLIT):  # a replayed split, as this model splits
             own = model_split(model, sample, placed[0])
             cal = replace(cal, split_replayed=own) if own is not None else cal
         found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s)

@@ -8,7 +8,7 @@ from torch import nn
 
 from seqify.pipeline.buffers import Buffers, in_flight, places
 from seqify.pipeline.replay import _partition_order
-from seqify.pipeline.schedule import gpipe, interleaved, one_f_one_b, zb_h1
+from seqify.pipeline.schedule import gpipe, interleaved, one_f_one_b, zb_h1, zb_h2
 
 from test_step import compare, setup
 
@@ -31,7 +31,7 @@ def test_a_split_backward_frees_at_w_not_at_b() -> None:
     assert places([("F", 0), ("F", 1)]) == [0, 1]  # inference: nothing is ever given back
 
 
-@pytest.mark.parametrize("make", [one_f_one_b, interleaved, zb_h1])
+@pytest.mark.parametrize("make", [one_f_one_b, interleaved, zb_h1, zb_h2])
 def test_places_never_give_a_set_to_two_micro_batches_at_once(make) -> None:  # type: ignore[no-untyped-def]
     placement = (0, 1, 0, 1) if make is interleaved else (0, 1, 1, 0) if make is zb_h1 else (0, 1, 2)
     schedule = make(placement, 8)
@@ -62,7 +62,7 @@ def test_buffers_are_shared_only_between_equal_shapes() -> None:
     assert not grads[0].requires_grad and not grads[0].any()
 
 
-@pytest.mark.parametrize("schedule,parts,loops", [("1f1b", 3, 1), ("zb-h1", 4, 2), ("interleaved", 4, 2)])
+@pytest.mark.parametrize("schedule,parts,loops", [("1f1b", 3, 1), ("zb-h1", 4, 2), ("interleaved", 4, 2), ("zb-h2", 3, 1)])
 def test_replayed_step_shares_boundary_buffers_and_trains_like_one_device(schedule: str, parts: int,
                                                                          loops: int) -> None:
     """pipe.step through Replay with micro-batches of one partition writing the same input and

@@ -43,7 +43,7 @@ def by_hand(order: list[list[tuple[str, int]]], m: int) -> Schedule:
     return Schedule("by-hand", tuple(range(len(order))), m, tuple(actions))
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
 def test_each_rank_runs_its_devices_list_of_the_shared_schedule(name: str) -> None:
     plan = make(name, (0, 1, 2), 4)
     for s in stages(name):

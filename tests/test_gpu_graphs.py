@@ -24,7 +24,7 @@ close = relative(1e-4)
 
 def layouts() -> list[tuple[str, int]]:
     """(schedule, partitions per GPU): with one GPU, partitions share it (1f1b: one partition)."""
-    return [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2), ("gpipe", 2)]
+    return [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2), ("zb-h2", 1), ("gpipe", 2)]
 
 
 def twins(source: torch.nn.Module, loops: int, **options: object) -> tuple[torch.nn.Module, seqify.Pipeline, seqify.Pipeline]:

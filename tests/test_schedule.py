@@ -8,7 +8,7 @@ import pytest
 
 from seqify.errors import ScheduleError
 from seqify.pipeline.schedule import (
-    Action, Schedule, gpipe, interleaved, make, one_f_one_b, round_robin, v_shape, zb_h1,
+    Action, Schedule, gpipe, interleaved, make, one_f_one_b, round_robin, v_shape, zb_h1, zb_h2,
 )
 
 SHAPES = [(2, 1), (2, 4), (3, 5), (4, 8), (4, 3)]  # (devices, micro-batches)
@@ -96,6 +96,24 @@ def test_zb_h1_splits_backward_and_keeps_1f1b_peak(d: int, m: int) -> None:
     assert [[x[:2] for x in row if x[2] == "F"] for row in fb] == [[x[:2] for x in row if x[2] == "F"] for row in ref]
 
 
+@pytest.mark.parametrize("d,m", SHAPES + [(2, 8), (4, 16)])
+def test_zb_h2_runs_further_ahead_within_its_bound(d: int, m: int) -> None:
+    """Device s keeps at most max(2 (d - s) - 1, d) micro-batches awaiting W (the first: 2 d - 1) and
+    reaches that bound once enough micro-batches exist; where ZB-H1 waits, ZB-H2 has started more forwards."""
+    s = zb_h2(tuple(range(d)), m)
+    assert s.split and s.name == "zb-h2"
+    check_by_hand(s)
+    bound = [max(2 * (d - p) - 1, d) for p in range(d)]
+    assert all(h <= b for h, b in zip(held(s), bound))
+    if m >= 2 * d - 1:
+        assert held(s)[0] == 2 * d - 1
+    h1 = zb_h1(tuple(range(d)), m)
+    first = [a.kind for a in s.per_device()[0]]
+    assert first.index("B") == min(m, 2 * d - 1)  # forwards before its first B: ZB-H1's d
+    assert [a.kind for a in h1.per_device()[0]].index("B") == min(m, d)
+    assert s.ticks <= h1.ticks
+
+
 @pytest.mark.parametrize("d,m", [(2, 4), (3, 6), (4, 8)])
 def test_zb_v_two_partitions_per_device_valid_and_bounded(d: int, m: int) -> None:
     s = zb_h1(v_shape(d), m)
@@ -136,6 +154,9 @@ def test_make_names_and_refusals() -> None:
         interleaved((0, 0, 1, 1), 2)
     with pytest.raises(ScheduleError, match="V"):
         zb_h1((0, 1, 0, 1), 2)
+    with pytest.raises(ScheduleError, match="one per device"):
+        zb_h2((0, 1, 1, 0), 2)
+    assert make("zb-h2", (0, 1), 4) == zb_h2((0, 1), 4)
 
 
 @pytest.mark.parametrize("d,m", [(2, 4), (3, 5), (4, 8), (4, 16)])

@@ -85,7 +85,8 @@ def compare(source: nn.Module, pipe: seqify.Pipeline, loss_fn: nn.Module, steps:
 
 
 CASES = [("gpipe", 2, 1), ("gpipe", 4, 2), ("1f1b", 2, 1), ("1f1b", 3, 1), ("1f1b", 4, 1),
-         ("interleaved", 4, 2), ("zb-h1", 2, 1), ("zb-h1", 3, 1), ("zb-h1", 4, 1), ("zb-h1", 4, 2)]
+         ("interleaved", 4, 2), ("zb-h1", 2, 1), ("zb-h1", 3, 1), ("zb-h1", 4, 1), ("zb-h1", 4, 2),
+         ("zb-h2", 2, 1), ("zb-h2", 4, 1)]
 
 
 @pytest.mark.parametrize("schedule,parts,loops", CASES)

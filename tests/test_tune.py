@@ -340,7 +340,8 @@ def balanced(schedule: str, loops: int, m: int, *, layers: int = 8, saved: float
 
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("schedule, loops, graphs", [("gpipe", 1, True), ("gpipe", 2, True), ("1f1b", 1, False),
-                                                     ("interleaved", 2, False), ("zb-h1", 1, False)])
+                                                     ("interleaved", 2, False), ("zb-h1", 1, False),
+                                                     ("zb-h2", 1, False)])
 def test_predicted_time_simulates_the_schedule(schedule: str, loops: int, graphs: bool, m: int) -> None:
     """With unit costs (F = 1, B = 2, or B = W = 1 split) the predicted step is the schedule's own length in
     ticks: the prediction runs the schedule's actions, it is no fill-drain formula."""
@@ -350,7 +351,20 @@ def test_predicted_time_simulates_the_schedule(schedule: str, loops: int, graphs
     assert got == pytest.approx(make(schedule, slots, m).ticks)
 
 
-@pytest.mark.parametrize("schedule, loops", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2)])
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_zb_h2_hides_the_copy_latency_zb_h1_waits_for(m: int) -> None:
+    """Two devices, a copy latency of a tenth of a partition's forward on one sample: ZB-H1 waits for it
+    as the step goes on, ZB-H2 (more forwards ahead) hides all but the pipeline's ends; without latency
+    they tie. It holds more: 3 micro-batches on the first device against 2."""
+    lat = replace(IDEAL, copy_latency_s=1e-4)
+    assert balanced("zb-h2", 1, m).seconds == pytest.approx(balanced("zb-h1", 1, m).seconds)
+    h1, h2 = balanced("zb-h1", 1, m, cal=lat), balanced("zb-h2", 1, m, cal=lat)
+    assert h2.seconds < h1.seconds - (m - 4) * 0.5e-4
+    assert h2.per_device[0] == pytest.approx(h1.per_device[0] * 3 / 2) and h2.per_device[1] == h1.per_device[1]
+
+
+@pytest.mark.parametrize("schedule, loops", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2),
+                                             ("zb-h2", 1)])
 def test_predicted_memory_is_what_the_schedule_keeps_in_flight(schedule: str, loops: int) -> None:
     """No parameters, no checkpointing: each device's predicted peak is Schedule.peak_activations weighed by
     one partition's activations for one micro-batch."""

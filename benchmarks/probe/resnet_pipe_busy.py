@@ -75,7 +75,7 @@ def main() -> None:
     for m in args.chunks:
         for schedule in args.schedules:
             for loops in args.loops:
-                allowed = {"interleaved": loops > 1, "1f1b": loops == 1, "zb-h1": loops <= 2}
+                allowed = {"interleaved": loops > 1, "1f1b": loops == 1, "zb-h1": loops <= 2, "zb-h2": loops == 1}
                 if not allowed.get(schedule, True):
                     continue
                 torch.manual_seed(0)

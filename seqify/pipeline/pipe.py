@@ -287,7 +287,7 @@ class Pipeline(nn.Module):
         elif loops > 1:
             names = ["interleaved", "gpipe"]
         else:
-            names = ["zb-h1", "1f1b", "gpipe"]
+            names = ["zb-h2", "zb-h1", "1f1b", "gpipe"]
         if isinstance(self.schedule, Schedule) or self.schedule in names:  # the caller's choice first
             names = [self.schedule] + [n for n in names if n != self.schedule]  # type: ignore[list-item]
         plans = [self.plan_memory(sample, schedule=n, checkpoint=c)

@@ -2,7 +2,7 @@
 
 A :class:`Schedule` is a list of :class:`Action` ``(device, partition, microbatch, kind)`` in an order every
 executor may issue them in (each action after the actions it depends on), built by :func:`gpipe`,
-:func:`one_f_one_b`, :func:`interleaved` or :func:`zb_h1`. Executors (eager, replay, ``seqify.distributed``)
+:func:`one_f_one_b`, :func:`interleaved`, :func:`zb_h1` or :func:`zb_h2`. Executors (eager, replay, ``seqify.distributed``)
 read it; :meth:`Schedule.check` verifies it and :meth:`Schedule.peak_activations` predicts memory, without a
 model. This module imports no executor.
 
@@ -25,12 +25,14 @@ from typing import Literal
 from ..errors import ScheduleError
 
 __all__ = [
-    "Action", "Kind", "Schedule", "SCHEDULES", "clock_cycles", "gpipe", "one_f_one_b", "interleaved", "zb_h1",
-    "make", "round_robin", "v_shape",
+    "Action", "Kind", "Schedule", "SCHEDULES", "SPLIT", "clock_cycles", "gpipe", "one_f_one_b", "interleaved", "zb_h1",
+    "zb_h2", "make", "round_robin", "v_shape",
 ]
 
 Kind = Literal["F", "B", "W"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+#: The schedules whose backward is split into B and W (zero bubble).
+SPLIT = ("zb-h1", "zb-h2")
 
 
 @dataclass(frozen=True)
@@ -377,6 +379,27 @@ def zb_h1(placement: Sequence[int], microbatches: int) -> Schedule:
     return _simulate("zb-h1", placement, microbatches, True, devices)
 
 
+def zb_h2(placement: Sequence[int], microbatches: int) -> Schedule:
+    """Zero bubble with more memory (after ZB-H2, Qi et al., 2023): ZB-H1's split backward and W filling,
+    but device ``s`` of ``n`` runs up to ``2 (n - s) - 1`` forwards ahead (1F1B and ZB-H1: ``n - s``) and
+    holds up to that many, or ``n``, micro-batches awaiting W. The first device starts its next forward
+    instead of waiting for the first input gradient, and each copy between devices hides behind work that
+    is ready: on two GPUs, where the first partition's B is empty and its W the whole backward, ZB-H1
+    waits there once per step and at every late copy. The first device holds up to ``2 n - 1``
+    micro-batches (1F1B and ZB-H1: ``n``): more memory for less bubble. One partition per device."""
+    _check("zb-h2", placement, microbatches)
+    n = len(placement)
+    if len(set(placement)) != n:
+        raise ScheduleError(f"zb-h2: placement {tuple(placement)} puts several partitions on a device; zb-h2 runs "
+                            "one per device (for two per device in a V use schedule='zb-h1' with loops=2)")
+    devices = [_Device(None, None, 0, []) for _ in range(n)]
+    for p, d in enumerate(placement):
+        f = [(p, mb) for mb in range(microbatches)]
+        ahead = 2 * (n - p) - 1
+        devices[d] = _Device(f, list(f), ahead, [p], hold=max(ahead, n))
+    return _simulate("zb-h2", placement, microbatches, True, devices)
+
+
 def make(name: str | Schedule, placement: Sequence[int], microbatches: int) -> Schedule:
     """The schedule called ``name`` (one of :data:`SCHEDULES`) for this placement, or ``name`` itself
     when it is a :class:`Schedule` (checked against the placement and micro-batch count)."""
@@ -388,7 +411,7 @@ def make(name: str | Schedule, placement: Sequence[int], microbatches: int) -> S
             )
         name.check()
         return name
-    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1, "zb-h2": zb_h2}
     if name not in builders:
         raise ScheduleError(f"schedule={name!r}: choose one of {SCHEDULES} or pass a seqify.pipeline.schedule.Schedule")
     return builders[name](placement, microbatches)

@@ -242,8 +242,11 @@ def main() -> None:
     p.add_argument("--inference", action="store_true",
                    help="also time inference (eval, no_grad): one GPU, and seqify eager and graphs per chunk count")
     p.add_argument("--skip-seqify", action="store_true", help="skip the seqify rows without --schedule")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="torch.backends.cudnn.benchmark = True for every row, the one-GPU baseline included")
     p.add_argument("--out", default=".")
     args = p.parse_args()
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     B = args.batch
     d0 = torch.device("cuda:0")
     x = torch.randn(B, 3, args.res, args.res, device=d0)
@@ -340,20 +343,18 @@ def main() -> None:
 
     with open(os.path.join(args.out, f"pipeline_bench_{args.precision}.json"), "w") as f:
         json.dump(ROWS, f, indent=1)
-    base = {False: None, True: None}
-    for r in ROWS:
-        if r.get("name") == "single":
-            base[False] = r["samples_per_s"]
-        if r.get("name") == "single-bf16":
-            base[True] = r["samples_per_s"]
-    print("\n| configuration | samples/s | x one GPU (same precision) | peak GiB allocated per GPU | peak GiB reserved "
-          "per GPU | predicted GiB per GPU |")
+    # each row against one GPU doing the same (training or inference) in the same precision
+    base = {r["name"]: r["samples_per_s"] for r in ROWS if r.get("name", "").startswith(("single", "infer-single"))
+            and "samples_per_s" in r}
+    print("\n| configuration | samples/s | x one GPU (same work and precision) | peak GiB allocated per GPU | peak GiB "
+          "reserved per GPU | predicted GiB per GPU |")
     print("|---|---|---|---|---|---|")
     for r in ROWS:
         if "error" in r:
             print(f"| {r['name']} | failed: {r['error'][:60]} | | | | |")
             continue
-        b = base["bf16" in r["name"]]
+        tag = "-bf16" if r["name"].endswith("-bf16") else ""
+        b = base.get(("infer-single" if r["name"].startswith("infer-") else "single") + tag)
         ratio = f"{r['samples_per_s'] / b:.2f}" if b else "n/a"
         gib = [" / ".join(str(v) for v in r.get(k, [])) for k in ("peak_allocated_gib", "peak_gib", "predicted_gib")]
         print(f"| {r['name']} | {r['samples_per_s']:.1f} | {ratio} | {gib[0]} | {gib[1]} | {gib[2]} |")

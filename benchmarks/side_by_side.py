@@ -1,6 +1,7 @@
 """One table from the rows of one device session: the in-process pipeline (pipeline_bench.py, whose 'single'
 row is the one-GPU baseline), seqify.distributed (distributed_bench.py) and torch.distributed.pipelining
-(torchpp_anchor.py), each ratio to the one-GPU row of its precision ('single' or 'single-bf16'), with memory per GPU.
+(torchpp_anchor.py), each ratio to the one-GPU row of its work and precision ('single', 'single-bf16'; inference rows to
+'infer-single', 'infer-single-bf16'), with memory per GPU.
 
     python benchmarks/side_by_side.py OUT/pipeline_bench_fp32.json OUT/distributed.json OUT/torchpp.json
 
@@ -30,15 +31,17 @@ def cells(values: Any) -> str:
 def table(paths: list[str]) -> str:
     rows = [(path, r) for path in paths for r in rows_of(path)]
     # each row against the one-GPU row of its own precision ('single', 'single-bf16')
-    base = {tag: next((r["samples_per_s"] for _, r in rows if r.get("name") == "single" + tag and "samples_per_s" in r), None)
-            for tag in ("", "-bf16")}
+    base = {kind + tag: next((r["samples_per_s"] for _, r in rows if r.get("name") == kind + tag and "samples_per_s" in r),
+                             None)
+            for kind in ("single", "infer-single") for tag in ("", "-bf16")}
     lines = [f"{'configuration':<48} {'samples/s':>10} {'x one GPU':>10}  {'allocated GiB':>14}  {'reserved GiB':>14}",
              "-" * 104]
     for path, r in rows:
         if "samples_per_s" not in r:
             lines.append(f"{r.get('name', '?'):<48} {r.get('error', 'no result')}")
             continue
-        one = base["-bf16" if r["name"].endswith("-bf16") else ""]
+        one = base[("infer-single" if r["name"].startswith("infer-") else "single")
+                   + ("-bf16" if r["name"].endswith("-bf16") else "")]
         ratio = f"{r['samples_per_s'] / one:.3f}" if one else "-"
         allocated = r.get("peak_allocated_gib") or r.get("peak_gib")
         reserved = r.get("reserved_gib") or (r.get("peak_gib") if "peak_allocated_gib" in r else None)

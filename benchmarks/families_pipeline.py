@@ -122,7 +122,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", help="family names (default: all), e.g. ResNet ViT U-Net")
     p.add_argument("--devices", default="cuda:0,cuda:1")
-    p.add_argument("--top", type=int, default=2, help="tuner: best predicted candidates timed")
+    p.add_argument("--top", type=int, default=3, help="tuner: best predicted candidates timed (the library's default)")
     p.add_argument("--alternatives", type=int, default=1, help="rejected candidates timed as well")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warm", type=int, default=1)

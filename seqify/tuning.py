@@ -43,7 +43,7 @@ from .pipeline.config import PipeConfig, Trial
 from .pipeline.memory import weighted
 from .pipeline.pipe import CHECKPOINT, Pipeline, pipeline, resolve_devices
 from .pipeline.schedule import SCHEDULES, SPLIT, round_robin, v_shape
-from .predict import Calibration, Candidate, LayerModel, Prediction, predict
+from .predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 from .progress import progress
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds"]
@@ -525,7 +525,7 @@ def tune(
             allocated, reserved against reserved), is chosen only when none of the timed ones stays under
             (the next best predicted are timed first).
         chunks, loops, balance, checkpoint, graphs, schedule: fix that choice (``balance``: a strategy
-            or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1');
+            or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-h2');
             ``None`` searches it. Schedules other than GPipe are timed, and later run, by ``pipe.step``.
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
             prediction; from 2, the best eager or replayed candidate is timed too where the ``top`` are
@@ -595,8 +595,14 @@ def tune(
             raise TuneError(f"no candidate configuration: {len(model)} layers cannot make {len(placed)} partitions "
                             f"with the fixed options {given}")
         trials = []
+        same: set[tuple[Any, ...]] = set()  # one trial per distinct run: zb-h2 with few micro-batches is zb-h1
         for c, s, v in found:
             try:
+                run = schedule_of(c.schedule, c.slots(), max(1, min(c.chunks, batch))).actions
+                key_of = (c.balance, c.devices, c.checkpoint, c.graphs, c.chunks, run, c.schedule == "gpipe")
+                if key_of in same:
+                    continue
+                same.add(key_of)
                 trials.append(_trial(c, s, v, predict(c, layers, cal, batch)))
             except ScheduleError:
                 continue  # a schedule that does not apply to this layout

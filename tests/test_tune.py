@@ -108,6 +108,23 @@ def test_predicted_next_to_measured() -> None:
     assert cfg.measured_s == min(t.measured_s for t in confirmed)  # the fastest confirmed one wins
 
 
+def test_candidates_that_run_alike_are_weighed_once(monkeypatch) -> None:
+    """ZB-H2 with no more micro-batches than devices runs ZB-H1's actions: one of the two is a candidate (the
+    pair took two of the three timed places on 2x H200 for ResNet-101), while with more micro-batches both are."""
+    _, seq, x = source_and_seq()
+    seen: list[tuple[str, int]] = []
+    real = tuning.predict
+
+    def spy(c, *a, **k):  # type: ignore[no-untyped-def]
+        seen.append((c.schedule, c.chunks))
+        return real(c, *a, **k)
+
+    monkeypatch.setattr(tuning, "predict", spy)
+    seqify.tune(seq, x, devices=CPU2, top=0, loops=1, graphs=False, show=False, cache=False)
+    assert ("zb-h1", 2) in seen and ("zb-h2", 2) not in seen
+    assert ("zb-h1", 8) in seen and ("zb-h2", 8) in seen
+
+
 def test_cache_hits_on_the_second_call(monkeypatch, cache_dir) -> None:
     _, seq, x = source_and_seq()
     calls = counting(monkeypatch)

@@ -529,7 +529,8 @@ def tune(
             ``None`` searches it. Schedules other than GPipe are timed, and later run, by ``pipe.step``.
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
             prediction; from 2, the best eager or replayed candidate is timed too where the ``top`` are
-            all of the other kind);
+            all of the other kind, and the best of each other schedule predicted within ``BAND`` (5%) of
+            the best);
             ``steps`` timed steps each after ``warm`` untimed ones.
         cache: read and write the on-disk cache (:func:`cache_path`).
         show: progress bars on stderr (on a terminal, or with ``SEQIFY_PROGRESS=1``).
@@ -661,16 +662,32 @@ def _confirm(model: nn.Module, sample: Any, placed: list[torch.device], timed: l
     return confirmed
 
 
+#: How far over the best prediction each other schedule's best candidate is still timed (with ``top >= 2``):
+#: on GPUs the predictions err by up to 5-13% (README, the families table), more than the gaps between
+#: schedules (ResNet-101 on 2x H200: ZB-H2 at 4 chunks predicted 4.4% over the best, ran 6% under it).
+BAND = 0.05
+
+
 def _to_time(fits: list[Trial], top: int) -> list[Trial]:
     """The candidates to time: the ``top`` best predicted (``fits`` is sorted), and with ``top >= 2`` also the
     best of the other kind (eager or replayed) when none of them is: the two kinds are predicted from different
     costs (the host's issue time against the GPU's work), and an error in one must not keep the other untimed
-    (GPT-2 on two H100s: eager predicted 214 ms, measured 375; graphs predicted 307, measured 226)."""
+    (GPT-2 on two H100s: eager predicted 214 ms, measured 375; graphs predicted 307, measured 226). Then the
+    best of each schedule not yet among them, predicted within :data:`BAND` of the best."""
     best = fits[:top]
-    if top < 2 or len({t.graphs for t in best}) > 1:
+    if top < 2:
         return best
-    other = next((t for t in fits[top:] if t.graphs != best[0].graphs), None)
-    return best + ([other] if other is not None else [])
+    if len({t.graphs for t in best}) == 1:
+        other = next((t for t in fits[top:] if t.graphs != best[0].graphs), None)
+        best += [other] if other is not None else []
+    schedules = {t.schedule for t in best}
+    for t in fits[top:]:
+        if t.predicted_s > fits[0].predicted_s * (1 + BAND):
+            break
+        if t.schedule not in schedules and not any(t is u for u in best):
+            best.append(t)
+            schedules.add(t.schedule)
+    return best
 
 
 def _trial(c: Candidate, by: str, loops: int, p: Prediction) -> Trial:

@@ -471,6 +471,27 @@ def test_the_best_eager_and_replayed_candidates_are_both_timed() -> None:
     assert tuning._to_time(fits[:3], 2) == fits[:2]  # no other kind to add
 
 
+def test_each_schedule_within_the_band_gets_a_timing() -> None:
+    """Beyond the top, the best candidate of each other schedule predicted within BAND of the best is timed
+    (the predictions err more than schedules differ); one per schedule, none past the band, none with top < 2."""
+    from dataclasses import replace as rep
+
+    from seqify.pipeline.config import Trial
+
+    def trial(ms: float, schedule: str, chunks: int = 4) -> Trial:
+        return Trial(chunks=chunks, loops=1, by="time", checkpoint="never", graphs=True, schedule=schedule,
+                     balance=(4, 4), predicted_s=ms / 1e3, memory_bytes=0, memory_per_device=(0, 0))
+
+    edge = 100 * (1 + tuning.BAND)
+    fits = [trial(100, "zb-h1", 2), trial(100.5, "gpipe"), trial(101, "zb-h1"), trial(102, "interleaved"),
+            trial(103, "zb-h2"), trial(104, "zb-h2", 8), trial(edge + 0.5, "1f1b"), rep(trial(150, "gpipe"), graphs=False)]
+    got = tuning._to_time(fits, 3)
+    assert got[:3] == fits[:3] and fits[-1] in got  # the top, the other kind
+    assert [t.schedule for t in got[4:]] == ["interleaved", "zb-h2"]  # each once, within the band
+    assert not any(t.schedule == "1f1b" for t in got)  # past the band
+    assert tuning._to_time(fits, 1) == fits[:1]
+
+
 def test_split_backward_at_the_boundary_is_measured_too(monkeypatch) -> None:
     """boundary=True splits as replay does (B keeps the boundary gradients, W starts there), on a chain and on the
     model itself; the eager split does not. (The ratio is clamped to [1, 2], so its range proves nothing.)"""

@@ -584,7 +584,8 @@ def tune(
             given = {k: v for k, v in fixed.items() if v is not None}
             if schedule is not None and schedule != "gpipe":
                 raise TuneError(f"no candidate configuration with the fixed options {given}: schedule={schedule!r} "
-                                "applies to loops=1 ('1f1b'), loops > 1 ('interleaved') or loops 1 and 2 ('zb-h1'), "
+                                "applies to loops=1 ('1f1b', 'zb-h2'), loops > 1 ('interleaved') or loops 1 and 2 "
+                                "('zb-h1'), "
                                 "with positional inputs; fix loops to match, or let the tuner choose (schedule=None)")
             ties = tied.across(model, [1] * len(model)) if fixed.get("graphs") else []
             if ties:

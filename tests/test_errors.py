@@ -711,9 +711,14 @@ def test_errors_in_the_model_itself_keep_their_type_and_name_the_layer() -> None
 def test_schedule_errors_name_the_schedule_and_the_fix() -> None:
     with raises(seqify.ScheduleError, "schedule='2f2b'", "choose one of", "zb-h1"):
         seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], schedule="2f2b")
-    with raises(seqify.ScheduleError, "1f1b", "one partition per device", "interleaved"):
-        pipe = seqify.pipeline(Lin(), devices=CPU2[:1], loops=2, balance=[2, 2], schedule="1f1b", chunks=2)
-        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)
+    with raises(seqify.ScheduleError, "1f1b", "one partition per device", "interleaved"):  # when built
+        seqify.pipeline(Lin(), devices=CPU2[:1], loops=2, balance=[2, 2], schedule="1f1b", chunks=2)
+    with raises(seqify.ScheduleError, "zb-h2", "one per device", "zb-h1' with loops=2"):
+        seqify.pipeline(Lin(), devices=CPU2, loops=2, balance=[1, 1, 1, 1], schedule="zb-h2", chunks=2)
+    import seqify.distributed as sd
+
+    with raises(seqify.ScheduleError, "zb-h2", "one partition per rank", "interleaved"):
+        sd.placement_for("zb-h2", 2, 2)
     from seqify.pipeline.schedule import gpipe
 
     pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2, schedule=gpipe((0, 1), 3))

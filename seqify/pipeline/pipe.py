@@ -107,6 +107,8 @@ class Pipeline(nn.Module):
         self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
             raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a Schedule")
+        if isinstance(schedule, str):
+            make(schedule, self.placement, 1)  # refuse a layout the schedule cannot run now, not at the first step
         self.schedule = schedule
         self._schedules: dict[int, Schedule] = {}
         self._memory: tuple[Any, list[PartitionMemory]] | None = None

@@ -86,7 +86,9 @@ def compare(source: nn.Module, pipe: seqify.Pipeline, loss_fn: nn.Module, steps:
 
 CASES = [("gpipe", 2, 1), ("gpipe", 4, 2), ("1f1b", 2, 1), ("1f1b", 3, 1), ("1f1b", 4, 1),
          ("interleaved", 4, 2), ("zb-h1", 2, 1), ("zb-h1", 3, 1), ("zb-h1", 4, 1), ("zb-h1", 4, 2),
-         ("zb-h2", 2, 1), ("zb-h2", 4, 1)]
+         ("zb-h2", 2, 1), ("zb-h2", 4, 1),
+         # eight partitions (issue 16's 8-stage plans, on CPU devices): one per device, and two per device
+         ("1f1b", 8, 1), ("zb-h2", 8, 1), ("interleaved", 8, 2), ("zb-h1", 8, 2)]
 
 
 @pytest.mark.parametrize("schedule,parts,loops", CASES)

@@ -92,10 +92,12 @@ def test_two_partitions_per_rank_equal_one_process(tmp_path: Path, schedule: str
     check(results, reference())
 
 
-def test_zb_h1_one_partition_per_rank_with_checkpointing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+def test_zero_bubble_one_partition_per_rank_with_checkpointing(tmp_path: Path, schedule: str) -> None:
     # 4 ranks x 1 partition: B sends input gradients on, W adds weight gradients later (recomputing
-    # the checkpointed micro-batches); chunks=3 on a batch of 8 gives micro-batches of 3, 3, 2
-    results = run(tmp_path, 4, BALANCE, "zb-h1", 1, chunks=3, checkpoint="except_last")
+    # the checkpointed micro-batches); chunks=3 on a batch of 8 gives micro-batches of 3, 3, 2; zb-h2 runs
+    # the first ranks further ahead, over the same messages
+    results = run(tmp_path, 4, BALANCE, schedule, 1, chunks=3, checkpoint="except_last")
     check(results, reference(chunks=3))
     # skips go straight from the stashing rank to the popping one: skip 0 (partition 0 -> 2) and its
     # gradients never pass through rank 1; skip 2 (2 -> 3) leaves rank 2 for rank 3 only

@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--schedule", default="gpipe", help="gpipe, 1f1b, interleaved or zb-h1")
+    p.add_argument("--schedule", default="gpipe", help="gpipe, 1f1b, interleaved, zb-h1 or zb-h2")
     p.add_argument("--loops", type=int, default=1, help="partitions per rank (interleaved; zb-h1: 2 in a V)")
     args = p.parse_args()
 

@@ -156,9 +156,9 @@ def weight_values(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     W is the whole weights' backward). Touches no ``.grad`` (what a captured W graph needs: the caller
     adds these into its own accumulators). The graph stays unless ``retain_graph`` is False and W walked
     it from the outputs; dropping ``outs`` and ``later`` releases it."""
-    owed = later.owed if later is not None else [True] * len(params)
     if later is not None and later.groups is not None:
         return _from_boundary(params, later.groups)
+    owed = later.owed if later is not None else [True] * len(params)
     wanted = [p for p, o in zip(params, owed) if o]
     if not outs or not wanted:
         return [None] * len(params)

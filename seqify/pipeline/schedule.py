@@ -2,8 +2,8 @@
 
 A :class:`Schedule` is a list of :class:`Action` ``(device, partition, microbatch, kind)`` in an order every
 executor may issue them in (each action after the actions it depends on), built by :func:`gpipe`,
-:func:`one_f_one_b`, :func:`interleaved`, :func:`zb_h1` or :func:`zb_h2`. Executors (eager, replay, ``seqify.distributed``)
-read it; :meth:`Schedule.check` verifies it and :meth:`Schedule.peak_activations` predicts memory, without a
+:func:`one_f_one_b`, :func:`interleaved`, :func:`zb_h1` or :func:`zb_h2`. Executors (eager, replay,
+``seqify.distributed``) read it; :meth:`Schedule.check` verifies it and :meth:`Schedule.peak_activations` predicts memory, without a
 model. This module imports no executor.
 
 Kinds::
@@ -315,14 +315,23 @@ def one_f_one_b(placement: Sequence[int], microbatches: int) -> Schedule:
     """1F1B (PipeDream-flush): one partition per device; device s runs ``partitions - s`` forwards, then
     alternates one backward and one forward, so it holds at most ``partitions - s`` micro-batches."""
     _check("1f1b", placement, microbatches)
-    n = len(placement)
-    if len(set(placement)) != n:
+    if len(set(placement)) != len(placement):
         raise ScheduleError("1f1b: one partition per device; for several (loops > 1) use schedule='interleaved'")
+    return _in_line("1f1b", placement, microbatches, lambda n, p: (n - p, float("inf")), split=False)
+
+
+def _in_line(name: str, placement: Sequence[int], microbatches: int, bounds: Callable[[int, int], tuple[int, float]],
+             split: bool) -> Schedule:
+    """One partition per device, forwards and backwards in micro-batch order: partition ``p`` of ``n`` runs
+    at most ``bounds(n, p)[0]`` forwards ahead of its backwards and, split, holds at most ``bounds(n, p)[1]``
+    micro-batches awaiting W (1F1B, ZB-H1 and ZB-H2 differ only there)."""
+    n = len(placement)
     devices = [_Device(None, None, 0, []) for _ in range(n)]
     for p, d in enumerate(placement):
         f = [(p, mb) for mb in range(microbatches)]
-        devices[d] = _Device(f, list(f), n - p, [p])
-    return _simulate("1f1b", placement, microbatches, False, devices)
+        ahead, hold = bounds(n, p)
+        devices[d] = _Device(f, list(f), ahead, [p], hold=hold)
+    return _simulate(name, placement, microbatches, split, devices)
 
 
 def interleaved(placement: Sequence[int], microbatches: int) -> Schedule:
@@ -367,11 +376,7 @@ def zb_h1(placement: Sequence[int], microbatches: int) -> Schedule:
     n = len(placement)
     owned = _owned(placement)
     if len(set(placement)) == n:
-        devices = [_Device(None, None, 0, []) for _ in range(n)]
-        for p, d in enumerate(placement):
-            f = [(p, mb) for mb in range(microbatches)]
-            devices[d] = _Device(f, list(f), n - p, [p], hold=n)
-        return _simulate("zb-h1", placement, microbatches, True, devices)
+        return _in_line("zb-h1", placement, microbatches, lambda n, p: (n - p, n), split=True)
     if tuple(placement) != v_shape(len(owned)):
         raise ScheduleError(f"zb-h1: placement {tuple(placement)} is neither one partition per device nor a V "
                             "(loops=2 with placement='v')")
@@ -388,16 +393,11 @@ def zb_h2(placement: Sequence[int], microbatches: int) -> Schedule:
     waits there once per step and at every late copy. The first device holds up to ``2 n - 1``
     micro-batches (1F1B and ZB-H1: ``n``): more memory for less bubble. One partition per device."""
     _check("zb-h2", placement, microbatches)
-    n = len(placement)
-    if len(set(placement)) != n:
+    if len(set(placement)) != len(placement):
         raise ScheduleError(f"zb-h2: placement {tuple(placement)} puts several partitions on a device; zb-h2 runs "
                             "one per device (for two per device in a V use schedule='zb-h1' with loops=2)")
-    devices = [_Device(None, None, 0, []) for _ in range(n)]
-    for p, d in enumerate(placement):
-        f = [(p, mb) for mb in range(microbatches)]
-        ahead = 2 * (n - p) - 1
-        devices[d] = _Device(f, list(f), ahead, [p], hold=max(ahead, n))
-    return _simulate("zb-h2", placement, microbatches, True, devices)
+    return _in_line("zb-h2", placement, microbatches, lambda n, p: (2 * (n - p) - 1, max(2 * (n - p) - 1, n)),
+                    split=True)
 
 
 def make(name: str | Schedule, placement: Sequence[int], microbatches: int) -> Schedule:

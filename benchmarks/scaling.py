@@ -1,6 +1,8 @@
 """Scaling past two GPUs: one GPU against seqify's automatic configuration over 2, 4 and 8 GPUs.
 
-    python benchmarks/scaling.py --out results/scaling.json --plot results/scaling.png
+    python benchmarks/scaling.py --out results/scaling.json
+    torchrun --nproc-per-node 4 benchmarks/scaling_torchpp.py --rows results/scaling.json --out results/torchpp.jsonl
+    python benchmarks/scaling.py --table results/scaling.json results/torchpp.jsonl --plot results/scaling.png
     python benchmarks/scaling.py --tiny --device cpu --gpus 1 2      # smoke mode (CPU partitions)
 
 One invocation per machine: every model (ResNet-101, AmoebaNet-D (18, 256), the zoo U-Net, a
@@ -9,10 +11,11 @@ Llama-architecture model from a transformers config) on one GPU, then pipelined 
 global batch fixed at the model's ``batch``) and weak scaling (``batch`` per GPU, grown with the GPUs).
 Prints a table with samples/s, the speed-up over one GPU, the chosen configuration, the tuner's
 predicted and the measured step time, and peak allocated and reserved memory per GPU; writes JSON
-(``--out``) and a plot of speed-up against GPUs with the ideal line (``--plot``). The Llama row is
-skipped with a message when transformers or its conversion is unavailable. torch.distributed.pipelining
-needs one process per stage (torchrun) and is not run here: benchmarks/pipeline_bench.py --anchors
-measures it on two GPUs.
+(``--out``, rewritten after every row, so a run cut short keeps what it measured) and a plot of speed-up
+against GPUs with the ideal line (``--plot``). The Llama row is skipped with a message when transformers
+or its conversion is unavailable. torch.distributed.pipelining needs one process per rank: its rows come
+from benchmarks/scaling_torchpp.py (torchrun) on the cuts recorded here, and ``--table`` merges them in
+(the best of its schedules and chunk counts per model, scaling and GPU count).
 """
 
 from __future__ import annotations
@@ -145,8 +148,7 @@ def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: ar
             cfg = seqify.tune(seq, x, devices=devices, show=not args.tiny, **quick)
             pipe = seqify.pipeline(seq, config=cfg).train()
             sec = timed(pipe, x, devices, args.steps, args.warm + (1 if cfg.graphs else 0))
-            row.update(config={k: v for k, v in cfg.without_trials().to_dict().items() if k not in ("trials", "key")},
-                       predicted_ms=cfg.predicted_s * 1e3)
+            row.update(config=cfg.to_dict(), predicted_ms=cfg.predicted_s * 1e3)
             del pipe
     except torch.OutOfMemoryError as e:
         row.update(error=f"out of memory: {str(e).splitlines()[0]}")
@@ -156,52 +158,114 @@ def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: ar
     return row
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    base = {(r["model"], r["scaling"]): r for r in rows if r["gpus"] == 1 and "samples_per_s" in r}
-    lines = ["| model | scaling | GPUs | batch | samples/s | speed-up | configuration | predicted ms | measured ms | "
-             "peak allocated GB per GPU | peak reserved GB per GPU |", "|" + "---|" * 11]
+def best_torchpp(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """torch pipelining's fastest run per (model, scaling, GPUs) among scaling_torchpp.py's rows."""
+    best: dict[tuple[str, str, int], dict[str, Any]] = {}
     for r in rows:
+        if r.get("runner") == "torchpp" and "samples_per_s" in r:
+            key = (r["model"], r["scaling"], r["gpus"])
+            if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
+                best[key] = r
+    return best
+
+
+def _gib(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """seqify's rows, each followed by torch pipelining's best on the same cuts where it ran."""
+    base = {(r["model"], r["scaling"]): r for r in rows if r["gpus"] == 1 and "samples_per_s" in r}
+    anchors = best_torchpp(rows)
+    lines = ["| model | scaling | GPUs | batch | runner | samples/s | speed-up | configuration | predicted ms | "
+             "measured ms | peak allocated GiB per GPU | peak reserved GiB per GPU |", "|" + "---|" * 12]
+    for r in rows:
+        if r.get("runner") == "torchpp":
+            continue
         if "samples_per_s" not in r:
-            lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {r['batch']} | {r.get('error', 'skipped')} |"
-                         + " |" * 6)
+            lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {r['batch']} | seqify | "
+                         f"{r.get('error', 'skipped')} |" + " |" * 6)
             continue
         one = base.get((r["model"], r["scaling"]))
         r["speedup"] = r["samples_per_s"] / one["samples_per_s"] if one else None
         cfg = r.get("config")
-        what = "one device" if cfg is None else (f"chunks {cfg['chunks']}, loops {cfg['loops']}, by {cfg['by']}, "
-                                                 f"checkpoint {cfg['checkpoint']}{', graphs' if cfg['graphs'] else ''}")
+        what = "one device" if cfg is None else (f"{cfg.get('schedule') or 'gpipe'}, chunks {cfg['chunks']}, loops "
+                                                 f"{cfg['loops']}, by {cfg['by']}, checkpoint {cfg['checkpoint']}"
+                                                 f"{', graphs' if cfg['graphs'] else ''}")
         predicted = f"{r['predicted_ms']:.1f}" if r.get("predicted_ms") is not None else "-"
         speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
-        lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {r['batch']} | {r['samples_per_s']:.1f} | {speed} | "
-                     f"{what} | {predicted} | {r['seconds'] * 1e3:.1f} | "
-                     f"{' / '.join(f'{v:.2f}' for v in r['peak_allocated'])} | "
-                     f"{' / '.join(f'{v:.2f}' for v in r['peak_reserved'])} |")
+        lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {r['batch']} | seqify | {r['samples_per_s']:.1f} | "
+                     f"{speed} | {what} | {predicted} | {r['seconds'] * 1e3:.1f} | {_gib(r['peak_allocated'])} | "
+                     f"{_gib(r['peak_reserved'])} |")
+        t = anchors.get((r["model"], r["scaling"], r["gpus"]))
+        if t is not None:
+            t["speedup"] = t["samples_per_s"] / one["samples_per_s"] if one else None
+            speed = f"{t['speedup']:.2f}x" if t["speedup"] is not None else "-"
+            lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {t['batch']} | torch pipelining | "
+                         f"{t['samples_per_s']:.1f} | {speed} | {t['name']}, same cuts | - | {t['seconds'] * 1e3:.1f} | "
+                         f"{_gib(t['peak_allocated'])} | {_gib(t['peak_reserved'])} |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Speed-up against GPUs per model: seqify's strong and weak scaling, torch pipelining's, the ideal line."""
     from seqify import plot as seqify_plot
 
     if not seqify_plot.available():
         print("plot: skipped: matplotlib is not installed (pip install matplotlib)")
         return
     plt = seqify_plot._plt()
-    names = list(dict.fromkeys(r["model"] for r in rows))
+    table(rows)  # sets each row's speedup
+    names = list(dict.fromkeys(r["model"] for r in rows if r.get("speedup")))
+    if not names:
+        print("plot: skipped: no speed-up to draw")
+        return
+    anchors = best_torchpp(rows)
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
     for ax, name in zip(axes[0], names):
-        counts = sorted({r["gpus"] for r in rows if r["model"] == name})
+        counts = sorted({r["gpus"] for r in rows if r["model"] == name and r["gpus"] >= 1})
         ax.plot(counts, counts, "k--", label="ideal")
-        for scaling in ("strong", "weak"):
-            mine = [r for r in rows if r["model"] == name and r["scaling"] == scaling and r.get("speedup")]
+        for scaling, style in (("strong", "o-"), ("weak", "s-")):
+            mine = [r for r in rows if r["model"] == name and r["scaling"] == scaling and r.get("speedup")
+                    and r.get("runner") != "torchpp"]
             if mine:
-                ax.plot([r["gpus"] for r in mine], [r["speedup"] for r in mine], "o-", label=scaling)
+                ax.plot([r["gpus"] for r in mine], [r["speedup"] for r in mine], style, label=f"seqify, {scaling}")
+            theirs = sorted((k[2], t["speedup"]) for k, t in anchors.items()
+                            if k[0] == name and k[1] == scaling and t.get("speedup"))
+            if theirs:
+                ax.plot(*zip(*theirs), style.replace("-", ":"), label=f"torch pipelining, {scaling}")
         ax.set_title(name)
         ax.set_xlabel("GPUs")
         ax.set_ylabel("speed-up over one GPU")
         ax.set_xticks(counts)
-        ax.legend()
+        ax.legend(fontsize=7)
     made = seqify_plot.save(fig, path)
     print("plot written: " + ", ".join(map(str, made)))
+
+
+def load(paths: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows from scaling.py's JSON files and scaling_torchpp.py's JSON lines, and the first file's header."""
+    rows: list[dict[str, Any]] = []
+    header: dict[str, Any] = {}
+    for path in paths:
+        with open(path) as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:  # JSON lines
+            rows += [json.loads(line) for line in text.splitlines() if line.strip()]
+            continue
+        header = header or {k: v for k, v in data.items() if k != "rows"}
+        rows += data["rows"]
+    return rows, header
+
+
+def save(path: str, rows: list[dict[str, Any]], header: dict[str, Any]) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path + ".part", "w") as f:
+        json.dump(dict(header, rows=rows), f, indent=1)
+    os.replace(path + ".part", path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,9 +278,20 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the model's: resnet101 256, amoebanet_d 128, unet 32, llama 16)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warm", type=int, default=2)
-    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--out", help="write the rows as JSON here (rewritten after every row; rows already there from "
+                   "another model are kept)")
     p.add_argument("--plot", help="write speed-up against GPUs here (PNG and SVG)")
+    p.add_argument("--table", nargs="+", metavar="FILE", help="measure nothing: print the table (and --plot) of these "
+                   "files (scaling.py's JSON, scaling_torchpp.py's JSON lines)")
     args = p.parse_args(argv)
+    if args.table:
+        rows, header = load(args.table)
+        print(f"# {header.get('device', '?')}; torch {header.get('torch', '?')}; {header.get('date', '?')}; "
+              f"{header.get('command', '')}\n")
+        print(table(rows))
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
     if args.tiny:
         args.steps, args.warm = min(args.steps, 1), min(args.warm, 0)
     if args.device == "cuda":
@@ -234,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     if 1 not in counts:
         counts = [1] + counts
     catalogue = models(args.tiny)
+    header = dict(device=what, date=f"{datetime.date.today()}", command=" ".join(sys.argv), torch=torch.__version__,
+                  tiny=args.tiny)
     rows: list[dict[str, Any]] = []
+    if args.out and os.path.exists(args.out):  # one file per machine: keep the other models' rows
+        rows = [r for r in load([args.out])[0] if r["model"] not in args.models]
     print(f"seqify scaling benchmark on {what}; torch {torch.__version__}; "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n")
     for name in args.models:
@@ -247,29 +326,32 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # the Llama row needs transformers and a conversion that works
             if name != "llama":
                 raise
-            print(f"llama: skipped: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             first = (str(e).splitlines() or [""])[0]
+            print(f"llama: skipped: {type(e).__name__}: {first}")
             rows.append(dict(model=name, scaling="-", gpus=0, batch=0, runner="seqify", error=f"skipped: {first}"))
             continue
         per = args.batch or m.batch
         for scaling in ("strong", "weak"):
             for n in counts:
                 batch = per if scaling == "strong" else per * n
-                row = run_one(m, seq, n, batch, scaling, args, device_list)
+                if scaling == "weak" and n == 1:  # the same run as strong scaling's one GPU
+                    row = dict(next(r for r in rows if r["model"] == name and r["scaling"] == "strong" and r["gpus"] == 1),
+                               scaling="weak")
+                else:
+                    row = run_one(m, seq, n, batch, scaling, args, device_list)
                 rows.append(row)
+                if args.out:
+                    save(args.out, rows, header)
                 print(f"{name} {scaling} {n} device(s), batch {batch}: "
-                      + (f"{row['samples_per_s']:.1f} samples/s" if "samples_per_s" in row else row.get("error", "")))
+                      + (f"{row['samples_per_s']:.1f} samples/s" if "samples_per_s" in row else row.get("error", "")),
+                      flush=True)
         del seq, source
     print()
     print(table(rows))
-    print("\nspeed-up: samples/s over one device at the same scaling; torch.distributed.pipelining: not run here "
-          "(torchrun, one process per stage; benchmarks/pipeline_bench.py --anchors)")
+    print("\nspeed-up: samples/s over one device at the same scaling; torch.distributed.pipelining: "
+          "benchmarks/scaling_torchpp.py on these cuts, merged by --table")
     if args.out:
-        folder = os.path.dirname(os.path.abspath(args.out))
-        os.makedirs(folder, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(device=what, date=f"{datetime.date.today()}", command=" ".join(sys.argv), torch=torch.__version__,
-                           rows=rows), f, indent=1)
+        save(args.out, rows, header)
     if args.plot:
         plot(rows, args.plot)
     return 0

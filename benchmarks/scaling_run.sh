@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The scaling benchmark of one machine as one detached job (it outlives a single device call): per model,
+# scaling.py over 1, 2, 4 (and 8) GPUs, then torch pipelining on the same cuts at each count, then the merged
+# table and plot; at the end the hand-picked ResNet-101 anchor of issue 14 and the GPU tests. Writes to $1.
+# SCALING_ARGS / TORCHPP_ARGS add arguments (a CPU rehearsal: "--tiny --device cpu" / "--device cpu").
+set -u
+R=${1:-/tmp/scaling}; mkdir -p "$R"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+have=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+counts=1; for n in 2 4 8; do [ "$have" -ge $n ] && counts="$counts $n"; done
+table() { python3 benchmarks/scaling.py --table "$R/scaling.json" "$R/torchpp.jsonl" --plot "$R/scaling.png" > "$R/table.txt" 2>&1; }
+touch "$R/torchpp.jsonl"
+for m in ${MODELS:-resnet101 amoebanet_d unet llama}; do
+  echo "== $m: seqify over $counts GPUs ($(date -u +%T))"
+  timeout 1200 python3 benchmarks/scaling.py --models "$m" --gpus $counts --out "$R/scaling.json" ${SCALING_ARGS:-} 2>&1 | grep -v '^seqify \(profile\|tune\)'
+  for n in $counts; do
+    [ "$n" -gt 1 ] || continue
+    echo "== $m: torch pipelining on $n GPUs ($(date -u +%T))"
+    for try in 1 2 3 4 5 6; do  # a launch ends at a schedule that fails mid-step; the next skips what is recorded
+      timeout 600 torchrun --nproc-per-node "$n" benchmarks/scaling_torchpp.py --rows "$R/scaling.json" --models "$m" \
+        --out "$R/torchpp.jsonl" ${TORCHPP_ARGS:-} > "$R/torchpp-$m-$n.log" 2>&1 && break
+    done
+    grep -c . "$R/torchpp.jsonl"
+  done
+  table
+done
+echo "== issue 14: hand-picked ResNet-101 on 2 GPUs ($(date -u +%T))"
+CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 \
+  --schedule zb-h2 --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$R" > "$R/hand-picked.log" 2>&1
+tail -12 "$R/hand-picked.log"
+echo "== GPU tests on 2 GPUs ($(date -u +%T))"
+CUDA_VISIBLE_DEVICES=0,1 timeout 330 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests --timeout 240 \
+  > "$R/gpu-check.log" 2>&1
+tail -3 "$R/gpu-check.log"
+echo "== done ($(date -u +%T))"
+touch "$R/done"

@@ -6,6 +6,7 @@
 # scaling-wait SECONDS). Output goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the install below can succeed without seqify importable
 python3 -c 'import seqify' 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
   >/dev/null 2>&1 || export PYTHONPATH=$PWD
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -85,24 +86,12 @@ case "${1:-tests}" in
   families)  # issue 14: every zoo family with the automatic configuration; $2: seconds, then family names
     # and FAMILY=N batch overrides
     budget=${2:-400}; shift 2; names=(); sizes=()
-    for a in "$@"; do case "$a" in *=*) sizes+=(--batch "$a");; *) names+=("$a");;   scaling-start)  # issue 16: start benchmarks/scaling_run.sh detached (it outlives this call), then wait as below
-    mkdir -p /tmp/scaling
-    setsid nohup bash benchmarks/scaling_run.sh /tmp/scaling > /tmp/scaling/run.log 2>&1 < /dev/null &
-    ;&
-  scaling-wait)  # wait up to $2 seconds for the detached job, then bring back what it has written so far
-    end=$((SECONDS + ${2:-500}))
-    while [ $SECONDS -lt $end ] && [ ! -e /tmp/scaling/done ]; do sleep 5; done
-    for f in scaling.json torchpp.jsonl table.txt run.log scaling.png scaling.svg gpu-check.log hand-picked.log; do
-      cp "/tmp/scaling/$f" "$OUT/" 2>/dev/null
-    done
-    tail -25 /tmp/scaling/run.log; cat /tmp/scaling/table.txt 2>/dev/null
-    ;;
-esac; done
+    for a in "$@"; do case "$a" in *=*) sizes+=(--batch "$a");; *) names+=("$a");; esac; done
     timeout $((budget + 170)) python3 benchmarks/families_pipeline.py --budget "$budget" --out "$OUT/families.jsonl" \
       "${sizes[@]}" ${names[0]:+--families "${names[@]}"} 2>&1 | grep -v "^seqify \(profile\|tune\)" | tee "$OUT/families.log" | tail -40
     ;;
   scaling-start)  # issue 16: start benchmarks/scaling_run.sh detached (it outlives this call), then wait as below
-    mkdir -p /tmp/scaling
+    rm -rf /tmp/scaling; mkdir -p /tmp/scaling
     setsid nohup bash benchmarks/scaling_run.sh /tmp/scaling > /tmp/scaling/run.log 2>&1 < /dev/null &
     ;&
   scaling-wait)  # wait up to $2 seconds for the detached job, then bring back what it has written so far

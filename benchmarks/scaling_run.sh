@@ -5,6 +5,7 @@
 # SCALING_ARGS / TORCHPP_ARGS add arguments (a CPU rehearsal: "--tiny --device cpu" / "--device cpu").
 set -u
 R=${1:-/tmp/scaling}; mkdir -p "$R"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 have=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 counts=1; for n in 2 4 8; do [ "$have" -ge $n ] && counts="$counts $n"; done

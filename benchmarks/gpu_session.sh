@@ -3,12 +3,13 @@
 # install seqify without dependencies (the image has torch, torchvision, transformers, networkx), then run
 # the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist, side-by-side [fp32|bf16],
 # dist-gap, casts, llama-side, busy [SECONDS], check [SECONDS], families SECONDS [FAMILY...], scaling-start SECONDS,
-# scaling-wait SECONDS). Output goes to $OUT.
+# scaling-wait SECONDS, scaling-stop). Output goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the install below can succeed without seqify importable
 python3 -c 'import seqify' 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
   >/dev/null 2>&1 || export PYTHONPATH=$PWD
+python3 -c 'import seqify.zoo' 2>/dev/null || ln -sfn ../zoo seqify/zoo  # the package maps seqify.zoo to zoo/
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
@@ -90,9 +91,17 @@ case "${1:-tests}" in
     timeout $((budget + 170)) python3 benchmarks/families_pipeline.py --budget "$budget" --out "$OUT/families.jsonl" \
       "${sizes[@]}" ${names[0]:+--families "${names[@]}"} 2>&1 | grep -v "^seqify \(profile\|tune\)" | tee "$OUT/families.log" | tail -40
     ;;
-  scaling-start)  # issue 16: start benchmarks/scaling_run.sh detached (it outlives this call), then wait as below
+  scaling-stop)  # end a detached scaling job (its whole process group; torchrun stops its workers)
+    [ -s /tmp/scaling/pgid ] && kill -TERM -- "-$(cat /tmp/scaling/pgid)" 2>/dev/null; sleep 5
+    rm -f /tmp/scaling/pgid; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+    ;;
+  scaling-start)  # issue 16: start benchmarks/scaling_run.sh detached (it outlives this call), then wait as below;
+    # refused while one runs (two at once share the GPUs and spoil each other's numbers)
+    if [ -s /tmp/scaling/pgid ] && kill -0 -- "-$(cat /tmp/scaling/pgid)" 2>/dev/null; then
+      echo "a scaling job is running (process group $(cat /tmp/scaling/pgid)): scaling-wait, or scaling-stop first"; exit 1
+    fi
     rm -rf /tmp/scaling; mkdir -p /tmp/scaling
-    setsid nohup bash benchmarks/scaling_run.sh /tmp/scaling > /tmp/scaling/run.log 2>&1 < /dev/null &
+    MODELS=${MODELS:-} setsid nohup bash benchmarks/scaling_run.sh /tmp/scaling > /tmp/scaling/run.log 2>&1 < /dev/null &
     ;&
   scaling-wait)  # wait up to $2 seconds for the detached job, then bring back what it has written so far
     end=$((SECONDS + ${2:-500}))

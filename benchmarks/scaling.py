@@ -69,7 +69,7 @@ def models(tiny: bool) -> dict[str, Model]:
     }
     seq_len, vocab = (16, 128) if tiny else (1024, 32000)
     out["llama"] = Model("llama", lambda: _llama(tiny), lambda n: torch.randint(0, vocab, (n, seq_len)),
-                         8 if tiny else 16, convert_example=True)
+                         8, convert_example=True)  # 16 ran out of memory on one 80 GB H100
     return out
 
 
@@ -132,6 +132,19 @@ def reset(devices: list[torch.device]) -> None:
             torch.cuda.reset_peak_memory_stats(d)
 
 
+def others_on_gpus() -> list[str]:
+    """Processes other than this one using a GPU (``nvidia-smi``): a row measured beside one is marked, since
+    its numbers are not the machine's alone. Empty where nvidia-smi is missing."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip() and line.split(",")[0].strip() != str(os.getpid())]
+
+
 def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: argparse.Namespace,
             device_list: list[torch.device]) -> dict[str, Any]:
     devices = device_list[:n]
@@ -146,6 +159,7 @@ def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: ar
         else:
             quick = dict(top=1, steps=1, warm=0) if args.tiny else {}
             cfg = seqify.tune(seq, x, devices=devices, show=not args.tiny, **quick)
+            reset(devices)  # the timed candidates' memory (captured graphs' pools) goes before the chosen one is built
             pipe = seqify.pipeline(seq, config=cfg).train()
             sec = timed(pipe, x, devices, args.steps, args.warm + (1 if cfg.graphs else 0))
             row.update(config=cfg.to_dict(), predicted_ms=cfg.predicted_s * 1e3)
@@ -154,6 +168,8 @@ def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: ar
         row.update(error=f"out of memory: {str(e).splitlines()[0]}")
         return row
     allocated, reserved = peaks(devices)
+    if devices[0].type == "cuda" and (others := others_on_gpus()):
+        row.update(contended=others)
     row.update(seconds=sec, samples_per_s=batch / sec, peak_allocated=allocated, peak_reserved=reserved)
     return row
 
@@ -194,14 +210,16 @@ def table(rows: list[dict[str, Any]]) -> str:
                                                  f"{', graphs' if cfg['graphs'] else ''}")
         predicted = f"{r['predicted_ms']:.1f}" if r.get("predicted_ms") is not None else "-"
         speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
-        lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {r['batch']} | seqify | {r['samples_per_s']:.1f} | "
+        busy = " (**another process on the GPUs**)" if r.get("contended") else ""
+        lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {r['batch']} | seqify{busy} | {r['samples_per_s']:.1f} | "
                      f"{speed} | {what} | {predicted} | {r['seconds'] * 1e3:.1f} | {_gib(r['peak_allocated'])} | "
                      f"{_gib(r['peak_reserved'])} |")
         t = anchors.get((r["model"], r["scaling"], r["gpus"]))
         if t is not None:
             t["speedup"] = t["samples_per_s"] / one["samples_per_s"] if one else None
             speed = f"{t['speedup']:.2f}x" if t["speedup"] is not None else "-"
-            lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {t['batch']} | torch pipelining | "
+            busy = " (**another process on the GPUs**)" if t.get("contended") else ""
+            lines.append(f"| {r['model']} | {r['scaling']} | {r['gpus']} | {t['batch']} | torch pipelining{busy} | "
                          f"{t['samples_per_s']:.1f} | {speed} | {t['name']}, same cuts | - | {t['seconds'] * 1e3:.1f} | "
                          f"{_gib(t['peak_allocated'])} | {_gib(t['peak_reserved'])} |")
     return "\n".join(lines)
@@ -270,12 +288,13 @@ def save(path: str, rows: list[dict[str, Any]], header: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["resnet101", "amoebanet_d", "unet", "llama"])
+    p.add_argument("--models", nargs="+", default=["resnet101", "amoebanet_d", "unet", "llama"],
+                   help="the models to run (with --table: to show)")
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8], help="device counts (those the machine has)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: CPU partitions (smoke mode)")
     p.add_argument("--tiny", action="store_true", help="tiny models and batches (a fast smoke run)")
     p.add_argument("--batch", type=int, help="strong-scaling global batch, and weak scaling's batch per GPU "
-                   "(default: the model's: resnet101 256, amoebanet_d 128, unet 32, llama 16)")
+                   "(default: the model's: resnet101 256, amoebanet_d 128, unet 32, llama 8)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--out", help="write the rows as JSON here (rewritten after every row; rows already there from "
@@ -286,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.table:
         rows, header = load(args.table)
+        rows = [r for r in rows if r["model"] in args.models]
         print(f"# {header.get('device', '?')}; torch {header.get('torch', '?')}; {header.get('date', '?')}; "
               f"{header.get('command', '')}\n")
         print(table(rows))

@@ -5,6 +5,7 @@
 # SCALING_ARGS / TORCHPP_ARGS add arguments (a CPU rehearsal: "--tiny --device cpu" / "--device cpu").
 set -u
 R=${1:-/tmp/scaling}; mkdir -p "$R"
+echo $$ > "$R/pgid"  # started with setsid: its process group, for gpu_session.sh scaling-stop
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 have=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
@@ -34,4 +35,5 @@ CUDA_VISIBLE_DEVICES=0,1 timeout 330 python3 -m pytest -q -p no:xdist -p no:cach
   > "$R/gpu-check.log" 2>&1
 tail -3 "$R/gpu-check.log"
 echo "== done ($(date -u +%T))"
+rm -f "$R/pgid"
 touch "$R/done"

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -137,3 +138,73 @@ def test_families_benchmark_smoke(tmp_path) -> None:
     bad = subprocess.run([sys.executable, script, "--tiny", "--families", "Nope"], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path, env=env)
     assert bad.returncode == 2 and "unknown families" in bad.stderr
+
+
+def _anchor() -> Any:
+    """benchmarks/scaling_torchpp.py, imported as its torchrun workers import it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import scaling_torchpp
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return scaling_torchpp
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_torchpp_anchor_stages_are_exact(name: str) -> None:
+    """torch pipelining's anchor runs the tuner's cuts as stages that pass flat tensors (the crossing skips
+    carried through the partitions in between): chained by hand over 4 partitions they compute the source's
+    output bit-equal and its gradients (float64, eval mode), so the anchor is measured on the same function."""
+    st = _anchor()
+    source, x = MODELS[name]()
+    source.eval()
+    model = copy.deepcopy(source)
+    seq = seqify.convert(model).eval()
+    q = len(seq) // 4
+    balance = [q, q, q, len(seq) - 3 * q]  # even layer counts: cuts inside the skips' spans
+    cpu = torch.device("cpu")
+    cuts = st.cuts(seq, list(balance), x, cpu)
+    assert any(c.live for c in cuts), "no skip crosses a cut: the carrying is not exercised"
+    stages = st.stages_of(seq, list(balance), list(range(4)), cpu, cuts)
+    flat: tuple[torch.Tensor, ...] = (x,)
+    for stage in stages:
+        out = stage(*flat)
+        flat = out if isinstance(out, tuple) else (out,)
+        assert all(t.is_contiguous() and not t._is_view() for t in flat)
+    (got,) = flat
+    want = source(x)
+    assert torch.equal(got, want)
+    loss_of(got).backward()
+    loss_of(want).backward()
+    mine = dict(model.named_parameters())
+    for key, p in source.named_parameters():
+        torch.testing.assert_close(mine[key].grad, p.grad, msg=f"gradient of {key}")
+
+
+def test_torchpp_anchor_runs_under_torchrun(tmp_path) -> None:
+    """The anchor itself on 2 gloo ranks over scaling.py's CPU smoke rows: torch pipelining's GPipe and 1F1B run
+    the U-Net's cuts (skips cross them) and each writes a row with its speed; a schedule that cannot build
+    (fewer micro-batches than stages) is a recorded error, not a hang."""
+    import os
+
+    env = {**os.environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")}
+    rows = tmp_path / "scaling.json"
+    made = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--tiny", "--device", "cpu",
+                           "--gpus", "2", "--models", "unet", "--out", str(rows)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    out = tmp_path / "torchpp.jsonl"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(ROOT / "benchmarks" / "scaling_torchpp.py"), "--rows", str(rows), "--out", str(out),
+                          "--device", "cpu", "--steps", "1", "--warm", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    ran = [r for r in got if "samples_per_s" in r]
+    assert {r["schedule"] for r in ran} == {"ScheduleGPipe", "Schedule1F1B"}
+    assert {r["scaling"] for r in ran} == {"strong", "weak"}
+    assert all(r["runner"] == "torchpp" and r["gpus"] == 2 and r["samples_per_s"] > 0 for r in ran)
+    assert all("micro" in r["error"] for r in got if "error" in r)
+    table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--table", str(rows), str(out)],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert table.returncode == 0 and "torch pipelining" in table.stdout and "same cuts" in table.stdout

@@ -26,6 +26,12 @@ for m in ${MODELS:-resnet101 amoebanet_d unet llama}; do
   done
   table
 done
+if [ "$have" -ge 4 ]; then  # where ResNet-101's 4-GPU weak-scaling step loses its time: busy and idle per GPU
+  echo "== ResNet-101 on 4 GPUs, batch 1024: GPU busy and gaps ($(date -u +%T))"
+  timeout 420 python3 benchmarks/probe/resnet_pipe_busy.py --gpus 4 --batch 1024 --one-gpu-batch 256 --chunks 8 \
+    --schedules zb-h2 1f1b --out "$R" > "$R/busy.log" 2>&1
+  grep -v '^    ' "$R/busy.log" | tail -12
+fi
 echo "== issue 14: hand-picked ResNet-101 on 2 GPUs ($(date -u +%T))"
 CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 \
   --schedule zb-h2 --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$R" > "$R/hand-picked.log" 2>&1

@@ -1,9 +1,14 @@
-"""Probe: where a pipelined ResNet-101 (batch 256, fp32, SGD) step's time goes on two GPUs, against the ceiling
-its micro-batch size allows: one GPU training the batch whole and as m accumulated micro-batches (two GPUs with
-no bubble and no copy cost reach 2 x the accumulated rate), then each pipeline's wall time, GPU busy time per
+"""Probe: where a pipelined ResNet-101 (fp32, SGD) step's time goes on N GPUs, against the ceiling its
+micro-batch size allows: one GPU training its share whole and as accumulated micro-batches (N GPUs with no
+bubble and no copy cost reach N x the accumulated rate), then each pipeline's wall time, GPU busy time per
 device (summed kernel time from torch.profiler, captured graphs included) and its largest idle gaps.
 
     python benchmarks/probe/resnet_pipe_busy.py --chunks 4 8 16 --schedules 1f1b zb-h1
+    python benchmarks/probe/resnet_pipe_busy.py --gpus 4 --batch 1024 --one-gpu-batch 256 --chunks 8 \
+        --schedules zb-h2 1f1b      # weak scaling: one GPU trains 256, accumulated in micro-batches of 128
+
+The one-GPU rows train ``--one-gpu-batch`` samples (default: the whole batch) whole and accumulated in
+micro-batches of the pipeline's size, so the ceiling is (pipeline batch / one-GPU batch) x their rate.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1"])
     parser.add_argument("--loops", type=int, nargs="+", default=[1])
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=256, help="the pipeline's mini-batch")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--one-gpu-batch", type=int, help="samples the one-GPU rows train (default: --batch)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    devs = [torch.device("cuda:0"), torch.device("cuda:1")]
+    devs = [torch.device("cuda", i) for i in range(args.gpus)]
+    share = args.one_gpu_batch or args.batch
     torch.manual_seed(0)
     x = torch.randn(args.batch, 3, 224, 224, device=devs[0])
     y = torch.randint(0, 1000, (args.batch,), device=devs[0])
@@ -53,21 +61,25 @@ def main() -> None:
     src = torchvision.models.resnet101().to(devs[0])
     opt = torch.optim.SGD(src.parameters(), lr=0.01)
 
+    xs1, ys1 = x[:share], y[:share]
+
     def whole() -> None:
         opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(src(x), y).backward()
+        nn.functional.cross_entropy(src(xs1), ys1).backward()
         opt.step()
 
     whole(); whole()
-    note(f"one GPU, batch {args.batch}", *probe.busy(whole, devs[:1]))
+    note(f"one GPU, batch {share}", *probe.busy(whole, devs[:1]))
     for m in args.chunks:
-        def accumulate(m: int = m) -> None:
+        k = max(1, m * share // args.batch)  # micro-batches of the pipeline's size (args.batch // m samples)
+
+        def accumulate(k: int = k) -> None:
             opt.zero_grad(set_to_none=True)
-            for xs, ys in zip(x.chunk(m), y.chunk(m)):
-                (nn.functional.cross_entropy(src(xs), ys) / m).backward()
+            for xs, ys in zip(xs1.chunk(k), ys1.chunk(k)):
+                (nn.functional.cross_entropy(src(xs), ys) / k).backward()
             opt.step()
         accumulate(); accumulate()
-        note(f"one GPU, {m} micro-batches accumulated", *probe.busy(accumulate, devs[:1]))
+        note(f"one GPU, {k} micro-batches of {share // k} accumulated", *probe.busy(accumulate, devs[:1]))
     src = opt = None
     torch.cuda.empty_cache()
 
@@ -80,11 +92,11 @@ def main() -> None:
                     continue
                 torch.manual_seed(0)
                 seq = seqify.convert(torchvision.models.resnet101())
-                parts = 2 * loops
+                parts = args.gpus * loops
                 if (m, parts) not in plans:
                     plans[(m, parts)] = seqify.balance(seq, parts, sample=x[: args.batch // m].cpu(), by="time",
                                                        device=devs[0], progress=False).balance
-                pipe = seqify.pipeline(seq, gpus=2, loops=loops, balance=plans[(m, parts)], chunks=m,
+                pipe = seqify.pipeline(seq, gpus=args.gpus, loops=loops, balance=plans[(m, parts)], chunks=m,
                                        checkpoint="never", graphs=True, schedule=schedule)
                 popt = torch.optim.SGD(pipe.parameters(), lr=0.01)
 

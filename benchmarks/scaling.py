@@ -97,9 +97,11 @@ def _sync(devices: list[torch.device]) -> None:
             torch.cuda.synchronize(d)
 
 
-def timed(model: nn.Module, x: Any, devices: list[torch.device], steps: int, warm: int) -> float:
+def timed(model: nn.Module, x: Any, devices: list[torch.device], steps: int, warm: int, accumulate: int = 1) -> float:
     """Median seconds of a training step; a pipeline the tuner gave another schedule than GPipe steps with
-    ``pipe.step`` (``pipe(x)`` with ``backward()`` would run fill-drain, not what was tuned)."""
+    ``pipe.step`` (``pipe(x)`` with ``backward()`` would run fill-drain, not what was tuned). ``accumulate``:
+    one device runs the batch as that many micro-batches, accumulating their gradients (the same gradient,
+    what one device does with a batch that does not fit it whole)."""
     scheduled = isinstance(model, seqify.Pipeline) and model.schedule != "gpipe"
     times = []
     for k in range(warm + steps):
@@ -108,7 +110,9 @@ def timed(model: nn.Module, x: Any, devices: list[torch.device], steps: int, war
         if scheduled:
             model.step(x, None, lambda out, _: _loss(out), reduction="mean")
         else:
-            _loss(model(x)).backward()
+            for part in x.tensor_split(accumulate) if accumulate > 1 else (x,):
+                loss = _loss(model(part))
+                (loss * (len(part) / len(x)) if accumulate > 1 else loss).backward()
         _sync(devices)
         if k >= warm:
             times.append(time.perf_counter() - start)
@@ -145,6 +149,21 @@ def others_on_gpus() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip() and line.split(",")[0].strip() != str(os.getpid())]
 
 
+def one_device(seq: nn.Module, x: torch.Tensor, devices: list[torch.device], args: argparse.Namespace) -> tuple[float, int]:
+    """Seconds of one device's step and the micro-batches it took: the batch whole, or, where that runs out
+    of memory, accumulated over 2, 4, ... micro-batches (the baseline a user without a pipeline has)."""
+    k = 1
+    while True:
+        try:
+            return timed(seq, x, devices, args.steps, args.warm, accumulate=k), k
+        except torch.OutOfMemoryError:
+            seq.zero_grad(set_to_none=True)
+            reset(devices)
+            if 2 * k > len(x):
+                raise
+            k *= 2
+
+
 def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: argparse.Namespace,
             device_list: list[torch.device]) -> dict[str, Any]:
     devices = device_list[:n]
@@ -154,8 +173,8 @@ def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: ar
     try:
         if n == 1:
             seq.to(devices[0]).train()
-            sec = timed(seq, x.to(devices[0]), devices, args.steps, args.warm)
-            row.update(config=None, predicted_ms=None)
+            sec, k = one_device(seq, x.to(devices[0]), devices, args)
+            row.update(config=None, predicted_ms=None, accumulate=k)
         else:
             quick = dict(top=1, steps=1, warm=0) if args.tiny else {}
             cfg = seqify.tune(seq, x, devices=devices, show=not args.tiny, **quick)
@@ -205,7 +224,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         one = base.get((r["model"], r["scaling"]))
         r["speedup"] = r["samples_per_s"] / one["samples_per_s"] if one else None
         cfg = r.get("config")
-        what = "one device" if cfg is None else (f"{cfg.get('schedule') or 'gpipe'}, chunks {cfg['chunks']}, loops "
+        alone = f"one device{f', {k} micro-batches accumulated' if (k := r.get('accumulate', 1)) > 1 else ''}"
+        what = alone if cfg is None else (f"{cfg.get('schedule') or 'gpipe'}, chunks {cfg['chunks']}, loops "
                                                  f"{cfg['loops']}, by {cfg['by']}, checkpoint {cfg['checkpoint']}"
                                                  f"{', graphs' if cfg['graphs'] else ''}")
         predicted = f"{r['predicted_ms']:.1f}" if r.get("predicted_ms") is not None else "-"

@@ -140,14 +140,56 @@ def test_families_benchmark_smoke(tmp_path) -> None:
     assert bad.returncode == 2 and "unknown families" in bad.stderr
 
 
-def _anchor() -> Any:
-    """benchmarks/scaling_torchpp.py, imported as its torchrun workers import it."""
+def _bench(name: str) -> Any:
+    """A module of benchmarks/, imported as its scripts import each other."""
+    import importlib
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import scaling_torchpp
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return scaling_torchpp
+
+
+def _anchor() -> Any:
+    """benchmarks/scaling_torchpp.py, imported as its torchrun workers import it."""
+    return _bench("scaling_torchpp")
+
+
+def test_one_device_baseline_accumulates_when_the_batch_does_not_fit(monkeypatch) -> None:
+    """scaling.py's one-device row: a batch that runs out of memory whole runs as 2, 4, ... accumulated
+    micro-batches with the whole batch's gradient, the table says how many, and a model that fits no
+    micro-batch still fails."""
+    import argparse
+
+    sc = _bench("scaling")
+
+    class Small(nn.Module):
+        def __init__(self, fits: int) -> None:
+            super().__init__()
+            self.fits = fits
+            self.lin = nn.Linear(3, 2).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if len(x) > self.fits:
+                raise torch.OutOfMemoryError("out of memory (test)")
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    model, x = Small(fits=2), torch.randn(8, 3, dtype=torch.float64)
+    reference = nn.Linear(3, 2).double()
+    reference.load_state_dict(model.lin.state_dict())
+    sc._loss(reference(x)).backward()
+    monkeypatch.setattr(model, "zero_grad", lambda set_to_none=True: None)  # keep the timed step's gradients
+    sec, k = sc.one_device(model, x, [torch.device("cpu")], argparse.Namespace(steps=1, warm=0))
+    assert k == 4 and sec > 0
+    torch.testing.assert_close(model.lin.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(model.lin.bias.grad, reference.bias.grad)
+    row = dict(model="m", scaling="strong", gpus=1, batch=8, runner="seqify", accumulate=k, seconds=sec,
+               samples_per_s=8 / sec, peak_allocated=[0.0], peak_reserved=[0.0], config=None)
+    assert "one device, 4 micro-batches accumulated" in sc.table([row])
+    with pytest.raises(torch.OutOfMemoryError):
+        sc.one_device(Small(fits=0), x, [torch.device("cpu")], argparse.Namespace(steps=1, warm=0))
 
 
 @pytest.mark.parametrize("name", list(MODELS))

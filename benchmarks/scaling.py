@@ -176,7 +176,7 @@ def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: ar
             sec, k = one_device(seq, x.to(devices[0]), devices, args)
             row.update(config=None, predicted_ms=None, accumulate=k)
         else:
-            quick = dict(top=1, steps=1, warm=0) if args.tiny else {}
+            quick = dict(top=1, steps=1, warm=0) if args.tiny else dict(top=args.top)
             cfg = seqify.tune(seq, x, devices=devices, show=not args.tiny, **quick)
             reset(devices)  # the timed candidates' memory (captured graphs' pools) goes before the chosen one is built
             pipe = seqify.pipeline(seq, config=cfg).train()
@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny models and batches (a fast smoke run)")
     p.add_argument("--batch", type=int, help="strong-scaling global batch, and weak scaling's batch per GPU "
                    "(default: the model's: resnet101 256, amoebanet_d 128, unet 32, llama 8)")
+    p.add_argument("--top", type=int, default=3, help="the tuner's candidates confirmed by timed steps (seqify.tune's top)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--out", help="write the rows as JSON here (rewritten after every row; rows already there from "

@@ -167,13 +167,15 @@ def one_device(seq: nn.Module, x: torch.Tensor, devices: list[torch.device], arg
 def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: argparse.Namespace,
             device_list: list[torch.device]) -> dict[str, Any]:
     devices = device_list[:n]
-    x = m.sample(batch)
+    # every row starts from the batch on the first device, as torch pipelining's rank 0 and seqify.bench do:
+    # a batch left on the host would be copied over each step, in the pipeline's time and not the baseline's
+    x = m.sample(batch).to(devices[0])
     row: dict[str, Any] = dict(model=m.name, scaling=scaling, gpus=n, batch=batch, runner="seqify")
     reset(devices)
     try:
         if n == 1:
             seq.to(devices[0]).train()
-            sec, k = one_device(seq, x.to(devices[0]), devices, args)
+            sec, k = one_device(seq, x, devices, args)
             row.update(config=None, predicted_ms=None, accumulate=k)
         else:
             quick = dict(top=1, steps=1, warm=0) if args.tiny else dict(top=args.top)

@@ -207,7 +207,7 @@ def calibrate(devices: Sequence[torch.device], *, split: bool = True) -> Calibra
     host_serial = all(d.type == "cpu" for d in devices)
     m = 8
     tiny = nn.Sequential(*[nn.Linear(4, 4) for _ in devices])
-    x = torch.randn(2 * m, 4)
+    x = torch.randn(2 * m, 4).to(devices[0])  # where the candidates' samples start (tune moves them there)
     with torch.random.fork_rng(devices=[]):
         pipe = Pipeline(tiny, [1] * len(devices), devices, chunks=m, checkpoint="never")
         task = step_seconds(pipe, x, devices, steps=3) / (m * len(devices))
@@ -566,6 +566,9 @@ def tune(
             except (SeqifyError, TypeError, KeyError):
                 pass  # an entry from another version: measure again
     batch = _batch(sample)
+    if placed[0].type == "cuda":  # every candidate is timed from the batch on the first device, as the one-device
+        # anchor is: a batch on the host would add its copy to the candidates' times and to no prediction
+        sample = pytree.tree_map(lambda t: t.to(placed[0]) if isinstance(t, torch.Tensor) else t, sample)
     with _kept(model):
         cal = calibrate(placed, split=(schedule is None or schedule in SPLIT) and not isinstance(sample, dict))
         counts = [chunks] if chunks else [c for c in CHUNKS if c <= batch]

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 import seqify
@@ -305,6 +306,29 @@ def test_tune_on_two_gpus_is_exact_and_reports_predictions() -> None:
     want = torch.cat([source(part) for part in x.to("cuda:0").tensor_split(cfg.chunks)])
     got = pipe(x)
     torch.testing.assert_close(got.to("cuda:0"), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tune_times_candidates_from_the_first_gpu(monkeypatch) -> None:
+    """A sample given on the host is moved to the first GPU once: every timed candidate starts from it there,
+    as the one-device anchor does (a host batch's copy would be in the measured times and no prediction)."""
+    import seqify.tuning as tuning
+
+    seen: list[str] = []
+    real = tuning.step_seconds
+
+    def spy(model, sample, devices, **kw):  # type: ignore[no-untyped-def]
+        seen.extend(str(t.device) for t in pytree.tree_leaves(sample) if isinstance(t, torch.Tensor))
+        return real(model, sample, devices, **kw)
+
+    monkeypatch.setattr(tuning, "step_seconds", spy)
+    _, seq, _ = source_and_seq()
+    x = torch.randn(64, 6, dtype=torch.float64)
+    cfg = seqify.tune(seq, x, gpus=2, top=2, show=False, cache=False)
+    assert sum(t.measured_s is not None for t in cfg.trials) >= 1
+    assert seen and set(seen) == {"cuda:0"}, seen
+    assert x.device.type == "cpu"  # the caller's sample is left where it was
 
 
 @pytest.mark.gpu

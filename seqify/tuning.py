@@ -199,10 +199,12 @@ def _kept(model: nn.Module) -> Iterator[None]:
                 b.copy_(value)
 
 
-def calibrate(devices: Sequence[torch.device], *, split: bool = True) -> Calibration:
+def calibrate(devices: Sequence[torch.device], *, split: bool = True, replayed: bool = True) -> Calibration:
     """Measure the executor's overhead per (micro-batch, partition) task, the host time to issue one
     layer call on CUDA, the copy latency and bandwidth between the first two distinct devices, and
-    (``split``) what a backward split for zero-bubble schedules costs over a whole one."""
+    (``split``) what a backward split for zero-bubble schedules costs over a whole one, eagerly and
+    (``replayed``, CUDA) as captured graphs split it, on a chain of linear layers (:func:`tune` measures
+    the captured split on the model itself and asks for the chain's only where it cannot)."""
     devices = list(devices)
     host_serial = all(d.type == "cpu" for d in devices)
     m = 8
@@ -224,10 +226,15 @@ def calibrate(devices: Sequence[torch.device], *, split: bool = True) -> Calibra
         big = torch.zeros(16 << 20, device=pair[0])  # 64 MB
         latency = _copy_seconds(small, pair)
         bandwidth = big.numel() * big.element_size() / max(_copy_seconds(big, pair) - latency, 1e-9)
-    replayed = split_backward(first, width=2048, batch=2048, boundary=True) if split and first.type == "cuda" else 1.0
+    chain = replayed and split and first.type == "cuda"
     return Calibration(task_s=task, launch_s=launch, copy_latency_s=latency, copy_bytes_per_s=bandwidth,
                        host_serial=host_serial, split_backward=split_backward(first) if split else 1.0,
-                       split_replayed=replayed)
+                       split_replayed=chain_split(first) if chain else 1.0)
+
+
+def chain_split(device: torch.device) -> float:
+    """:func:`split_backward` as captured graphs split it, on a chain wide enough to keep a GPU busy."""
+    return split_backward(device, width=2048, batch=2048, boundary=True)
 
 
 def split_backward(device: torch.device, *, width: int = 128, depth: int = 6, batch: int = 32,
@@ -570,7 +577,9 @@ def tune(
         # anchor is: a batch on the host would add its copy to the candidates' times and to no prediction
         sample = pytree.tree_map(lambda t: t.to(placed[0]) if isinstance(t, torch.Tensor) else t, sample)
     with _kept(model):
-        cal = calibrate(placed, split=(schedule is None or schedule in SPLIT) and not isinstance(sample, dict))
+        own_split = placed[0].type == "cuda" and (schedule is None or schedule in SPLIT)  # measured on the model below
+        cal = calibrate(placed, split=(schedule is None or schedule in SPLIT) and not isinstance(sample, dict),
+                        replayed=not own_split)
         counts = [chunks] if chunks else [c for c in CHUNKS if c <= batch]
         lo = max(2 if batch >= 2 else 1, batch // max(counts))
         micro = [batch // c for c in counts if batch // c >= lo]  # the sizes the candidates' micro-batches have
@@ -579,8 +588,10 @@ def tune(
         # no timed candidate may hold more on some GPU than the model training on one (or than the cap)
         limits = [b for b in (alone[0] if alone else None, memory_cap) if b is not None]
         bound = (int(min(limits)) if limits else None, alone[1] if alone else None)
-        if placed[0].type == "cuda" and (schedule is None or schedule in SPLIT):  # a replayed split, as this model splits
+        if own_split:  # a replayed split, as this model splits; where it cannot be measured, as a chain does
             own = model_split(model, sample, placed[0])
+            if own is None and not isinstance(sample, dict):
+                own = chain_split(placed[0])
             cal = replace(cal, split_replayed=own) if own is not None else cal
         found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s)
         if not found:

@@ -190,6 +190,8 @@ def run(row: dict[str, Any], seq: nn.Module, sample: Callable[[int], Any], args:
                 continue
             first, last = 0 in mine, len(balance) - 1 in mine
             params = [p for part in parts for p in part.parameters()]
+            if device.type == "cuda":  # what cuts() ran (the whole model, once) is not this schedule's to hold
+                torch.cuda.empty_cache()
 
             def step() -> None:
                 for p in params:

@@ -577,9 +577,9 @@ def tune(
         # anchor is: a batch on the host would add its copy to the candidates' times and to no prediction
         sample = pytree.tree_map(lambda t: t.to(placed[0]) if isinstance(t, torch.Tensor) else t, sample)
     with _kept(model):
-        own_split = placed[0].type == "cuda" and (schedule is None or schedule in SPLIT)  # measured on the model below
-        cal = calibrate(placed, split=(schedule is None or schedule in SPLIT) and not isinstance(sample, dict),
-                        replayed=not own_split)
+        splits = schedule is None or schedule in SPLIT  # some candidate splits its backward (zero bubble)
+        own_split = splits and placed[0].type == "cuda"  # the captured split, measured on the model below
+        cal = calibrate(placed, split=splits and not isinstance(sample, dict), replayed=not own_split)
         counts = [chunks] if chunks else [c for c in CHUNKS if c <= batch]
         lo = max(2 if batch >= 2 else 1, batch // max(counts))
         micro = [batch // c for c in counts if batch // c >= lo]  # the sizes the candidates' micro-batches have

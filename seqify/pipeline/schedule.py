@@ -3,8 +3,8 @@
 A :class:`Schedule` is a list of :class:`Action` ``(device, partition, microbatch, kind)`` in an order every
 executor may issue them in (each action after the actions it depends on), built by :func:`gpipe`,
 :func:`one_f_one_b`, :func:`interleaved`, :func:`zb_h1` or :func:`zb_h2`. Executors (eager, replay,
-``seqify.distributed``) read it; :meth:`Schedule.check` verifies it and :meth:`Schedule.peak_activations` predicts memory, without a
-model. This module imports no executor.
+``seqify.distributed``) read it; :meth:`Schedule.check` verifies it and :meth:`Schedule.peak_activations`
+predicts memory, without a model. This module imports no executor.
 
 Kinds::
 

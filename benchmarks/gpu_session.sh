@@ -101,7 +101,7 @@ case "${1:-tests}" in
       echo "a scaling job is running (process group $(cat /tmp/scaling/pgid)): scaling-wait, or scaling-stop first"; exit 1
     fi
     rm -rf /tmp/scaling; mkdir -p /tmp/scaling
-    MODELS=${MODELS:-} setsid nohup bash benchmarks/scaling_run.sh /tmp/scaling > /tmp/scaling/run.log 2>&1 < /dev/null &
+    MODELS=${MODELS:-} STEPS=${STEPS:-} setsid nohup bash benchmarks/scaling_run.sh /tmp/scaling > /tmp/scaling/run.log 2>&1 < /dev/null &
     ;&
   scaling-wait)  # wait up to $2 seconds for the detached job, then bring back what it has written so far
     end=$((SECONDS + ${2:-500}))

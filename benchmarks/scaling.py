@@ -188,6 +188,9 @@ def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: ar
     except torch.OutOfMemoryError as e:
         row.update(error=f"out of memory: {str(e).splitlines()[0]}")
         return row
+    except seqify.MemoryCapError as e:  # the tuner found no candidate that fits: a row of its own, not the end
+        row.update(error=f"no configuration fits: {str(e).splitlines()[0]}")
+        return row
     allocated, reserved = peaks(devices)
     if devices[0].type == "cuda" and (others := others_on_gpus()):
         row.update(contended=others)

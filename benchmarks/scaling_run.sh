@@ -2,7 +2,7 @@
 # The scaling benchmark of one machine as one detached job (it outlives a single device call): per model,
 # scaling.py over 1, 2, 4 (and 8) GPUs, then torch pipelining on the same cuts at each count, then the merged
 # table and plot; at the end the hand-picked ResNet-101 anchor of issue 14 and the GPU tests. Writes to $1.
-# SCALING_ARGS / TORCHPP_ARGS add arguments (a CPU rehearsal: "--tiny --device cpu" / "--device cpu").
+# STEPS orders the steps (below); SCALING_ARGS / TORCHPP_ARGS add arguments (a CPU rehearsal: "--tiny --device cpu" / "--device cpu").
 set -u
 R=${1:-/tmp/scaling}; mkdir -p "$R"
 echo $$ > "$R/pgid"  # started with setsid: its process group, for gpu_session.sh scaling-stop
@@ -12,7 +12,8 @@ have=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 counts=1; for n in 2 4 8; do [ "$have" -ge $n ] && counts="$counts $n"; done
 table() { python3 benchmarks/scaling.py --table "$R/scaling.json" "$R/torchpp.jsonl" --plot "$R/scaling.png" > "$R/table.txt" 2>&1; }
 touch "$R/torchpp.jsonl"
-for m in ${MODELS:-resnet101 amoebanet_d unet llama}; do
+model() {
+  local m=$1
   echo "== $m: seqify over $counts GPUs ($(date -u +%T))"
   timeout 1200 python3 benchmarks/scaling.py --models "$m" --gpus $counts --out "$R/scaling.json" ${SCALING_ARGS:-} 2>&1 | grep -v '^seqify \(profile\|tune\)'
   for n in $counts; do
@@ -25,21 +26,35 @@ for m in ${MODELS:-resnet101 amoebanet_d unet llama}; do
     grep -c . "$R/torchpp.jsonl"
   done
   table
-done
-if [ "$have" -ge 4 ]; then  # where ResNet-101's 4-GPU weak-scaling step loses its time: busy and idle per GPU
+}
+busy() {  # where ResNet-101's 4-GPU weak-scaling step loses its time: busy and idle per GPU
+  [ "$have" -ge 4 ] || return 0
   echo "== ResNet-101 on 4 GPUs, batch 1024: GPU busy and gaps ($(date -u +%T))"
   timeout 420 python3 benchmarks/probe/resnet_pipe_busy.py --gpus 4 --batch 1024 --one-gpu-batch 256 --chunks 8 \
     --schedules zb-h2 1f1b --out "$R" > "$R/busy.log" 2>&1
   grep -v '^    ' "$R/busy.log" | tail -12
-fi
-echo "== issue 14: hand-picked ResNet-101 on 2 GPUs ($(date -u +%T))"
-CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 \
-  --schedule zb-h2 --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$R" > "$R/hand-picked.log" 2>&1
-tail -12 "$R/hand-picked.log"
-echo "== GPU tests on 2 GPUs ($(date -u +%T))"
-CUDA_VISIBLE_DEVICES=0,1 timeout 330 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests --timeout 240 \
-  > "$R/gpu-check.log" 2>&1
-tail -3 "$R/gpu-check.log"
+}
+hand_picked() {
+  echo "== issue 14: hand-picked ResNet-101 on 2 GPUs ($(date -u +%T))"
+  CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 \
+    --schedule zb-h2 --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$R" > "$R/hand-picked.log" 2>&1
+  tail -12 "$R/hand-picked.log"
+}
+tests() {
+  echo "== GPU tests on 2 GPUs ($(date -u +%T))"
+  CUDA_VISIBLE_DEVICES=0,1 timeout 330 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests --timeout 240 \
+    > "$R/gpu-check.log" 2>&1
+  tail -3 "$R/gpu-check.log"
+}
+# STEPS: model names and busy / hand-picked / tests, in the order to run (the first ones get the device time)
+for step in ${STEPS:-${MODELS:-resnet101 amoebanet_d unet llama} busy hand-picked tests}; do
+  case $step in
+    busy) busy ;;
+    hand-picked) hand_picked ;;
+    tests) tests ;;
+    *) model "$step" ;;
+  esac
+done
 echo "== done ($(date -u +%T))"
 rm -f "$R/pgid"
 touch "$R/done"

@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 
 
 def torchrun(nproc: int, tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(WORKER.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(WORKER.parent), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--max-restarts=0", str(WORKER), "--out", str(tmp), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

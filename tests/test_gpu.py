@@ -152,7 +152,7 @@ def test_distributed_nccl_matches_one_process(tmp_path) -> None:  # type: ignore
     import dist_worker as worker
 
     here = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=str(here))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
            str(here / "dist_worker.py"), "--out", str(tmp_path), "--model", "resnet18", "--balance", "params",
            "--chunks", "2", "--backend", "nccl"]
@@ -211,7 +211,7 @@ def test_distributed_graphs_match_eager(tmp_path, schedule: str, bf16: bool) -> 
     from pathlib import Path
 
     here = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=str(here))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH")])))
     runs = {}
     for graphs in (False, True):
         out = tmp_path / f"graphs{graphs}"

@@ -30,7 +30,7 @@ from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
 from .trace_checks import attributes, check_decorated, passthrough, writes_since
-from .trace_real import RealRun, buffers_kept, raises_itself, source_error, unpatched
+from .trace_real import RealRun, buffers_kept, raises_itself, source_error, tracing, unpatched
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved", "attribute", "is_cache"]
 
@@ -304,6 +304,11 @@ class _Tracer(fx.Tracer):
         self.flattened: dict[str, nn.Module] = {}
         self.real = real
         self._calling: tuple[str, int] = ("", 0)  # the leaf module call being recorded, and its index
+        self.plain = 0  # > 0: module calls and attribute reads act plainly (trace_real.unpatched)
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        with tracing(self):
+            return super().trace(root, concrete_args)
 
     # -- proxies ---------------------------------------------------------------------------------
 
@@ -374,6 +379,8 @@ class _Tracer(fx.Tracer):
         return super().create_arg(a)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
+        if self.plain:
+            return attr_val
         self._param_cache = parameter_proxy_cache
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
@@ -536,6 +543,8 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, path)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.plain:
+            return forward(*args, **kwargs)
         path = self.path_of_module(m)
         with ScopeContextManager(self.scope, Scope(path, type(m))) as scope:
             calls = self.num_calls.get(path, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -15,15 +15,47 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from .errors import SourceRaisesError
 
-__all__ = ["RealRun", "unpatched", "buffers_kept", "record_inputs", "source_error", "raises_itself"]
+__all__ = ["RealRun", "Plain", "tracing", "unpatched", "buffers_kept", "record_inputs", "source_error", "raises_itself"]
+
+
+class Plain(Protocol):
+    """A tracer whose patched ``nn.Module.__call__`` / ``__getattr__`` act plainly while ``plain`` > 0."""
+
+    plain: int
+
+
+_TRACING: list[Plain] = []  # seqify's tracers now tracing, innermost last
+
+
+@contextmanager
+def tracing(tracer: Plain) -> Iterator[None]:
+    """While ``tracer`` traces, ``unpatched`` switches it to plain calls instead of undoing fx's patches."""
+    _TRACING.append(tracer)
+    try:
+        yield
+    finally:
+        _TRACING.remove(tracer)
 
 
 @contextmanager
 def unpatched() -> Iterator[None]:
-    """Undo fx's patches of ``nn.Module.__call__`` / ``__getattr__`` (and wrapped functions) for a while,
-    so code run inside sees plain modules and tensors."""
-    with _maybe_revert_all_patches():
+    """Let code run inside see plain modules and tensors: module calls run their forward and attribute
+    reads give the attribute, not proxies. Inside seqify's tracer this is a switch on the tracer; elsewhere
+    fx's patches of ``nn.Module.__call__`` / ``__getattr__`` (and wrapped functions) are undone for a while.
+    (Undoing them sets two attributes of ``nn.Module``, which invalidates the attribute caches of every
+    subclass: about 0.2 ms a time with transformers and diffusers imported, and a leaf's example value
+    needs it once per call, seconds per large model.) fx's wrapped functions stay wrapped: they act only
+    on proxies, and plain code passes none."""
+    if not _TRACING:
+        with _maybe_revert_all_patches():
+            yield
+        return
+    tracer = _TRACING[-1]
+    tracer.plain += 1
+    try:
         yield
+    finally:
+        tracer.plain -= 1
 
 
 @contextmanager

@@ -484,3 +484,41 @@ def test_a_source_that_refuses_one_sample_keeps_the_fx_result() -> None:
     seq = seqify.convert(model, example_inputs=(x,))
     assert seq.frontend == "fx" and seq.guards
     assert torch.equal(seq(x), model(x))
+
+
+def test_example_values_of_leaves_leave_nn_module_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leaf's example value runs its forward plainly by a switch on the tracer, not by undoing fx's
+    patches of ``nn.Module`` (each undo and redo invalidates the attribute caches of every subclass: seconds
+    per large model); the conversion stays exact, including a leaf whose children are called inside it."""
+    import torch.fx._symbolic_trace as fx_trace
+    from torchvision.models import resnet18
+
+    import seqify.trace_real
+
+    undone = []
+    revert = fx_trace._maybe_revert_all_patches
+
+    def counted() -> Any:  # fx's patches undone while a trace holds them
+        if fx_trace.CURRENT_PATCHER is not None:
+            undone.append(1)
+        return revert()
+
+    monkeypatch.setattr(seqify.trace_real, "_maybe_revert_all_patches", counted)
+
+    class Block(nn.Module):  # kept whole (leaf_types): its children run inside its plain forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.conv(x)) + x
+
+    torch.manual_seed(0)
+    model = resnet18(num_classes=10)
+    model.layer1[0] = Block()
+    x = torch.randn(2, 3, 32, 32)
+    for train in (False, True):
+        seq = assert_exact(model, (x,), train=train,
+                           convert=lambda m: seqify.convert(m, (x,), leaf_types=(Block,)))
+        assert any(type(layer).__name__ == "Block" or isinstance(layer, Block) for layer in seq.modules())
+    assert not undone

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import dist_worker as worker
+from procs import child_env
 import seqify.distributed as sd
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,7 +32,7 @@ def free_port() -> int:
 
 def node(rank: int, port: int, out: Path, *args: str) -> subprocess.Popen[str]:
     """One "node": a torchrun agent with 2 processes, meeting the other node through c10d on localhost."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(WORKER.parent), os.environ.get("PYTHONPATH")])))
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=seqify{port}",
            f"--rdzv-conf=is_host={int(rank == 0)}",  # node 0 hosts the rendezvous store, whoever starts first
@@ -83,7 +84,7 @@ def two_nodes(out: Path, *args: str, timeout: float = 150) -> None:
 
 
 def standalone(out: Path, nproc: int, *args: str, timeout: float = 150) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(WORKER.parent), os.environ.get("PYTHONPATH")])))
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--max-restarts=0", str(WORKER), "--out", str(out), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

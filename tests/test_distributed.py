@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
 import sys
 import time
@@ -13,13 +12,14 @@ import pytest
 import torch
 
 import dist_worker as worker
+from procs import child_env
 
 pytestmark = pytest.mark.timeout(300)
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
 def torchrun(nproc: int, tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(WORKER.parent), os.environ.get("PYTHONPATH")])))
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--max-restarts=0", str(WORKER), "--out", str(tmp), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

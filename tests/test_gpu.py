@@ -10,6 +10,7 @@ import torchvision
 
 import seqify
 from exactness import loss_of
+from procs import child_env
 from gpu_checks import relative, strict_fp32  # noqa: F401  (strict_fp32: autouse fixture)
 
 pytestmark = [
@@ -144,7 +145,6 @@ def test_graphed_stages_under_bf16_autocast_err_like_eager() -> None:
 
 def test_distributed_nccl_matches_one_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Two processes on two GPUs over NCCL compute the loss and gradients of one process on one GPU."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -152,7 +152,7 @@ def test_distributed_nccl_matches_one_process(tmp_path) -> None:  # type: ignore
     import dist_worker as worker
 
     here = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH")])))
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
            str(here / "dist_worker.py"), "--out", str(tmp_path), "--model", "resnet18", "--balance", "params",
            "--chunks", "2", "--backend", "nccl"]
@@ -205,13 +205,12 @@ def test_distributed_graphs_match_eager(tmp_path, schedule: str, bf16: bool) -> 
     and receives between them) trains 3 steps like the eager ranks: losses and parameters; under bf16
     autocast too (captured without autocast's cache of weight casts, which a captured backward cannot use),
     to bf16's rounding."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH")])))
+    env = child_env()
     runs = {}
     for graphs in (False, True):
         out = tmp_path / f"graphs{graphs}"

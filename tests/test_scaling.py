@@ -192,6 +192,24 @@ def test_one_device_baseline_accumulates_when_the_batch_does_not_fit(monkeypatch
         sc.one_device(Small(fits=0), x, [torch.device("cpu")], argparse.Namespace(steps=1, warm=0))
 
 
+def test_a_row_no_configuration_fits_is_recorded_and_the_run_goes_on(monkeypatch) -> None:
+    """scaling.py's pipelined row where the tuner finds no candidate that fits (MemoryCapError) is a row with
+    that error, not the end of the model's rows."""
+    import argparse
+
+    sc = _bench("scaling")
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise seqify.MemoryCapError("each of the 4 best candidates ran out of memory in a timed step (test)")
+
+    monkeypatch.setattr(seqify, "tune", full)
+    m = sc.Model("m", lambda: nn.Linear(3, 2), lambda n: torch.randn(n, 3), 4)
+    args = argparse.Namespace(tiny=False, top=1, steps=1, warm=0)
+    row = sc.run_one(m, nn.Sequential(nn.Linear(3, 2)), 2, 4, "weak", args, [torch.device("cpu")] * 2)
+    assert row["error"].startswith("no configuration fits: each of the 4 best") and "seconds" not in row
+    assert "no configuration fits" in sc.table([row])
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_torchpp_anchor_stages_are_exact(name: str) -> None:
     """torch pipelining's anchor runs the tuner's cuts as stages that pass flat tensors (the crossing skips

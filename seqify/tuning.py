@@ -348,18 +348,55 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
     """Scale the layer times so the model on one device predicts its measured step: profiling a layer
     alone adds or hides per-call costs a whole step does not have (on CPU, an autograd call per layer).
     Also the peak bytes that step allocated and reserved on a GPU (the bounds of :func:`_lean`; ``None`` on
-    the CPU). Left as profiled, with no bounds, where the model does not fit one device."""
+    the CPU). Where the batch does not fit one device whole, the times stay as profiled and the bounds are
+    those of one device accumulating it (:func:`_accumulated`)."""
     alone = Candidate((len(layers),), (str(device),), 1, "never")
     predicted = predict(alone, layers, cal, batch).seconds
+    model = model.to(device).train()
+    sample = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample)
     try:
         with _peaks([device]) as got:
-            measured = step_seconds(model.to(device).train(), pytree.tree_map(
-                lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample), [device], steps=steps, warm=warm)
+            measured = step_seconds(model, sample, [device], steps=steps, warm=warm)
     except torch.OutOfMemoryError:
-        return layers, None
+        measured = None  # leave the except block first: its traceback holds the failed step's activations
+    if measured is None:
+        model.zero_grad(set_to_none=True)
+        return layers, _accumulated(model, sample, device, batch)
     allocated, reserved = got()
     return (layers.scaled(measured / predicted) if predicted > 0 else layers), (
         (allocated[0], reserved[0]) if allocated else None)
+
+
+def _parts(sample: Any, k: int) -> list[Any]:
+    """``sample`` as ``k`` micro-batches along dim 0 (tensors without a batch dimension, and other values,
+    go to every part)."""
+    leaves, spec = pytree.tree_flatten(sample)
+    split = [t.tensor_split(k) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * k for t in leaves]
+    return [pytree.tree_unflatten([s[i] for s in split], spec) for i in range(k)]
+
+
+def _accumulated(model: nn.Module, sample: Any, device: torch.device, batch: int) -> tuple[int, int] | None:
+    """Peak bytes allocated and reserved on ``device`` training ``sample`` as k = 2, 4, ... accumulated
+    micro-batches, the smallest k that fits: what one device holds training a batch it cannot take whole,
+    as a user without a pipeline would (weak scaling's batches). A pipeline holding more than that on some
+    GPU is no gain in memory, so it bounds :func:`_lean` as the whole-batch step does. ``None`` where no
+    micro-batch fits, or on the CPU (no peaks)."""
+    k = 2
+    while k <= batch:
+        try:
+            with _peaks([device]) as got:
+                for part in _parts(sample, k):
+                    _loss(_call(model, part)).backward()
+                _sync([device])
+            fits = True
+        except torch.OutOfMemoryError:
+            fits = False
+        model.zero_grad(set_to_none=True)
+        if fits:
+            allocated, reserved = got()
+            return (allocated[0], reserved[0]) if allocated else None
+        k *= 2
+    return None
 
 
 def _on_cuda(devices: Sequence[torch.device]) -> list[torch.device]:
@@ -529,7 +566,8 @@ def tune(
             rejected, and :class:`MemoryCapError` names the smallest cap that works when none fits.
             On GPUs the timed candidates' allocated peaks are read too: one that held more than the cap
             on some device, or (cap or not) more than the model training on one device (allocated against
-            allocated, reserved against reserved), is chosen only when none of the timed ones stays under
+            allocated, reserved against reserved; a batch one device cannot take whole counts as the fewest
+            accumulated micro-batches that fit), is chosen only when none of the timed ones stays under
             (the next best predicted are timed first).
         chunks, loops, balance, checkpoint, graphs, schedule: fix that choice (``balance``: a strategy
             or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-h2');

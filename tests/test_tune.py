@@ -787,6 +787,46 @@ def test_a_pipeline_holding_more_than_one_device_is_not_chosen_while_a_lean_one_
     assert cfg.measured_s == min(t.measured_s for t in confirmed) == confirmed[2].measured_s
 
 
+def test_a_batch_one_device_cannot_take_whole_is_bounded_by_one_device_accumulating_it(monkeypatch) -> None:
+    """Weak scaling's batches do not fit one GPU whole: the bound is then one device training the batch as
+    the fewest accumulated micro-batches that fit (8 samples as 4 of 2 here), so a pipeline holding more than
+    that on some GPU is still not chosen while a lean one is timed (on four H100s, AmoebaNet-D's batch 512
+    ran at 67.5 GiB on a GPU with no bound, one GPU accumulating 4 x 128 holds 48.7)."""
+    _, seq, x = source_and_seq()
+    fake_gpu_readings(monkeypatch, seq, over={2})
+    whole = tuning.step_seconds
+    sizes: list[int] = []
+
+    def too_big(model, sample, devices, **kw) -> float:
+        if model is seq:
+            raise torch.OutOfMemoryError("out of memory (test): the whole batch on one device")
+        return whole(model, sample, devices, **kw)
+
+    def fits(module: nn.Module, args: tuple[Any, ...]) -> None:
+        sizes.append(len(args[0]))
+        if len(args[0]) > len(x) // 4:
+            raise torch.OutOfMemoryError("out of memory (test): a micro-batch over 2 samples")
+
+    monkeypatch.setattr(tuning, "step_seconds", too_big)
+    hook = seq.register_forward_pre_hook(fits)
+    try:
+        cfg = seqify.tune(seq, x, devices=CPU2, top=3, steps=1, show=False, cache=False)
+    finally:
+        hook.remove()
+    assert sizes[:5] == [4, 2, 2, 2, 2]  # 2 micro-batches of 4 ran out of memory, 4 of 2 fit
+    confirmed = [t for t in cfg.trials if t.measured_s is not None]
+    assert len(confirmed) >= 3 and confirmed[2].measured_peak == (500, 500)
+    assert cfg.measured_s == confirmed[1].measured_s  # the fastest within one device's (accumulating) bytes
+    assert all(p.grad is None for p in seq.parameters())
+
+
+def test_parts_split_batched_tensors_and_share_the_rest() -> None:
+    x, y, scale = torch.arange(8.0).reshape(4, 2), torch.arange(4), torch.tensor(2.0)
+    parts = tuning._parts(((x, y), {"scale": scale, "n": 3}), 2)
+    assert [(p[0][0].tolist(), p[0][1].tolist()) for p in parts] == [(x[:2].tolist(), [0, 1]), (x[2:].tolist(), [2, 3])]
+    assert all(p[1]["scale"] is scale and p[1]["n"] == 3 for p in parts)
+
+
 def test_when_every_timed_candidate_holds_too_much_the_next_best_are_timed(monkeypatch) -> None:
     _, seq, x = source_and_seq()
     fake_gpu_readings(monkeypatch, seq, over={0})

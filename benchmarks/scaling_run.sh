@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The scaling benchmark of one machine as one detached job (it outlives a single device call): per model,
 # scaling.py over 1, 2, 4 (and 8) GPUs, then torch pipelining on the same cuts at each count, then the merged
-# table and plot; at the end the hand-picked ResNet-101 anchor of issue 14 and the GPU tests. Writes to $1.
+# table and plot; also the GPU tests, the hand-picked ResNet-101 anchor of issue 14 and a busy probe. Writes to $1.
 # STEPS orders the steps (below); SCALING_ARGS / TORCHPP_ARGS add arguments (a CPU rehearsal: "--tiny --device cpu" / "--device cpu").
 set -u
 R=${1:-/tmp/scaling}; mkdir -p "$R"
@@ -46,8 +46,10 @@ tests() {
     > "$R/gpu-check.log" 2>&1
   tail -3 "$R/gpu-check.log"
 }
-# STEPS: model names and busy / hand-picked / tests, in the order to run (the first ones get the device time)
-for step in ${STEPS:-${MODELS:-resnet101 amoebanet_d unet llama} busy hand-picked tests}; do
+# STEPS: model names and busy / hand-picked / tests, in the order to run (the first ones get the device time:
+# the GPU tests and the short steps go before the Llama, the longest); MODELS: the models, in that order
+if [ -n "${MODELS:-}" ]; then order="tests $MODELS hand-picked busy"; else order="tests resnet101 amoebanet_d unet hand-picked busy llama"; fi
+for step in ${STEPS:-$order}; do
   case $step in
     busy) busy ;;
     hand-picked) hand_picked ;;

@@ -41,7 +41,7 @@ from .partition.walk import layers as walk_layers
 from .pipeline import tied
 from .pipeline.config import PipeConfig, Trial
 from .pipeline.memory import weighted
-from .pipeline.pipe import CHECKPOINT, Pipeline, pipeline, resolve_devices
+from .pipeline.pipe import CHECKPOINT, Pipeline, _split_like, pipeline, resolve_devices
 from .pipeline.schedule import SCHEDULES, SPLIT, round_robin, v_shape
 from .predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 from .progress import progress
@@ -352,8 +352,7 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
     those of one device accumulating it (:func:`_accumulated`)."""
     alone = Candidate((len(layers),), (str(device),), 1, "never")
     predicted = predict(alone, layers, cal, batch).seconds
-    model = model.to(device).train()
-    sample = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample)
+    model = model.to(device).train()  # the sample is on ``device`` already (tune puts it there)
     try:
         with _peaks([device]) as got:
             measured = step_seconds(model, sample, [device], steps=steps, warm=warm)
@@ -367,14 +366,6 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
         (allocated[0], reserved[0]) if allocated else None)
 
 
-def _parts(sample: Any, k: int) -> list[Any]:
-    """``sample`` as ``k`` micro-batches along dim 0 (tensors without a batch dimension, and other values,
-    go to every part)."""
-    leaves, spec = pytree.tree_flatten(sample)
-    split = [t.tensor_split(k) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * k for t in leaves]
-    return [pytree.tree_unflatten([s[i] for s in split], spec) for i in range(k)]
-
-
 def _accumulated(model: nn.Module, sample: Any, device: torch.device, batch: int) -> tuple[int, int] | None:
     """Peak bytes allocated and reserved on ``device`` training ``sample`` as k = 2, 4, ... accumulated
     micro-batches, the smallest k that fits: what one device holds training a batch it cannot take whole,
@@ -385,7 +376,7 @@ def _accumulated(model: nn.Module, sample: Any, device: torch.device, batch: int
     while k <= batch:
         try:
             with _peaks([device]) as got:
-                for part in _parts(sample, k):
+                for part in _split_like(sample, [batch // k + (i < batch % k) for i in range(k)]):
                     _loss(_call(model, part)).backward()
                 _sync([device])
             fits = True
@@ -611,9 +602,9 @@ def tune(
             except (SeqifyError, TypeError, KeyError):
                 pass  # an entry from another version: measure again
     batch = _batch(sample)
-    if placed[0].type == "cuda":  # every candidate is timed from the batch on the first device, as the one-device
-        # anchor is: a batch on the host would add its copy to the candidates' times and to no prediction
-        sample = pytree.tree_map(lambda t: t.to(placed[0]) if isinstance(t, torch.Tensor) else t, sample)
+    # every candidate, and the one-device anchor, is timed from the batch on the first device: a batch left
+    # elsewhere would add its copy to the candidates' times and to no prediction
+    sample = pytree.tree_map(lambda t: t.to(placed[0]) if isinstance(t, torch.Tensor) else t, sample)
     with _kept(model):
         splits = schedule is None or schedule in SPLIT  # some candidate splits its backward (zero bubble)
         own_split = splits and placed[0].type == "cuda"  # the captured split, measured on the model below

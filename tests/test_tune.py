@@ -820,13 +820,6 @@ def test_a_batch_one_device_cannot_take_whole_is_bounded_by_one_device_accumulat
     assert all(p.grad is None for p in seq.parameters())
 
 
-def test_parts_split_batched_tensors_and_share_the_rest() -> None:
-    x, y, scale = torch.arange(8.0).reshape(4, 2), torch.arange(4), torch.tensor(2.0)
-    parts = tuning._parts(((x, y), {"scale": scale, "n": 3}), 2)
-    assert [(p[0][0].tolist(), p[0][1].tolist()) for p in parts] == [(x[:2].tolist(), [0, 1]), (x[2:].tolist(), [2, 3])]
-    assert all(p[1]["scale"] is scale and p[1]["n"] == 3 for p in parts)
-
-
 def test_when_every_timed_candidate_holds_too_much_the_next_best_are_timed(monkeypatch) -> None:
     _, seq, x = source_and_seq()
     fake_gpu_readings(monkeypatch, seq, over={0})

@@ -791,7 +791,8 @@ def test_a_batch_one_device_cannot_take_whole_is_bounded_by_one_device_accumulat
     """Weak scaling's batches do not fit one GPU whole: the bound is then one device training the batch as
     the fewest accumulated micro-batches that fit (8 samples as 4 of 2 here), so a pipeline holding more than
     that on some GPU is still not chosen while a lean one is timed (on four H100s, AmoebaNet-D's batch 512
-    ran at 67.5 GiB on a GPU with no bound, one GPU accumulating 4 x 128 holds 48.7)."""
+    ran at 67.5 GiB on a GPU with no bound; one GPU accumulating 4 x 128 holds about what its batch-128 step
+    does, 48.7)."""
     _, seq, x = source_and_seq()
     fake_gpu_readings(monkeypatch, seq, over={2})
     whole = tuning.step_seconds

@@ -119,6 +119,10 @@ class LayerModel:
                        per_sample_s=tuple(v * factor for v in self.per_sample_s),
                        times=tuple(tuple(v * factor for v in t) for t in self.times))
 
+    def host_scaled(self, factor: float) -> LayerModel:
+        """Every layer's host issue time times ``factor`` (GPU times and bytes unchanged)."""
+        return replace(self, host_s=tuple(v * factor for v in self.host_s))
+
     def seconds(self, start: int, stop: int, batch: float) -> float:
         """Forward+backward seconds of layers ``start..stop-1`` at micro-batch ``batch``."""
         if not self.sizes:

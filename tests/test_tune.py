@@ -743,7 +743,8 @@ def test_a_device_listed_twice_is_one_device_to_the_tuner() -> None:
 
 def fake_gpu_readings(monkeypatch, seq: nn.Module, over: set[int], alone: int = 100) -> list[float]:
     """Stand-ins for a GPU's clock and allocator on CPU partitions: the one-device step of ``seq`` allocates
-    ``alone`` bytes; timed candidate k (in timing order) measures 10 ms less than the one before it, and
+    ``alone`` bytes; timed candidate k (in timing order) measures 10 ms less than the one before it (from the
+    4th on, timed when the CPU's predictions put another schedule within ``BAND``, 300 ms), and
     allocates ``5 * alone`` bytes per device when k is in ``over``, else ``alone // 2`` (reserving as much;
     one device reserves ``2 * alone``). Calibration runs as it does. Returns the candidates' seconds."""
     seen: list[float] = []  # the timed candidates' seconds
@@ -754,7 +755,7 @@ def fake_gpu_readings(monkeypatch, seq: nn.Module, over: set[int], alone: int = 
             return 0.5
         if getattr(model, "model", None) is not seq:  # calibration's own pipelines
             return real(model, sample, devices, **kw)
-        seen.append(0.2 - 0.01 * len(seen))
+        seen.append(0.2 - 0.01 * len(seen) if len(seen) < 3 else 0.3)  # a 4th (BAND's) is slowest
         return seen[-1]
 
     @contextlib.contextmanager
@@ -891,3 +892,60 @@ def test_the_profile_prices_what_b_keeps_for_w_and_zero_bubble_holds_it() -> Non
         with_kept, without = predict(c, layers, IDEAL, 8).per_device, predict(c, none, IDEAL, 8).per_device
         assert with_kept[0] == without[0]  # the first partition's B keeps nothing
         assert (with_kept[1] > without[1]) is more
+
+
+def _hosted(gpu: tuple[float, ...], host: tuple[float, ...]) -> LayerModel:
+    """A layer model with these GPU seconds and host issue seconds per layer (at micro-batch 8)."""
+    n = len(gpu)
+    return replace(LayerModel(tuple(gpu), (0.0,) * n, (0.0,) * n, (0,) * n, (0.0,) * n), host_s=tuple(host))
+
+
+CUDA_CAL = Calibration(task_s=1e-5, launch_s=1e-5, copy_latency_s=0.0, copy_bytes_per_s=float("inf"), host_serial=False)
+
+
+@pytest.mark.parametrize("measured", [0.012, 0.020, 0.035])
+def test_fit_host_makes_the_eager_step_predict_what_it_measured(measured: float) -> None:
+    """Host issue times profiled too high (each layer's own autograd call) or too low are scaled until the
+    one-device eager step predicts its measured seconds; GPU times are left as they are."""
+    layers = _hosted((0.002, 0.004, 0.004), (0.006, 0.006, 0.008))  # host-bound as profiled: 20 ms vs 10 of GPU
+    alone = Candidate((3,), ("cuda:0",), 1, "never")
+    assert predict(alone, layers, CUDA_CAL, 8).seconds == pytest.approx(0.020, rel=1e-2)
+    fitted = tuning.fit_host(layers, alone, CUDA_CAL, 8, measured)
+    assert predict(alone, fitted, CUDA_CAL, 8).seconds == pytest.approx(measured, rel=1e-3)
+    assert fitted.fixed_s == layers.fixed_s
+    graphs = replace(alone, graphs=True)  # replay issues nothing per layer: its prediction does not move
+    assert predict(graphs, fitted, CUDA_CAL, 8).seconds == predict(graphs, layers, CUDA_CAL, 8).seconds
+
+
+def test_fit_host_never_lets_a_gpu_bound_step_make_the_host_slower() -> None:
+    """A step the GPU's work explains (measured at or under it) keeps the host no slower than profiled and
+    trims it to where it stops binding; a host already under the GPU is kept exactly."""
+    alone = Candidate((2,), ("cuda:0",), 1, "never")
+    under = _hosted((0.010, 0.010), (0.002, 0.002))
+    assert tuning.fit_host(under, alone, CUDA_CAL, 8, 0.020) is under
+    assert tuning.fit_host(under, alone, CUDA_CAL, 8, 0.018) is under  # faster than the GPU's work: noise
+    over = _hosted((0.010, 0.010), (0.030, 0.030))
+    trimmed = tuning.fit_host(over, alone, CUDA_CAL, 8, 0.015)
+    gpu = predict(alone, replace(over, host_s=(0.0, 0.0)), CUDA_CAL, 8).seconds
+    assert predict(alone, trimmed, CUDA_CAL, 8).seconds == pytest.approx(gpu, rel=1e-3)
+    assert 0 < sum(trimmed.host_s) < sum(over.host_s)
+    assert tuning.fit_host(replace(over, host_s=()), alone, CUDA_CAL, 8, 0.015).host_s == ()
+
+
+def test_the_gpu_anchor_scales_gpu_work_by_the_replayed_step_and_the_host_by_the_eager_one(monkeypatch) -> None:
+    """On a GPU the layer times are scaled so the whole model replayed as graphs predicts its replayed step,
+    then the host's issue so the eager step predicts its own; a model that cannot be replayed scales the
+    layer and host times by one factor from the eager step. The GPU's readings are replaced here."""
+    _, seq, x = source_and_seq()
+    layers = _hosted((0.002,) * len(seq), (0.004,) * len(seq))
+    alone = Candidate((len(seq),), ("cpu",), 1, "never")
+    eager, replayed = 0.050, 0.030
+    monkeypatch.setattr(tuning, "step_seconds", lambda *a, **k: eager)
+    monkeypatch.setattr(tuning, "_replayed", lambda *a, **k: replayed)
+    got, _ = tuning._anchor(seq, x, torch.device("cpu"), layers, CUDA_CAL, 8, steps=1, warm=0)
+    assert predict(replace(alone, graphs=True), got, CUDA_CAL, 8).seconds == pytest.approx(replayed, rel=1e-6)
+    assert predict(alone, got, CUDA_CAL, 8).seconds == pytest.approx(eager, rel=1e-3)
+    monkeypatch.setattr(tuning, "_replayed", lambda *a, **k: None)
+    got, _ = tuning._anchor(seq, x, torch.device("cpu"), layers, CUDA_CAL, 8, steps=1, warm=0)
+    assert got.host_s == pytest.approx(tuple(h * eager / 0.032 for h in layers.host_s), rel=1e-2)
+    assert predict(alone, got, CUDA_CAL, 8).seconds == pytest.approx(eager, rel=1e-2)  # the task cost stays

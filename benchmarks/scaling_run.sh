@@ -40,6 +40,25 @@ hand_picked() {
     --schedule zb-h2 --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$R" > "$R/hand-picked.log" 2>&1
   tail -12 "$R/hand-picked.log"
 }
+families() {  # issue 14: every zoo family with the automatic configuration on 2 GPUs, predicted against measured
+  echo "== issue 14: every family on 2 GPUs ($(date -u +%T))"
+  eval "local more=(${FAMILIES_ARGS:-})"  # FAMILIES_ARGS='--budget 600 --batch "Wide ResNet=256"': quoted words kept
+  CUDA_VISIBLE_DEVICES=0,1 timeout ${FAMILIES_S:-1000} python3 benchmarks/families_pipeline.py --out "$R/families.jsonl" \
+    "${more[@]}" > "$R/families.log" 2>&1
+  grep '^|' "$R/families.log" | tail -25
+}
+probe() {  # the tuner's anchor: eager and replayed one-GPU steps against the raw profile
+  echo "== anchor probe on 1 GPU ($(date -u +%T))"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/probe/layer_lines.py --families ${PROBE_FAMILIES:-MaxViT LR-ASPP} \
+    --chunks 2 4 --out "$R" > "$R/probe.log" 2>&1
+  grep anchor_eager "$R/probe.log"
+}
+tune_tests() {
+  echo "== the tuner's GPU tests ($(date -u +%T))"
+  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests/test_tune.py \
+    --timeout 180 > "$R/tune-tests.log" 2>&1
+  tail -3 "$R/tune-tests.log"
+}
 tests() {
   echo "== GPU tests on 2 GPUs ($(date -u +%T))"
   CUDA_VISIBLE_DEVICES=0,1 timeout 330 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests --timeout 240 \
@@ -54,6 +73,9 @@ for step in ${STEPS:-$order}; do
     busy) busy ;;
     hand-picked) hand_picked ;;
     tests) tests ;;
+    families) families ;;
+    probe) probe ;;
+    tune-tests) tune_tests ;;
     *) model "$step" ;;
   esac
 done

@@ -1,5 +1,7 @@
 """Probe: is a layer's time a line in the micro-batch? Why the tuner's step predictions run 5-20% fast.
 
+First, per family, the anchor's readings: the eager and replayed one-device steps against the raw profile.
+
     python benchmarks/probe/layer_lines.py --families ResNeXt VGG RegNet --out $OUT   # one GPU
     python benchmarks/probe/layer_lines.py --tiny --device cpu --families ResNet     # smoke test
 
@@ -17,6 +19,7 @@ One JSON line per (family, size) and per pipeline row; nothing here is part of t
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import gc
 import json
 import os
@@ -32,7 +35,7 @@ from families_pipeline import FAMILIES, _tiny  # noqa: E402
 from seqify import convert, pipeline, spec  # noqa: E402
 from seqify.partition.cost import time_costs  # noqa: E402
 from seqify.predict import Candidate, predict  # noqa: E402
-from seqify.tuning import _anchor, _head, _plans, calibrate, layer_model, step_seconds  # noqa: E402
+from seqify.tuning import _anchor, _head, _replayed, _plans, calibrate, layer_model, step_seconds  # noqa: E402
 
 
 def emit(row: dict, out: str | None) -> None:
@@ -74,11 +77,20 @@ def main() -> None:
         cal = calibrate([dev, dev], split=False)
         lo = max(2, batch // 16)
         layers, hi = layer_model(seq, x, dev, lo=lo, show=False)
-        anchored = _anchor(seq, x, dev, layers, cal, batch, steps=3, warm=1)
+        anchored, _ = _anchor(seq, x, dev, layers, cal, batch, steps=3, warm=1)
         sized, _ = layer_model(seq, x, dev, lo=lo, sizes=[batch // m for m in args.chunks], show=False)
-        sized = _anchor(seq, x, dev, sized, cal, batch, steps=3, warm=1)  # the tuner's model since this probe
+        sized, _ = _anchor(seq, x, dev, sized, cal, batch, steps=3, warm=1)  # the tuner's model since this probe
         alone = Candidate((len(seq),), (str(dev),), 1, "never")
         factor = predict(alone, anchored, cal, batch).seconds / predict(alone, layers, cal, batch).seconds
+        # the anchor's two readings against the raw profile: the eager step (GPU work or host issue, whichever
+        # binds) and, on CUDA, the whole model replayed as graphs (GPU work alone)
+        replay = replace(alone, graphs=True)
+        emit({"family": family, "model": name, "batch": batch, "anchor_eager_ms": step_seconds(seq, x, [dev], steps=3, warm=1) * 1e3,
+              "raw_eager_ms": predict(alone, layers, cal, batch).seconds * 1e3,
+              "raw_host_ms": sum(layers.host_s) * 1e3, "raw_gpu_ms": predict(replay, layers, cal, batch).seconds * 1e3,
+              "anchor_replayed_ms": (lambda r: r and r * 1e3)(_replayed(seq, x, dev, steps=3, warm=1)),
+              "anchored_gpu_ms": predict(replay, anchored, cal, batch).seconds * 1e3,
+              "anchored_host_ms": sum(anchored.host_s) * 1e3}, args.out)
         for m in sorted({1, 2, *args.chunks}):
             s = batch // m
             measured = step_seconds(seq, _head(x, s), [dev], steps=3, warm=1)

@@ -55,7 +55,7 @@ LOOPS = (1, 2, 4)
 STRATEGIES = ("time", "flops", "memory")
 #: what the candidates range over and how they are weighed, in the cache key: choices cached by an earlier
 #: search (before schedules were weighed, or before the host's issue time and the replayed split were) are not reused
-SPACE = "schedules+checkpoint+loops+balance+chunks;host-issue+replayed-split;lean;kept-for-w"
+SPACE = "schedules+checkpoint+loops+balance+chunks;host-issue+replayed-split;lean;kept-for-w;time-per-micro-batch;replayed-anchor"
 
 
 def cache_path() -> str:
@@ -537,8 +537,19 @@ def _plans(model: nn.Module, sample: Any, hi: LayerCosts, parts: int, by: Sequen
     return out
 
 
+def _at(hi: LayerCosts, layers: LayerModel, batch: int, m: int) -> LayerCosts:
+    """``hi`` with each layer's time where the step runs ``m`` micro-batches: its seconds at ``batch / m``
+    samples, ``m`` times (the bytes stay those of the whole batch, so a cut's transfer weighs as before)."""
+    b = batch / m
+    return replace(hi, cost=tuple(m * layers.seconds(i, i + 1, b) for i in range(len(hi))))
+
+
 def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[torch.device], fixed: dict[str, Any],
-                bandwidth: float) -> list[tuple[Candidate, str, int]]:
+                bandwidth: float, layers: LayerModel | None = None) -> list[tuple[Candidate, str, int]]:
+    """Every configuration to predict: per loops and micro-batch count, each balance strategy's plan (by
+    time at that micro-batch size where ``layers`` has it: ResNet-101's batch-256 times cut it at [92, 253],
+    its micro-batches of 64 at [104, 241], which ran 3% faster on two H200s) with every checkpointing,
+    graphs and schedule choice that applies."""
     batch = _batch(sample)
     n = len(hi)
     cuda = all(d.type == "cuda" for d in devices)
@@ -547,35 +558,41 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
     ckpt_set = [fixed["checkpoint"]] if fixed.get("checkpoint") else list(CHECKPOINT)
     graph_set = [fixed["graphs"]] if fixed.get("graphs") is not None else ([False, True] if cuda else [False])
     balance = fixed.get("balance")
+    strategies = [balance] if isinstance(balance, str) else list(STRATEGIES)
     out: list[tuple[Candidate, str, int]] = []
     for loops in loop_set:
         parts = len(devices) * loops
         if parts > n:
             continue
+        valid = _schedules(loops, sample)
+        sched_set = ([fixed["schedule"]] if fixed["schedule"] in valid else []) if fixed.get("schedule") else list(valid)
         if isinstance(balance, (list, tuple)):
             if len(balance) != parts:
                 continue
-            plans = {"given": tuple(balance)}
-        else:
-            plans = _plans(model, sample, hi, parts, [balance] if balance else STRATEGIES, bandwidth)
-        seen: dict[tuple[int, ...], str] = {}
-        for strategy, bal in plans.items():
-            seen.setdefault(bal, strategy)  # two strategies that agree are one candidate
-        valid = _schedules(loops, sample)
-        sched_set = ([fixed["schedule"]] if fixed["schedule"] in valid else []) if fixed.get("schedule") else list(valid)
-        for bal, strategy in seen.items():
-            ties = tied.across(model, bal)  # weights several partitions use (GPT-2's embedding and head)
-            layouts = {sched: _layout(sched, devices, loops) for sched in sched_set}
-            apart = {sched: bool(tied.crossing(ties, names)) for sched, (names, _) in layouts.items()}
-            for m, ckpt, graphs, sched in itertools.product(chunk_set, ckpt_set, graph_set, sched_set):
-                if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
-                    continue  # one micro-batch, the last: the same run as checkpoint='never'
-                if m == 1 and sched != "gpipe" and not fixed.get("schedule"):
-                    continue  # one micro-batch has no bubble to fill: every schedule is GPipe's order
-                names, slots = layouts[sched]
-                if graphs and apart[sched]:
-                    continue  # captured graphs cannot replay a weight copied to another device per call
-                out.append((Candidate(bal, names, m, ckpt, graphs, sched, slots), strategy, loops))
+            fixed_plans: dict[str, tuple[int, ...]] = {"given": tuple(balance)}
+        else:  # the strategies whose costs do not depend on the micro-batch size, once per loops
+            fixed_plans = _plans(model, sample, hi, parts, [s for s in strategies if s != "time" or layers is None],
+                                 bandwidth)
+        for m in chunk_set:
+            plans = dict(fixed_plans)
+            if "time" in strategies and layers is not None and not isinstance(balance, (list, tuple)):
+                plans.update(_plans(model, sample, _at(hi, layers, batch, m), parts, ["time"], bandwidth))
+            seen: dict[tuple[int, ...], str] = {}
+            for strategy in [s for s in (*strategies, "given") if s in plans]:
+                seen.setdefault(plans[strategy], strategy)  # two strategies that agree are one candidate
+            for bal, strategy in seen.items():
+                ties = tied.across(model, bal)  # weights several partitions use (GPT-2's embedding and head)
+                layouts = {sched: _layout(sched, devices, loops) for sched in sched_set}
+                apart = {sched: bool(tied.crossing(ties, names)) for sched, (names, _) in layouts.items()}
+                for ckpt, graphs, sched in itertools.product(ckpt_set, graph_set, sched_set):
+                    if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
+                        continue  # one micro-batch, the last: the same run as checkpoint='never'
+                    if m == 1 and sched != "gpipe" and not fixed.get("schedule"):
+                        continue  # one micro-batch has no bubble to fill: every schedule is GPipe's order
+                    names, slots = layouts[sched]
+                    if graphs and apart[sched]:
+                        continue  # captured graphs cannot replay a weight copied to another device per call
+                    out.append((Candidate(bal, names, m, ckpt, graphs, sched, slots), strategy, loops))
     return out
 
 
@@ -681,7 +698,7 @@ def tune(
             if own is None and not isinstance(sample, dict):
                 own = chain_split(placed[0])
             cal = replace(cal, split_replayed=own) if own is not None else cal
-        found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s)
+        found = _candidates(model, sample, hi, placed, fixed, cal.copy_bytes_per_s, layers)
         if not found:
             given = {k: v for k, v in fixed.items() if v is not None}
             if schedule is not None and schedule != "gpipe":

@@ -49,8 +49,8 @@ families() {  # issue 14: every zoo family with the automatic configuration on 2
 }
 probe() {  # the tuner's anchor: eager and replayed one-GPU steps against the raw profile
   echo "== anchor probe on 1 GPU ($(date -u +%T))"
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/probe/layer_lines.py --families ${PROBE_FAMILIES:-MaxViT LR-ASPP} \
-    --chunks 2 4 --out "$R" > "$R/probe.log" 2>&1
+  eval "local more=(${PROBE_ARGS:---families MaxViT LR-ASPP --chunks 2 4})"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/probe/layer_lines.py "${more[@]}" --out "$R" > "$R/probe.log" 2>&1
   grep anchor_eager "$R/probe.log"
 }
 tune_tests() {

@@ -402,8 +402,9 @@ def _replayed(model: nn.Module, sample: Any, device: torch.device, *, steps: int
 def fit_host(layers: LayerModel, alone: Candidate, cal: Calibration, batch: int, measured: float) -> LayerModel:
     """``layers`` with the host's issue times (``host_s``) scaled so that ``alone`` (the model eagerly on one
     device) predicts ``measured`` seconds: profiling issues each layer's backward as an autograd call of its
-    own, which a whole step does not pay per layer (MaxViT's 1081 layers: its eager step predicted 13%
-    slow), while small kernels can take longer to issue in a full step than alone. The times are found by
+    own, which a whole step does not pay per layer (MaxViT's 1081 layers on an H200: 245 ms of issue
+    profiled, an eager step of 142 ms measured), while small kernels can take longer to issue in a full
+    step than alone. The times are found by
     bisection (the prediction grows with them); a step the GPU's work alone already explains keeps them
     at most as profiled, down to where the host stops binding."""
     if not layers.host_s:
@@ -548,8 +549,8 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
                 bandwidth: float, layers: LayerModel | None = None) -> list[tuple[Candidate, str, int]]:
     """Every configuration to predict: per loops and micro-batch count, each balance strategy's plan (by
     time at that micro-batch size where ``layers`` has it: ResNet-101's batch-256 times cut it at [92, 253],
-    its micro-batches of 64 at [104, 241], which ran 3% faster on two H200s) with every checkpointing,
-    graphs and schedule choice that applies."""
+    its micro-batches of 64 at [101, 244], 1.62x and 1.64x one GPU under ZB-H2 on two H200s) with every
+    checkpointing, graphs and schedule choice that applies."""
     batch = _batch(sample)
     n = len(hi)
     cuda = all(d.type == "cuda" for d in devices)
@@ -573,6 +574,8 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
         else:  # the strategies whose costs do not depend on the micro-batch size, once per loops
             fixed_plans = _plans(model, sample, hi, parts, [s for s in strategies if s != "time" or layers is None],
                                  bandwidth)
+        layouts = {sched: _layout(sched, devices, loops) for sched in sched_set}
+        apart_of: dict[tuple[int, ...], dict[str, bool]] = {}  # per balance: schedules whose layout splits a tie
         for m in chunk_set:
             plans = dict(fixed_plans)
             if "time" in strategies and layers is not None and not isinstance(balance, (list, tuple)):
@@ -581,9 +584,10 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
             for strategy in [s for s in (*strategies, "given") if s in plans]:
                 seen.setdefault(plans[strategy], strategy)  # two strategies that agree are one candidate
             for bal, strategy in seen.items():
-                ties = tied.across(model, bal)  # weights several partitions use (GPT-2's embedding and head)
-                layouts = {sched: _layout(sched, devices, loops) for sched in sched_set}
-                apart = {sched: bool(tied.crossing(ties, names)) for sched, (names, _) in layouts.items()}
+                if bal not in apart_of:  # weights several partitions use (GPT-2's embedding and head)
+                    ties = tied.across(model, bal)
+                    apart_of[bal] = {sched: bool(tied.crossing(ties, names)) for sched, (names, _) in layouts.items()}
+                apart = apart_of[bal]
                 for ckpt, graphs, sched in itertools.product(ckpt_set, graph_set, sched_set):
                     if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
                         continue  # one micro-batch, the last: the same run as checkpoint='never'

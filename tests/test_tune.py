@@ -52,9 +52,12 @@ def source_and_seq() -> tuple[nn.Module, seqify.Sequential, torch.Tensor]:
 
 
 def assert_pipe_exact(source: nn.Module, pipe: nn.Module, x: torch.Tensor) -> None:
-    """The pipeline against the source model: forward equal, gradients allclose."""
+    """The pipeline against the source model run on the same micro-batches: forward equal, gradients allclose.
+    (The source itself is not bit-equal across batch sizes on CPU: MKL's float64 matmul of 2 rows differs
+    from the same rows inside 8 in the last bit, so a tuned choice of 4 chunks is compared piece by piece.)"""
     ref = copy.deepcopy(source)
-    want = ref(x)
+    m = min(pipe.chunks, len(x))
+    want = torch.cat([ref(part) for part in x.split([len(x) // m + (i < len(x) % m) for i in range(m)])])
     got = pipe(x)
     assert torch.equal(got, want)
     loss_of(want).backward()
@@ -953,8 +956,8 @@ def test_the_gpu_anchor_scales_gpu_work_by_the_replayed_step_and_the_host_by_the
 
 def test_balance_by_time_cuts_at_the_times_of_each_candidates_micro_batch() -> None:
     """Layer times do not scale alike with the batch: the time balance of a candidate running m micro-batches
-    is the cut of the layers' times at batch / m samples (ResNet-101's batch-256 times cut it 12 layers
-    away from its micro-batches of 64, 3% slower on two H200s), not of the whole batch's."""
+    is the cut of the layers' times at batch / m samples (ResNet-101's batch-256 times cut it 9 layers
+    away from its micro-batches of 64, 1.62x against 1.64x one GPU on two H200s), not of the whole batch's."""
     from seqify.partition.balancer import split
     from seqify.partition.walk import layers as walk_layers
 

@@ -354,27 +354,48 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
     that the eager step does too (:func:`fit_host`); where the model cannot be replayed, both by one factor
     so that the eager step does. Also the peak bytes the eager step allocated and reserved on a GPU
     (the bounds of :func:`_lean`; ``None`` on the CPU). Where the batch does not fit one device whole, the
-    times stay as profiled and the bounds are those of one device accumulating it (:func:`_accumulated`)."""
-    alone = Candidate((len(layers),), (str(device),), 1, "never")
-    predicted = predict(alone, layers, cal, batch).seconds
+    bounds are those of one device accumulating it in the fewest micro-batches that fit
+    (:func:`_accumulated`), and the steps that anchor the times are of one such micro-batch (weak scaling's
+    batches: until 2026-11-26 their times stayed as profiled)."""
     model = model.to(device).train()  # the sample is on ``device`` already (tune puts it there)
     try:
         with _peaks([device]) as got:
             measured = step_seconds(model, sample, [device], steps=steps, warm=warm)
     except torch.OutOfMemoryError:
         measured = None  # leave the except block first: its traceback holds the failed step's activations
+    if measured is not None:
+        allocated, reserved = got()
+        return _scale(model, sample, device, layers, cal, batch, measured, steps=steps, warm=warm), (
+            (allocated[0], reserved[0]) if allocated else None)
+    model.zero_grad(set_to_none=True)
+    fits = _accumulated(model, sample, device, batch)
+    if fits is None:
+        return layers, None
+    k, bounds = fits
+    part = _head(sample, batch // k)
+    try:
+        measured = step_seconds(model, part, [device], steps=steps, warm=warm)
+    except torch.OutOfMemoryError:
+        measured = None
+    model.zero_grad(set_to_none=True)
     if measured is None:
-        model.zero_grad(set_to_none=True)
-        return layers, _accumulated(model, sample, device, batch)
-    allocated, reserved = got()
-    bounds = (allocated[0], reserved[0]) if allocated else None
+        return layers, bounds
+    return _scale(model, part, device, layers, cal, batch // k, measured, steps=steps, warm=warm), bounds
+
+
+def _scale(model: nn.Module, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
+           measured: float, *, steps: int, warm: int) -> LayerModel:
+    """``layers`` scaled so that ``sample`` (``batch`` samples) on ``device`` alone predicts its steps:
+    ``measured`` eager seconds and, on a GPU, the replayed step (:func:`_anchor`)."""
+    alone = Candidate((len(layers),), (str(device),), 1, "never")
     replayed = _replayed(model, sample, device, steps=steps, warm=warm) if layers.host_s else None
     if replayed is None:  # one factor for both: the prediction scales with it whichever of them binds
+        predicted = predict(alone, layers, cal, batch).seconds
         factor = measured / predicted if predicted > 0 else 1.0
-        return layers.scaled(factor).host_scaled(factor), bounds
+        return layers.scaled(factor).host_scaled(factor)
     work = predict(replace(alone, graphs=True), layers, cal, batch).seconds
     layers = layers.scaled(replayed / work) if work > 0 else layers
-    return fit_host(layers, alone, cal, batch, measured), bounds
+    return fit_host(layers, alone, cal, batch, measured)
 
 
 def _replayed(model: nn.Module, sample: Any, device: torch.device, *, steps: int, warm: int) -> float | None:
@@ -426,12 +447,13 @@ def fit_host(layers: LayerModel, alone: Candidate, cal: Calibration, batch: int,
     return layers.host_scaled(lo)
 
 
-def _accumulated(model: nn.Module, sample: Any, device: torch.device, batch: int) -> tuple[int, int] | None:
-    """Peak bytes allocated and reserved on ``device`` training ``sample`` as k = 2, 4, ... accumulated
-    micro-batches, the smallest k that fits: what one device holds training a batch it cannot take whole,
-    as a user without a pipeline would (weak scaling's batches). A pipeline holding more than that on some
-    GPU is no gain in memory, so it bounds :func:`_lean` as the whole-batch step does. ``None`` where no
-    micro-batch fits, or on the CPU (no peaks)."""
+def _accumulated(model: nn.Module, sample: Any, device: torch.device,
+                 batch: int) -> tuple[int, tuple[int, int] | None] | None:
+    """The smallest k = 2, 4, ... such that ``device`` trains ``sample`` as k accumulated micro-batches, and
+    the peak bytes it allocated and reserved doing so (``None`` on the CPU: no peaks): what one device holds
+    training a batch it cannot take whole, as a user without a pipeline would (weak scaling's batches). A
+    pipeline holding more than that on some GPU is no gain in memory, so it bounds :func:`_lean` as the
+    whole-batch step does. ``None`` where no micro-batch fits."""
     k = 2
     while k <= batch:
         try:
@@ -445,7 +467,7 @@ def _accumulated(model: nn.Module, sample: Any, device: torch.device, batch: int
         model.zero_grad(set_to_none=True)
         if fits:
             allocated, reserved = got()
-            return (allocated[0], reserved[0]) if allocated else None
+            return k, ((allocated[0], reserved[0]) if allocated else None)
         k *= 2
     return None
 

@@ -978,3 +978,42 @@ def test_balance_by_time_cuts_at_the_times_of_each_candidates_micro_batch() -> N
     assert cut[1] != cut[4]
     whole = tuning._candidates(seq, x, hi, cpus, fixed, float("inf"))  # no layer model: the whole batch's cut
     assert len({c.balance for c, _, _ in whole}) == 1
+
+
+def test_a_batch_one_device_cannot_take_whole_is_anchored_on_one_micro_batch_that_fits(monkeypatch) -> None:
+    """When the whole batch runs out of memory on one device, the layer times are anchored to the step of one
+    micro-batch of the fewest that fit (weak scaling: ResNet-101's batch 1024 on one H100), not left as
+    profiled; a micro-batch step that fails too leaves them as profiled."""
+    _, seq, x = source_and_seq()
+    layers, _ = tuning.layer_model(seq, x, torch.device("cpu"), lo=2, show=False)
+    cal = Calibration(task_s=0.0, launch_s=0.0, copy_latency_s=0.0, copy_bytes_per_s=float("inf"), host_serial=True)
+    timed: list[int] = []
+
+    def seconds(model, sample, devices, **kw) -> float:
+        timed.append(len(sample))
+        if len(sample) > len(x) // 4:
+            raise torch.OutOfMemoryError("out of memory (test): more than 2 samples on one device")
+        return 0.05
+
+    def fits(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if len(args[0]) > len(x) // 4:
+            raise torch.OutOfMemoryError("out of memory (test): a micro-batch over 2 samples")
+
+    monkeypatch.setattr(tuning, "step_seconds", seconds)
+    hook = seq.register_forward_pre_hook(fits)
+    try:
+        got, bounds = tuning._anchor(seq, x, torch.device("cpu"), layers, cal, 8, steps=1, warm=0)
+    finally:
+        hook.remove()
+    assert timed == [8, 2] and bounds is None  # the whole batch, then one of 4 micro-batches; no peaks on CPU
+    alone = Candidate((len(seq),), ("cpu",), 1, "never")
+    assert predict(alone, layers, cal, 2).seconds != pytest.approx(0.05)
+    assert predict(alone, got, cal, 2).seconds == pytest.approx(0.05)
+    monkeypatch.setattr(tuning, "step_seconds", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
+    hook = seq.register_forward_pre_hook(fits)
+    try:
+        again, _ = tuning._anchor(seq, x, torch.device("cpu"), layers, cal, 8, steps=1, warm=0)
+    finally:
+        hook.remove()
+    assert again is layers
+    assert all(p.grad is None for p in seq.parameters())

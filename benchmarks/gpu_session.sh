@@ -2,7 +2,7 @@
 # One device-tool call (nvidia-h200-x2 for the pipeline rows; one-GPU kinds put partitions on one GPU):
 # install seqify without dependencies (the image has torch, torchvision, transformers, networkx), then run
 # the step named by $1 (tests, graphs, resnet, resnet-graphs, unet, llama, llama-bf16, dist, side-by-side [fp32|bf16],
-# dist-gap, casts, llama-side, busy [SECONDS], check [SECONDS], families SECONDS [FAMILY...], scaling-start SECONDS,
+# dist-gap, casts, llama-side, channels-last, busy [SECONDS], check [SECONDS], families SECONDS [FAMILY...], scaling-start SECONDS,
 # scaling-wait SECONDS, scaling-stop). Output goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -67,6 +67,13 @@ case "${1:-tests}" in
   dist-gap)  # issue 15's 8-chunk gap: GPU busy, NCCL and idle time per GPU, in-process against seqify.distributed
     timeout 150 python3 benchmarks/probe/dist_gap.py --inprocess --chunks 8 --out "$OUT" 2>&1 | grep '^{'
     timeout 150 torchrun --nproc-per-node 2 benchmarks/probe/dist_gap.py --chunks 8 --out "$OUT" 2>&1 | grep '^{'
+    ;;
+  channels-last)  # issue 13's 16-chunk row: ZB-H2 with graphs at 4 and 16 chunks, NCHW then NHWC (baseline too)
+    for f in "" --channels-last; do
+      timeout 270 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 16 --schedule zb-h2 \
+        --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 $f --out "$OUT" 2>&1 | tee "$OUT/zb-h2${f:+-nhwc}.log" | grep '^|'
+      mv "$OUT/pipeline_bench_fp32.json" "$OUT/zb-h2${f:+-nhwc}.json"
+    done
     ;;
   busy)  # issue 13: ResNet-101's pipelined step against the ceiling its micro-batch size allows (GPU busy and gaps)
     timeout "${2:-240}" python3 benchmarks/probe/resnet_pipe_busy.py --chunks 4 8 16 --schedules 1f1b zb-h1 \

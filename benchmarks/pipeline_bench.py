@@ -202,9 +202,13 @@ def torchrun(script: str, args: list[str], label: str) -> None:
         failed(label, RuntimeError(done.stderr[-300:]))
 
 
+#: the memory format of every row's weights and input (``--channels-last``: NHWC, the baseline included)
+FORMAT = torch.contiguous_format
+
+
 def fresh() -> nn.Module:
     torch.manual_seed(0)
-    return torchvision.models.resnet101()
+    return torchvision.models.resnet101().to(memory_format=FORMAT)
 
 
 def flat_resnet101() -> nn.Sequential:
@@ -245,12 +249,17 @@ def main() -> None:
     p.add_argument("--skip-seqify", action="store_true", help="skip the seqify rows without --schedule")
     p.add_argument("--cudnn-benchmark", action="store_true",
                    help="torch.backends.cudnn.benchmark = True for every row, the one-GPU baseline included")
+    p.add_argument("--channels-last", action="store_true",
+                   help="weights and input in channels-last (NHWC) memory format for every row, the one-GPU baseline "
+                        "included (cuDNN picks other kernels; issue 13's 16-chunk rows run micro-batches of 16)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
+    global FORMAT
+    FORMAT = torch.channels_last if args.channels_last else torch.contiguous_format
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     B = args.batch
     d0 = torch.device("cuda:0")
-    x = torch.randn(B, 3, args.res, args.res, device=d0)
+    x = torch.randn(B, 3, args.res, args.res, device=d0).to(memory_format=FORMAT)
     y0 = torch.randint(0, 1000, (B,), device=d0)
     y1 = y0.to(f"cuda:{torch.cuda.device_count() - 1}")
     print(f"# {datetime.date.today()} {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}")

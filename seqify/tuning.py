@@ -425,9 +425,8 @@ def fit_host(layers: LayerModel, alone: Candidate, cal: Calibration, batch: int,
     device) predicts ``measured`` seconds: profiling issues each layer's backward as an autograd call of its
     own, which a whole step does not pay per layer (MaxViT's 1081 layers on an H200: 245 ms of issue
     profiled, an eager step of 142 ms measured), while small kernels can take longer to issue in a full
-    step than alone. The times are found by
-    bisection (the prediction grows with them); a step the GPU's work alone already explains keeps them
-    at most as profiled, down to where the host stops binding."""
+    step than alone. The times are found by bisection (the prediction grows with them); a step the GPU's
+    work alone already explains keeps them at most as profiled, down to where the host stops binding."""
     if not layers.host_s:
         return layers
 
@@ -435,9 +434,10 @@ def fit_host(layers: LayerModel, alone: Candidate, cal: Calibration, batch: int,
         return predict(alone, layers.host_scaled(h), cal, batch).seconds
 
     target = max(measured, at(0.0))  # no host time makes the GPU's work faster than profiled
-    lo, hi = (0.0, 1.0) if at(1.0) > target * (1 + 1e-3) else (1.0, 64.0)
-    if lo == 1.0 and at(1.0) >= target * (1 - 1e-3):
+    now = at(1.0)
+    if target * (1 - 1e-3) <= now <= target * (1 + 1e-3):
         return layers
+    lo, hi = (0.0, 1.0) if now > target else (1.0, 64.0)
     for _ in range(40):
         mid = (lo + hi) / 2
         if at(mid) > target * (1 + 1e-6):
@@ -581,7 +581,8 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
     ckpt_set = [fixed["checkpoint"]] if fixed.get("checkpoint") else list(CHECKPOINT)
     graph_set = [fixed["graphs"]] if fixed.get("graphs") is not None else ([False, True] if cuda else [False])
     balance = fixed.get("balance")
-    strategies = [balance] if isinstance(balance, str) else list(STRATEGIES)
+    given = isinstance(balance, (list, tuple))
+    strategies = [] if given else [balance] if balance else list(STRATEGIES)
     out: list[tuple[Candidate, str, int]] = []
     for loops in loop_set:
         parts = len(devices) * loops
@@ -589,7 +590,7 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
             continue
         valid = _schedules(loops, sample)
         sched_set = ([fixed["schedule"]] if fixed["schedule"] in valid else []) if fixed.get("schedule") else list(valid)
-        if isinstance(balance, (list, tuple)):
+        if given:
             if len(balance) != parts:
                 continue
             fixed_plans: dict[str, tuple[int, ...]] = {"given": tuple(balance)}
@@ -600,7 +601,7 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
         apart_of: dict[tuple[int, ...], dict[str, bool]] = {}  # per balance: schedules whose layout splits a tie
         for m in chunk_set:
             plans = dict(fixed_plans)
-            if "time" in strategies and layers is not None and not isinstance(balance, (list, tuple)):
+            if "time" in strategies and layers is not None:
                 plans.update(_plans(model, sample, _at(hi, layers, batch, m), parts, ["time"], bandwidth))
             seen: dict[tuple[int, ...], str] = {}
             for strategy in [s for s in (*strategies, "given") if s in plans]:

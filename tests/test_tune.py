@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import seqify
+from seqify.pipeline.microbatch import scatter
 from seqify.predict import Calibration, Candidate, LayerModel, predict
 
 from exactness import assert_unchanged, loss_of, snapshot
@@ -56,8 +57,7 @@ def assert_pipe_exact(source: nn.Module, pipe: nn.Module, x: torch.Tensor) -> No
     (The source itself is not bit-equal across batch sizes on CPU: MKL's float64 matmul of 2 rows differs
     from the same rows inside 8 in the last bit, so a tuned choice of 4 chunks is compared piece by piece.)"""
     ref = copy.deepcopy(source)
-    m = min(pipe.chunks, len(x))
-    want = torch.cat([ref(part) for part in x.split([len(x) // m + (i < len(x) % m) for i in range(m)])])
+    want = torch.cat([ref(part) for part in scatter(x, pipe.chunks)])  # the pipeline's own split
     got = pipe(x)
     assert torch.equal(got, want)
     loss_of(want).backward()
@@ -1017,3 +1017,40 @@ def test_a_batch_one_device_cannot_take_whole_is_anchored_on_one_micro_batch_tha
         hook.remove()
     assert again is layers
     assert all(p.grad is None for p in seq.parameters())
+
+
+def test_every_candidate_the_tuner_weighs_is_exact() -> None:
+    """Whatever the tuner picks is one of its candidates: each distinct one (balance, chunks, checkpointing,
+    schedule, loops) on two CPU devices runs forward bit-equal to the source on the same micro-batches, and
+    trains through ``pipe.step`` (its schedule's order, as the tuner times it) to the source's loss and
+    gradients."""
+    source, seq, x = source_and_seq()
+    fixed = dict(chunks=None, loops=None, balance=None, checkpoint=None, graphs=None, schedule=None, memory_cap=None,
+                 top=2)
+    layers, hi = tuning.layer_model(seq, x, torch.device("cpu"), lo=1, sizes=[1, 2, 4], show=False)
+    found = tuning._candidates(seq, x, hi, [torch.device("cpu")] * 2, fixed, float("inf"), layers)
+    runs = {(c.balance, c.chunks, c.checkpoint, c.schedule, loops) for c, _, loops in found}
+    assert len(runs) > 100 and {r[3] for r in runs} >= {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"}
+
+    def loss_fn(out: torch.Tensor, _target: Any) -> torch.Tensor:
+        return out.square().mean()
+
+    expected: dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = {}
+    for balance, chunks, checkpoint, schedule, loops in sorted(runs):
+        if chunks not in expected:  # the source over the same micro-batches (8 samples: equal sizes)
+            ref = copy.deepcopy(source)
+            out = torch.cat([ref(part) for part in scatter(x, chunks)])
+            loss = loss_fn(out, None)
+            loss.backward()
+            grads = {n: p.grad for n, p in seqify.convert(ref).named_parameters()}
+            expected[chunks] = (out.detach(), loss.detach(), grads)
+        out, loss, grads = expected[chunks]
+        pipe = seqify.pipeline(seq, devices=CPU2, loops=loops, balance=list(balance), chunks=chunks,
+                               checkpoint=checkpoint, schedule=schedule)
+        with torch.no_grad():
+            assert torch.equal(pipe(x), out), (balance, chunks, checkpoint, schedule, loops)
+        got = pipe.step(x, None, loss_fn)
+        torch.testing.assert_close(got, loss, rtol=1e-12, atol=1e-14)
+        for name, p in pipe.model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-10, atol=1e-12, msg=name)
+        seq.zero_grad(set_to_none=True)

@@ -114,7 +114,8 @@ case "${1:-tests}" in
     end=$((SECONDS + ${2:-500}))
     while [ $SECONDS -lt $end ] && [ ! -e /tmp/scaling/done ]; do sleep 5; done
     for f in scaling.json torchpp.jsonl table.txt run.log scaling.png busy.log gpu-check.log hand-picked.log \
-        families.jsonl families.log layer-lines.jsonl probe.log tune-tests.log pipeline_bench_fp32.json; do
+        families.jsonl families.log layer-lines.jsonl probe.log tune-tests.log pipeline_bench_fp32.json \
+        zb-h2.log zb-h2.json zb-h2-nhwc.log zb-h2-nhwc.json; do
       cp "/tmp/scaling/$f" "$OUT/" 2>/dev/null
     done
     tail -25 /tmp/scaling/run.log; cat /tmp/scaling/table.txt 2>/dev/null

@@ -59,13 +59,21 @@ tune_tests() {
     --timeout 180 > "$R/tune-tests.log" 2>&1
   tail -3 "$R/tune-tests.log"
 }
+channels_last() {  # issue 13's 16-chunk row: ZB-H2 with graphs at 4 and 16 chunks, NCHW then NHWC (baseline too)
+  echo "== issue 13: NCHW against NHWC on 2 GPUs ($(date -u +%T))"
+  for f in "" --channels-last; do
+    CUDA_VISIBLE_DEVICES=0,1 timeout 270 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 16 \
+      --schedule zb-h2 --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 $f --out "$R" > "$R/zb-h2${f:+-nhwc}.log" 2>&1
+    grep '^|' "$R/zb-h2${f:+-nhwc}.log"; mv "$R/pipeline_bench_fp32.json" "$R/zb-h2${f:+-nhwc}.json"
+  done
+}
 tests() {
   echo "== GPU tests on 2 GPUs ($(date -u +%T))"
   CUDA_VISIBLE_DEVICES=0,1 timeout 330 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests --timeout 240 \
     > "$R/gpu-check.log" 2>&1
   tail -3 "$R/gpu-check.log"
 }
-# STEPS: model names and busy / hand-picked / tests, in the order to run (the first ones get the device time:
+# STEPS: model names and busy / hand-picked / tests / families / probe / tune-tests / channels-last, in the order to run (the first ones get the device time:
 # the GPU tests and the short steps go before the Llama, the longest); MODELS: the models, in that order
 if [ -n "${MODELS:-}" ]; then order="tests $MODELS hand-picked busy"; else order="tests resnet101 amoebanet_d unet hand-picked busy llama"; fi
 for step in ${STEPS:-$order}; do
@@ -76,6 +84,7 @@ for step in ${STEPS:-$order}; do
     families) families ;;
     probe) probe ;;
     tune-tests) tune_tests ;;
+    channels-last) channels_last ;;
     *) model "$step" ;;
   esac
 done

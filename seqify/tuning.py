@@ -17,10 +17,7 @@ fingerprint, input shapes and dtypes, devices, options) in ``$SEQIFY_CACHE_DIR/t
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-import os
 import statistics
 import time
 import warnings
@@ -33,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from . import tune_cache
 from .dist_backward import input_grads, weight_values
 from .errors import MemoryCapError, ScheduleError, SeqifyError, TuneError
 from .partition.balancer import split
@@ -46,6 +44,7 @@ from .pipeline.pipe import CHECKPOINT, Pipeline, _split_like, pipeline, resolve_
 from .pipeline.schedule import SCHEDULES, SPLIT, round_robin, v_shape
 from .predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 from .progress import progress
+from .tune_cache import cache_path, fingerprint
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds",
            "fit_host"]
@@ -53,70 +52,6 @@ __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrat
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 LOOPS = (1, 2, 4)
 STRATEGIES = ("time", "flops", "memory")
-#: what the candidates range over and how they are weighed, in the cache key: choices cached by an earlier
-#: search (before schedules were weighed, or before the host's issue time and the replayed split were) are not reused
-SPACE = "schedules+checkpoint+loops+balance+chunks;host-issue+replayed-split;lean;kept-for-w;time-per-micro-batch;replayed-anchor"
-
-
-def cache_path() -> str:
-    """Where choices are cached: ``$SEQIFY_CACHE_DIR/tune.json``, default ``~/.cache/seqify/tune.json``."""
-    folder = os.environ.get("SEQIFY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "seqify")
-    return os.path.join(folder, "tune.json")
-
-
-def fingerprint(model: nn.Module) -> str:
-    """A hash of the layers' names and types and every parameter's and buffer's name, shape and dtype
-    (not their values: training does not change the best configuration)."""
-    h = hashlib.sha256()
-    for name, child in model.named_children():
-        h.update(f"{name}:{type(child).__qualname__};".encode())
-    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-    return h.hexdigest()[:16]
-
-
-def _describe(sample: Any) -> list[Any]:
-    return [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t) for t in pytree.tree_leaves(sample)]
-
-
-def _device_names(devices: Sequence[torch.device]) -> list[str]:
-    return [f"{d}:{torch.cuda.get_device_name(d)}" if d.type == "cuda" else str(d) for d in devices]
-
-
-def _key(model: nn.Module, sample: Any, devices: Sequence[torch.device], options: dict[str, Any]) -> str:
-    from . import __version__
-
-    text = json.dumps([fingerprint(model), _describe(sample), _device_names(devices), options, __version__,
-                       torch.__version__, SPACE, _precision(devices)], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def _precision(devices: Sequence[torch.device]) -> dict[str, str]:
-    """The autocast dtype per device type where autocast is on: a bf16 step is tuned apart from float32's."""
-    kinds = sorted({d.type for d in devices})
-    return {k: str(torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k)}
-
-
-def _read_cache() -> dict[str, Any]:
-    try:
-        with open(cache_path()) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(key: str, cfg: PipeConfig) -> None:
-    path = cache_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = _read_cache()
-    data[key] = cfg.to_dict()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)  # readers never see half a file
-
-
 # -- measuring ---------------------------------------------------------------------------------------------
 
 
@@ -694,9 +629,9 @@ def tune(
         raise TuneError(f"memory_cap={memory_cap!r}: give the bytes one device may hold (> 0), or None for no cap")
     fixed = dict(chunks=chunks, loops=loops, balance=list(balance) if isinstance(balance, (list, tuple)) else balance,
                  checkpoint=checkpoint, graphs=graphs, schedule=schedule, memory_cap=memory_cap, top=top)
-    key = _key(model, sample, placed, fixed)
+    key = tune_cache.key(model, sample, placed, fixed)
     if cache:
-        hit = _read_cache().get(key)
+        hit = tune_cache.read().get(key)
         if hit is not None:
             try:
                 cfg = PipeConfig.from_dict(hit)
@@ -784,7 +719,7 @@ def tune(
                      batch=batch, predicted_s=best.predicted_s, measured_s=best.measured_s,
                      schedule=best.schedule, memory_per_device=best.memory_per_device, trials=tuple(shown), key=key)
     if cache:
-        _write_cache(key, cfg)
+        tune_cache.write(key, cfg)
     return cfg
 
 

@@ -387,3 +387,70 @@ def test_replayed_zero_bubble_checkpointed_dropout_draws_what_the_forward_drew()
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+class Mutating(nn.Module):
+    """A skip (``a``) popped and changed in place by a later layer, with more layers after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.a(x)
+        b = self.c(torch.tanh(self.b(x)))
+        a.add_(1)
+        return self.d(a + b)
+
+
+@pytest.mark.parametrize("mutating", [False, True])
+def test_eager_step_copies_each_value_once_its_maker_is_done(monkeypatch: pytest.MonkeyPatch, mutating: bool) -> None:
+    """Without graphs each value crosses to its consumer once the forward that made it is done (that forward's
+    event), not once everything queued on its device so far is: in 1F1B order that queue holds later
+    micro-batches' forwards, and the two GPUs took turns (an eager 1F1B step measured about one GPU's). Where a
+    stage changes a value in place, skips wait for everything queued, as the source order needs. CPU devices
+    record no events: each forward's stand-in event is checked against what its consumers' copies were given."""
+    from seqify.pipeline.scheduled import ScheduledStep
+    from seqify.pipeline.transfer import Transfer
+
+    counter = iter(range(1 << 30))
+    monkeypatch.setattr(Transfer, "mark", staticmethod(lambda device: f"event {next(counter)}"))
+    events: dict[tuple[int, int], Any] = {}
+    given: list[tuple[tuple[int, int], bool, Any]] = []
+    forward, leaf = ScheduledStep._forward, ScheduledStep._leaf
+
+    def spy_forward(self: ScheduledStep, j: int, i: int, x: Any, *args: Any) -> Any:
+        self.current_skips = {id(v) for _, v in args[0].values()}  # type: ignore[attr-defined]
+        y = forward(self, j, i, x, *args)
+        events[(j, i)] = args[1][j][i].ready
+        return y
+
+    def spy_leaf(self: ScheduledStep, t: Any, device: Any, source: tuple[int, int, int], *args: Any) -> Any:
+        given.append((source[:2], source[2] in self.current_skips, args[-1]))  # type: ignore[attr-defined]
+        return leaf(self, t, device, source, *args)
+
+    monkeypatch.setattr(ScheduledStep, "_forward", spy_forward)
+    monkeypatch.setattr(ScheduledStep, "_leaf", spy_leaf)
+    if mutating:
+        torch.manual_seed(0)
+        source = Mutating().double()
+        seq = seqify.convert(copy.deepcopy(source))
+        n = len(seq)
+        pipe = seqify.pipeline(seq, devices=["cpu"] * 3, balance=even(n, 3), chunks=4, checkpoint="never",
+                               schedule="1f1b")
+        assert any(st.mutated_skips or st.mutates_input for st in pipe.stages)
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+        expected = F.mse_loss(torch.cat([source(c) for c in x.tensor_split(4)]), y)
+        expected.backward()
+        got = pipe.step(x, y, F.mse_loss)
+        torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=1e-12)
+        for a, b in zip(source.parameters(), pipe.model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12)
+    else:
+        source, pipe = setup("1f1b", 3)
+        compare(source, pipe, nn.CrossEntropyLoss(), steps=1)
+    skips = [g for g in given if g[1]]
+    assert skips and len(skips) < len(given)  # both kinds crossed
+    assert len(events) == 3 * 4 and len(set(events.values())) == 12
+    for (j, i), is_skip, ready in given:
+        assert ready == (None if is_skip and mutating else events[(j, i)]), ((j, i), is_skip)

@@ -66,6 +66,7 @@ class _Work:
     outputs: list[torch.Tensor] = field(default_factory=list)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(output) -> gradient
     loss: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None  # on CUDA: when the forward's outputs are made, to copy them from
 
 
 class ScheduledStep:
@@ -77,6 +78,7 @@ class ScheduledStep:
         self.transfer = transfer
         self.norms = norms
         self.deferred = deferred
+        self.skips_ready = True
 
     def __call__(self, schedule: Schedule, batches: list[Any], targets: list[Any], loss_fn: LossFn,
                  weights: Sequence[float], stop: int, unflatten: Callable[[Any], Any] = lambda y: y) -> torch.Tensor:
@@ -91,6 +93,11 @@ class ScheduledStep:
         for bn in self.deferred:
             bn.chunks = m
             bn._reset_tracking()
+        # A value is copied to its consumer once the forward that made it is done (not once everything queued
+        # on its device so far is: in 1F1B or interleaved order that holds later micro-batches' forwards, and
+        # the devices took turns). Where a stage changes an input or a popped skip in place, a skip may still
+        # be changed after its maker is done, so skips then wait for everything queued, as in the source order.
+        self.skips_ready = not any(st.mutates_input or st.mutated_skips for st in self.stages)
         work = [[_Work() for _ in range(m)] for _ in range(n)]
         carried: list[Any] = list(batches)  # micro-batch i's value entering its next partition
         pending: list[dict[SkipKey, tuple[int, Any]]] = [{} for _ in range(m)]  # skip -> (partition, value)
@@ -119,12 +126,12 @@ class ScheduledStep:
 
     # -- the three kinds of work --------------------------------------------------------------------
     def _leaf(self, t: Any, device: torch.device, source: tuple[int, int, int], w: _Work,
-              made: dict[int, torch.Tensor]) -> Any:
+              made: dict[int, torch.Tensor], ready: torch.cuda.Event | None) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         leaf = made.get(id(t))
         if leaf is None:
-            leaf = self.transfer(t.detach(), device).requires_grad_(t.requires_grad)
+            leaf = self.transfer(t.detach(), device, ready).requires_grad_(t.requires_grad)
             made[id(t)] = leaf
             if t.requires_grad:
                 w.leaves.append((leaf, source))
@@ -142,16 +149,19 @@ class ScheduledStep:
                     f"{type(x).__name__}; only a tensor or a tuple of tensors can cross to partition {j}. Move the "
                     "cut (balance) so this value stays inside one partition."
                 )
-            x = (self._leaf(x, stage.device, (j - 1, i, id(x)), w, made) if isinstance(x, torch.Tensor)
-                 else tuple(self._leaf(t, stage.device, (j - 1, i, id(t)), w, made) for t in x))
+            ready = work[j - 1][i].ready
+            x = (self._leaf(x, stage.device, (j - 1, i, id(x)), w, made, ready) if isinstance(x, torch.Tensor)
+                 else tuple(self._leaf(t, stage.device, (j - 1, i, id(t)), w, made, ready) for t in x))
         skips = {}
         for key in stage.pops:
             src, value = pending.pop(key)
-            skips[key] = self._leaf(value, stage.device, (src, i, id(value)), w, made)
+            ready = work[src][i].ready if self.skips_ready else None
+            skips[key] = self._leaf(value, stage.device, (src, i, id(value)), w, made, ready)
         if checkpoint:
             y, out = checkpointed(stage.fresh, x, skips, norms=self.norms[j])
         else:
             y, out = stage.fresh(x, skips) if j > 0 else stage(x, skips)
+        w.ready = self.transfer.mark(stage.device)
         for key, value in out.items():
             pending[key] = (j, value)
         outs = [y] if isinstance(y, torch.Tensor) else [t for t in y if isinstance(t, torch.Tensor)]

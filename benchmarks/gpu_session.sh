@@ -68,12 +68,8 @@ case "${1:-tests}" in
     timeout 150 python3 benchmarks/probe/dist_gap.py --inprocess --chunks 8 --out "$OUT" 2>&1 | grep '^{'
     timeout 150 torchrun --nproc-per-node 2 benchmarks/probe/dist_gap.py --chunks 8 --out "$OUT" 2>&1 | grep '^{'
     ;;
-  channels-last)  # issue 13's 16-chunk row: ZB-H2 with graphs at 4 and 16 chunks, NCHW then NHWC (baseline too)
-    for f in "" --channels-last; do
-      timeout 270 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 16 --schedule zb-h2 \
-        --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 $f --out "$OUT" 2>&1 | tee "$OUT/zb-h2${f:+-nhwc}.log" | grep '^|'
-      mv "$OUT/pipeline_bench_fp32.json" "$OUT/zb-h2${f:+-nhwc}.json"
-    done
+  channels-last)  # issue 13's 16-chunk row, NCHW then NHWC: scaling_run.sh's step of that name, here and now
+    STEPS=channels-last bash benchmarks/scaling_run.sh "$OUT"
     ;;
   busy)  # issue 13: ResNet-101's pipelined step against the ceiling its micro-batch size allows (GPU busy and gaps)
     timeout "${2:-240}" python3 benchmarks/probe/resnet_pipe_busy.py --chunks 4 8 16 --schedules 1f1b zb-h1 \

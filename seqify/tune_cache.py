@@ -81,4 +81,4 @@ def write(name: str, cfg: PipeConfig) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
-    os.replace(tmp, path)  # readers never see half a file
+    os.replace(tmp, path)

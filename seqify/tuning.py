@@ -293,11 +293,8 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
     (:func:`_accumulated`), and the steps that anchor the times are of one such micro-batch (weak scaling's
     batches: until 2026-11-26 their times stayed as profiled)."""
     model = model.to(device).train()  # the sample is on ``device`` already (tune puts it there)
-    try:
-        with _peaks([device]) as got:
-            measured = step_seconds(model, sample, [device], steps=steps, warm=warm)
-    except torch.OutOfMemoryError:
-        measured = None  # leave the except block first: its traceback holds the failed step's activations
+    with _peaks([device]) as got:
+        measured = _fitting(model, sample, device, steps=steps, warm=warm)
     if measured is not None:
         allocated, reserved = got()
         return _scale(model, sample, device, layers, cal, batch, measured, steps=steps, warm=warm), (
@@ -308,14 +305,20 @@ def _anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMo
         return layers, None
     k, bounds = fits
     part = _head(sample, batch // k)
-    try:
-        measured = step_seconds(model, part, [device], steps=steps, warm=warm)
-    except torch.OutOfMemoryError:
-        measured = None
+    measured = _fitting(model, part, device, steps=steps, warm=warm)
     model.zero_grad(set_to_none=True)
     if measured is None:
         return layers, bounds
     return _scale(model, part, device, layers, cal, batch // k, measured, steps=steps, warm=warm), bounds
+
+
+def _fitting(model: nn.Module, sample: Any, device: torch.device, *, steps: int, warm: int) -> float | None:
+    """:func:`step_seconds` of ``model`` alone on ``device``, or ``None`` where it runs out of memory (returning
+    from the handler drops its traceback, which holds the failed step's activations)."""
+    try:
+        return step_seconds(model, sample, [device], steps=steps, warm=warm)
+    except torch.OutOfMemoryError:
+        return None
 
 
 def _scale(model: nn.Module, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
@@ -518,6 +521,8 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
     balance = fixed.get("balance")
     given = isinstance(balance, (list, tuple))
     strategies = [] if given else [balance] if balance else list(STRATEGIES)
+    # each micro-batch count's layer times, for the time strategy's cuts (the same for every loops)
+    timed = {m: _at(hi, layers, batch, m) for m in chunk_set} if "time" in strategies and layers is not None else {}
     out: list[tuple[Candidate, str, int]] = []
     for loops in loop_set:
         parts = len(devices) * loops
@@ -536,8 +541,8 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
         apart_of: dict[tuple[int, ...], dict[str, bool]] = {}  # per balance: schedules whose layout splits a tie
         for m in chunk_set:
             plans = dict(fixed_plans)
-            if "time" in strategies and layers is not None:
-                plans.update(_plans(model, sample, _at(hi, layers, batch, m), parts, ["time"], bandwidth))
+            if m in timed:
+                plans.update(_plans(model, sample, timed[m], parts, ["time"], bandwidth))
             seen: dict[tuple[int, ...], str] = {}
             for strategy in [s for s in (*strategies, "given") if s in plans]:
                 seen.setdefault(plans[strategy], strategy)  # two strategies that agree are one candidate

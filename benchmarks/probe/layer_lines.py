@@ -19,12 +19,12 @@ One JSON line per (family, size) and per pipeline row; nothing here is part of t
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import gc
 import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 

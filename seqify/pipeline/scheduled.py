@@ -78,7 +78,11 @@ class ScheduledStep:
         self.transfer = transfer
         self.norms = norms
         self.deferred = deferred
-        self.skips_ready = True
+        # A value is copied to its consumer once the forward that made it is done (not once everything queued
+        # on its device so far is: in 1F1B or interleaved order that holds later micro-batches' forwards, and
+        # the devices took turns). Where a stage changes an input or a popped skip in place, a skip may still
+        # be changed after its maker is done, so skips then wait for everything queued, as in the source order.
+        self.skips_ready = not any(st.mutates_input or st.mutated_skips for st in stages)
 
     def __call__(self, schedule: Schedule, batches: list[Any], targets: list[Any], loss_fn: LossFn,
                  weights: Sequence[float], stop: int, unflatten: Callable[[Any], Any] = lambda y: y) -> torch.Tensor:
@@ -93,11 +97,6 @@ class ScheduledStep:
         for bn in self.deferred:
             bn.chunks = m
             bn._reset_tracking()
-        # A value is copied to its consumer once the forward that made it is done (not once everything queued
-        # on its device so far is: in 1F1B or interleaved order that holds later micro-batches' forwards, and
-        # the devices took turns). Where a stage changes an input or a popped skip in place, a skip may still
-        # be changed after its maker is done, so skips then wait for everything queued, as in the source order.
-        self.skips_ready = not any(st.mutates_input or st.mutated_skips for st in self.stages)
         work = [[_Work() for _ in range(m)] for _ in range(n)]
         carried: list[Any] = list(batches)  # micro-batch i's value entering its next partition
         pending: list[dict[SkipKey, tuple[int, Any]]] = [{} for _ in range(m)]  # skip -> (partition, value)

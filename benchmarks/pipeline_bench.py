@@ -37,6 +37,7 @@ import torchvision
 from torch import nn
 
 import seqify
+from seqify.pipeline import replay as replay_module
 from seqify.pipeline.schedule import SCHEDULES
 
 ROWS: list[dict[str, Any]] = []
@@ -122,9 +123,11 @@ def schedule_rows(args: argparse.Namespace, x: torch.Tensor, y1: torch.Tensor, b
         for schedule in args.schedule:
             one = schedule in ("1f1b", "zb-h2")  # one partition per GPU only
             layouts = [2] if schedule == "interleaved" else ([1, 2] if 2 in args.loops and not one else [1])
-            for loops, graphs in [(lo, g) for lo in layouts for g in modes]:
+            lanes = {"off": [False], "on": [True], "both": [False, True]}[args.lanes]
+            for loops, graphs, two in [(lo, g, t) for lo in layouts for g in modes for t in (lanes if g else [False])]:
                 shape = ("-v" if schedule == "zb-h1" else f"-loop{loops}") if loops > 1 else ""
-                name = f"sched-{schedule}{shape}-{'graphs' if graphs else 'eager'}-c{chunks}{tag}"
+                name = f"sched-{schedule}{shape}-{'graphs' if graphs else 'eager'}{'-lanes' if two else ''}-c{chunks}{tag}"
+                replay_module.OVERLAP = two  # read when the step's programs are built
                 try:
                     seq = seqify.convert(fresh())
                     parts = n_gpus * loops
@@ -252,6 +255,9 @@ def main() -> None:
     p.add_argument("--channels-last", action="store_true",
                    help="weights and input in channels-last (NHWC) memory format for every row, the one-GPU baseline "
                         "included (cuDNN picks other kernels; issue 13's 16-chunk rows run micro-batches of 16)")
+    p.add_argument("--lanes", choices=["off", "on", "both"], default="off",
+                   help="schedule rows with graphs: forwards and backwards on two streams per GPU "
+                        "(seqify.pipeline.replay.OVERLAP), without, or each both ways ('-lanes' rows)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     global FORMAT

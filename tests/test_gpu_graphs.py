@@ -9,6 +9,8 @@ import torch
 import torchvision
 
 import seqify
+from seqify.pipeline import replay as replay_module
+from seqify.pipeline.replay import Replay
 from seqify.pipeline.replayed import GraphWarning
 from gpu_checks import relative, strict_fp32  # noqa: F401  (strict_fp32: autouse fixture)
 
@@ -35,7 +37,7 @@ def twins(source: torch.nn.Module, loops: int, **options: object) -> tuple[torch
     gpus = min(torch.cuda.device_count(), 2)
     parts, n = gpus * loops, len(seq)
     balance = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
-    kwargs = dict(gpus=gpus, loops=loops, balance=balance, chunks=4, **options)
+    kwargs = dict(gpus=gpus, loops=loops, balance=balance, **{"chunks": 4, **options})
     return twin, seqify.pipeline(seq, **kwargs), seqify.pipeline(seq2, **kwargs, graphs=True)  # type: ignore[arg-type]
 
 
@@ -44,17 +46,32 @@ def test_graphed_step_matches_eager_step(schedule: str, loops: int) -> None:
     """Three SGD steps of pipe.step with graphs=True (programs captured in the schedule's own order,
     so memory is reused as the schedule frees it) against the same schedule run eagerly: losses,
     gradients and BatchNorm statistics agree, and the step really replayed."""
+    replay = _graphed_steps(schedule, loops)
+    assert replay.lanes is None
+
+
+@pytest.mark.parametrize("schedule,loops", layouts())
+def test_two_lanes_step_matches_eager_step(schedule: str, loops: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With replay.OVERLAP each GPU replays forwards on one stream and backwards on another (backward
+    programs captured in a pool of their own): the same agreement with the eager step, step after step."""
+    monkeypatch.setattr(replay_module, "OVERLAP", True)
+    replay = _graphed_steps(schedule, loops, chunks=8, batch=64)
+    assert replay.lanes is not None
+
+
+def _graphed_steps(schedule: str, loops: int, chunks: int = 4, batch: int = 16) -> Replay:
+    """Three SGD steps of an eager and a graphed pipeline from one ResNet-18, compared; the replay."""
     torch.manual_seed(0)
     source = torchvision.models.resnet18(num_classes=10).train()
-    twin, eager, graphed = twins(source, loops, checkpoint="never", schedule=schedule)
+    twin, eager, graphed = twins(source, loops, checkpoint="never", schedule=schedule, chunks=chunks)
     opt_a = torch.optim.SGD(eager.parameters(), lr=0.01, momentum=0.9)
     opt_b = torch.optim.SGD(graphed.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     # Planning memory first (a measuring pass) must leave capture working: saved-tensor hooks broke it.
     assert all(b > 0 for b in graphed.plan_memory(torch.randn(16, 3, 64, 64, device="cuda:0")).per_device)
     for step in range(3):
-        x = torch.randn(16, 3, 64, 64, device="cuda:0")
-        y = torch.randint(0, 10, (16,), device="cuda:0")
+        x = torch.randn(batch, 3, 64, 64, device="cuda:0")
+        y = torch.randint(0, 10, (batch,), device="cuda:0")
         for opt in (opt_a, opt_b):
             opt.zero_grad(set_to_none=step % 2 == 0)
         a = eager.step(x, y, loss_fn)
@@ -72,6 +89,7 @@ def test_graphed_step_matches_eager_step(schedule: str, loops: int) -> None:
     # zero bubble replays B and W as separate graphs (every partition has weights, so each W is captured)
     split = replay.schedule.split
     assert all(p.split == split and (p.graphs[2] is not None) == split for row in replay.programs for p in row)
+    return replay
 
 
 @pytest.mark.parametrize("loops", [1, 2])
@@ -158,3 +176,13 @@ def test_distributed_rank_of_four_partitions_captures_and_trains_like_the_source
         # every program split exactly under zero bubble; each W captured where its partition has weights
         # and a gradient reaches it (all of Skippy's partitions do)
         assert all(p.split == split and (p.graphs[2] is not None) == split for p in prog.programs), j
+
+
+def test_two_lanes_stay_off_where_a_partition_draws_random_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay sets the generator's offset on the stream it runs on: graphs with dropout keep one lane."""
+    monkeypatch.setattr(replay_module, "OVERLAP", True)
+    drop = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).cuda()
+    pipe = seqify.pipeline(seqify.convert(drop), gpus=1, balance=[3], chunks=2, checkpoint="never", graphs=True,
+                           schedule="1f1b")
+    pipe.step(torch.randn(4, 8, device="cuda:0"), torch.randint(0, 2, (4,), device="cuda:0"), torch.nn.CrossEntropyLoss())
+    assert pipe.graph_error is None and pipe._graphed is not None and pipe._graphed[1].lanes is None

@@ -8,7 +8,7 @@ import pytest
 
 from seqify.errors import ScheduleError
 from seqify.pipeline.schedule import (
-    Action, Schedule, gpipe, interleaved, make, one_f_one_b, round_robin, v_shape, zb_h1, zb_h2,
+    Action, Schedule, ahead, gpipe, interleaved, make, merge, one_f_one_b, round_robin, v_shape, zb_h1, zb_h2,
 )
 
 SHAPES = [(2, 1), (2, 4), (3, 5), (4, 8), (4, 3)]  # (devices, micro-batches)
@@ -171,3 +171,38 @@ def test_simulated_lengths_show_each_schedule_shrinking_the_bubble(d: int, m: in
     assert 0 < bubble["zb-h1"] < bubble["1f1b"]
     assert interleaved(round_robin(d, 2), m).ticks / 2 < one_f_one_b(line, m).ticks
     assert zb_h1(v_shape(d), m).ticks / 2 < zb_h1(line, m).ticks
+
+
+@pytest.mark.parametrize("d,m", SHAPES)
+def test_ahead_issues_each_forward_one_run_earlier_for_one_more_in_flight(d: int, m: int) -> None:
+    """ahead() (two streams per GPU): on each device the backwards issued between two forwards move
+    behind the second; each kind keeps its own order, the result is valid, and a device holds at most one
+    more micro-batch than before."""
+    built = [gpipe(round_robin(d, 1), m), one_f_one_b(round_robin(d, 1), m), zb_h1(round_robin(d, 1), m),
+             zb_h1(v_shape(d), m), zb_h2(round_robin(d, 1), m)]
+    if m % d == 0:
+        built.append(interleaved(round_robin(d, 2), m))
+    for s in built:
+        a = ahead(s)
+        check_by_hand(a)
+        assert (a.name, a.placement, a.split) == (s.name, s.placement, s.split)
+        for old, new in zip(s.per_device(), a.per_device()):
+            for keep in (lambda x: x.kind == "F", lambda x: x.kind != "F"):
+                assert [x for x in new if keep(x)] == [x for x in old if keep(x)]
+            forwards = [k for k, x in enumerate(old) if x.kind == "F"]
+            where = {x: k for k, x in enumerate(new)}
+            for k, (here, there) in enumerate(zip(forwards, forwards[1:])):
+                # the run between forward k and forward k + 1 now runs after k + 1 (and before k + 2)
+                for x in old[here + 1:there]:
+                    assert where[x] > where[old[there]]
+                    if k + 2 < len(forwards):
+                        assert where[x] < where[old[forwards[k + 2]]]
+        assert all(h <= o + 1 for h, o in zip(held(a), held(s)))
+        assert a.peak_activations() == [float(h) for h in held(a)]
+
+
+def test_merge_finds_no_order_for_orders_that_wait_on_each_other() -> None:
+    """A device whose backward comes before its own forward can never go on: merge says None."""
+    assert merge([[Action(0, 0, 0, "B"), Action(0, 0, 0, "F")]], 1) is None
+    f, b = Action(0, 0, 0, "F"), Action(0, 0, 0, "B")
+    assert merge([[f, b]], 1) == [f, b]

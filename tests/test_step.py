@@ -13,6 +13,7 @@ from torch import nn
 import seqify
 from seqify.errors import BoundaryError, ScheduleError
 from seqify.pipeline import memory
+from seqify.pipeline.schedule import Schedule, ahead, make
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,7 +45,7 @@ def even(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
-def setup(schedule: str, parts: int, loops: int = 1, chunks: int = 4, checkpoint: str = "never",
+def setup(schedule: str | Schedule, parts: int, loops: int = 1, chunks: int = 4, checkpoint: str = "never",
           deferred: bool = False) -> tuple[nn.Module, seqify.Pipeline]:
     torch.manual_seed(0)
     source = UNet().double()
@@ -171,6 +172,19 @@ def test_replayed_step_runs_every_schedule_in_its_own_order(schedule: str, parts
         torch.testing.assert_close(pipe(x), torch.cat([source(c) for c in x.tensor_split(pipe.chunks)]))
     pipe(x).sum().backward()
     assert pipe._graphed[1].drains and pipe._graphed[1] is not replay
+
+
+@pytest.mark.parametrize("schedule,parts,loops", [("1f1b", 3, 1), ("interleaved", 4, 2), ("zb-h1", 3, 1), ("zb-h2", 4, 1)])
+def test_replayed_step_runs_a_schedule_issued_ahead(schedule: str, parts: int, loops: int) -> None:
+    """The order two lanes per GPU replay (each forward a run earlier, :func:`ahead`), given as a Schedule:
+    Replay shares buffers and frees them by that order and trains like one device."""
+    source, pipe = setup(schedule, parts, loops, chunks=8)
+    early = ahead(make(schedule, pipe.placement, pipe.chunks))
+    assert early.actions != make(schedule, pipe.placement, pipe.chunks).actions
+    source, pipe = setup(early, parts, loops, chunks=8)
+    pipe._replay_eager = True
+    compare(source, pipe, nn.CrossEntropyLoss())
+    assert pipe._graphed[1].schedule == early and pipe._graphed[1].shared
 
 
 @pytest.mark.parametrize("schedule,parts,loops", [("gpipe", 2, 1), ("1f1b", 3, 1), ("zb-h1", 4, 2)])

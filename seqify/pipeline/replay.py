@@ -16,9 +16,10 @@ from ..skip.namespace import SkipKey
 from ..skip.sizes import size_skips
 from .buffers import Buffers, places
 from .casts import Casts, find, lowered
+from .lanes import Lanes
 from .checkpoint import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
 from .microbatch import is_tensors
-from .schedule import Schedule, gpipe
+from .schedule import Schedule, ahead, gpipe
 from .stage import Stage
 from .transfer import Transfer
 
@@ -28,6 +29,10 @@ __all__ = ["Program", "Replay", "Unreplayable", "build", "order", "run", "slots"
 #: Whether micro-batches share boundary buffers where the schedule lets them (see :mod:`.buffers`);
 #: False gives every micro-batch its own (for measuring what sharing saves).
 SHARE_BUFFERS = True
+
+#: Whether ``pipe.step`` on captured graphs runs each GPU's forwards on one stream and its backwards on
+#: another (:class:`Lanes`), so that one micro-batch's forward may run beside another's backward.
+OVERLAP = False
 
 
 class Unreplayable(Exception):
@@ -267,19 +272,25 @@ def _warm(programs: list[Program], device: torch.device, warmup: int, stream: to
             torch._foreach_zero_(programs[0].acc)
 
 
-def _capture_in_order(order: Sequence[tuple[str, Program]], device: torch.device, stream: torch.cuda.Stream) -> None:
+def _capture_in_order(order: Sequence[tuple[str, Program]], device: torch.device, stream: torch.cuda.Stream,
+                      lanes: bool = False) -> None:
     """Capture ``order``'s programs (("F" | "B" | "W", program), everything one device runs, in the
     order it runs it: one partition's programs or several partitions') as CUDA graphs sharing one
     memory pool, so memory is reused as eager execution would reuse it: a backward (a split one's W)
     frees what its forward kept, and a forward captured after it takes that memory again, whichever
     partition it belongs to; what a split B keeps for its W (the graph's activations, the boundary
     gradients) stays allocated until W is captured. Replaying in any other order would overwrite
-    activations still needed, so a step must issue this device's programs in exactly this order."""
-    pool = torch.cuda.graph_pool_handle()
+    activations still needed, so a step must issue this device's programs in exactly this order.
 
-    def captured(part: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    With ``lanes`` the backwards (B, W) take their memory from a pool of their own: a forward then only
+    reuses memory some backward captured before it freed (so it must run after that backward, and may
+    run beside the later ones), and a backward never reuses a forward's (see :class:`Lanes`)."""
+    pools = {"F": torch.cuda.graph_pool_handle()}
+    pools["B"] = pools["W"] = torch.cuda.graph_pool_handle() if lanes else pools["F"]
+
+    def captured(part: Callable[[], None], kind: str) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pools[kind], stream=stream):
             part()
         return graph
 
@@ -292,16 +303,16 @@ def _capture_in_order(order: Sequence[tuple[str, Program]], device: torch.device
             if kind == "W" and not p.split:  # an unsplit program's W is part of its B
                 continue
             if kind == "F":
-                forwards[key] = captured(p._outputs)
+                forwards[key] = captured(p._outputs, kind)
             elif kind == "B" and not p.split:
-                p.graphs = (forwards[key], captured(p._grads) if flows else None, None)
+                p.graphs = (forwards[key], captured(p._grads, kind) if flows else None, None)
             elif kind == "B" and flows and p._wrt_inputs():
-                backwards[key] = captured(p._grads_input)
+                backwards[key] = captured(p._grads_input, kind)
             elif kind == "B":  # nothing to compute (no input needs a gradient): no empty graph
                 p._grads_input()
                 backwards[key] = None
             elif flows and p.params:
-                p.graphs = (forwards[key], backwards.pop(key), captured(p._grads_weight))
+                p.graphs = (forwards[key], backwards.pop(key), captured(p._grads_weight, kind))
             else:  # no weights: W only lets B's graph go (no empty graph)
                 p._grads_weight()
                 p.graphs = (forwards[key], backwards.pop(key), None)
@@ -399,6 +410,8 @@ class Replay:
         self.anchor = torch.empty(0, device=self.devices[-1], requires_grad=True)
         # Per partition, its weights cast once per step under autocast (None: none, or autocast is off)
         self.casts: list[Casts | None] = [None] * len(stages)
+        # Forwards and backwards on streams of their own per GPU (train only; None: one stream per GPU)
+        self.lanes: Lanes | None = None
 
     def device_orders(self) -> dict[torch.device, list[tuple[str, int, int]]]:
         """Each device's (kind, partition, micro-batch) actions in the order a step issues them there:
@@ -563,25 +576,33 @@ class Replay:
         self.step += 1
         self._fence()
         self._cast()
-        n, total = len(self.stages), None
+        n, total, lanes = len(self.stages), None, self.lanes
         with torch.no_grad():
             self._zero()
+            if lanes is not None:
+                lanes.open()
             for a in self.schedule.actions:
                 i, j = a.microbatch, a.partition
-                if a.kind == "F":
-                    self._feed(i, j, batches[i])
-                    self._run(i, j, backward=False)
-                    if j == n - 1:
-                        value = self._seed_loss(i, loss)
-                        total = value if total is None else total + value
-                elif a.kind == "B":
-                    if j < n - 1:
-                        self._feed_grads(i, j)
-                    self._run(i, j, backward=True)
-                elif a.kind == "W":
-                    with _on(self.devices[j]):
-                        self.programs[j][i].weights()
-                self._free(i, j, a.kind)
+                made = self._event(i, j, False) if a.kind == "B" and lanes is not None else None
+                with lanes.enter(self.devices[j], a.kind, made) if lanes is not None else nullcontext():
+                    if a.kind == "F":
+                        self._feed(i, j, batches[i])
+                        self._run(i, j, backward=False)
+                        if j == n - 1:
+                            value = self._seed_loss(i, loss)
+                            total = value if total is None else total + value
+                            if lanes is not None:  # its backward, on the other lane, reads the loss's gradient
+                                self._event(i, j, False).record(torch.cuda.current_stream(self.devices[j]))
+                    elif a.kind == "B":
+                        if j < n - 1:
+                            self._feed_grads(i, j)
+                        self._run(i, j, backward=True)
+                    elif a.kind == "W":
+                        with _on(self.devices[j]):
+                            self.programs[j][i].weights()
+                    self._free(i, j, a.kind)
+            if lanes is not None:
+                lanes.close()
             self._hand()
         assert total is not None
         return total
@@ -679,7 +700,8 @@ def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None
             for p in row:
                 p.outputs, p.in_grads = (), [None] * len(p.inputs)
         for device, order in replay.device_orders().items():
-            _capture_in_order([(kind, programs[j][i]) for kind, j, i in order], device, streams[device])
+            _capture_in_order([(kind, programs[j][i]) for kind, j, i in order], device, streams[device],
+                              lanes=replay.lanes is not None)
     for acc in replay.acc:
         if acc:
             torch._foreach_zero_(acc)
@@ -739,6 +761,12 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
            streams: dict[torch.device, torch.cuda.Stream] | None, transfer: Transfer, warmup: int,
            schedule: Schedule | None = None, stop: int = 0) -> Replay:
     saved = _buffers([s.layers for s in stages])
+    # Two lanes per GPU (training graphs): the schedule's forwards issued a run earlier, so that they may run
+    # beside the backwards they used to follow. Only for graphs that draw no random numbers: a replay sets
+    # the generator's offset for its graph on the stream it runs on, and two at once would read each other's.
+    lanes = OVERLAP and streams is not None and torch.is_grad_enabled() and not any(draws_random(s.layers) for s in stages)
+    if lanes and schedule is not None:
+        schedule = ahead(schedule)
     # Where some partition changes what it receives in place, a value must reach it as the one tensor
     # (or view of one tensor) it is in the source; fixed buffers are copies, so such steps run eagerly.
     mutating = any(st.mutates_input or st.mutated_skips for st in stages[1:])
@@ -818,6 +846,8 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
         replay = Replay(stages, programs, routes, returns, transfer, schedule)
         replay.shared = shared
         replay.casts = [row[0].casts for row in programs]
+        if lanes:
+            replay.lanes = Lanes(replay.devices)
         _reach(replay, streams, warmup)
         return replay
     finally:

@@ -19,14 +19,14 @@ Dependencies: F(p, m) after F(p-1, m); B(p, m) after F(p, m) and B(p+1, m); W(p,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..errors import ScheduleError
 
 __all__ = [
-    "Action", "Kind", "Schedule", "SCHEDULES", "SPLIT", "clock_cycles", "gpipe", "one_f_one_b", "interleaved", "zb_h1",
-    "zb_h2", "make", "round_robin", "v_shape",
+    "Action", "Kind", "Schedule", "SCHEDULES", "SPLIT", "ahead", "clock_cycles", "gpipe", "one_f_one_b", "interleaved",
+    "zb_h1", "zb_h2", "make", "merge", "round_robin", "v_shape",
 ]
 
 Kind = Literal["F", "B", "W"]
@@ -398,6 +398,51 @@ def zb_h2(placement: Sequence[int], microbatches: int) -> Schedule:
                             "one per device (for two per device in a V use schedule='zb-h1' with loops=2)")
     return _in_line("zb-h2", placement, microbatches, lambda n, p: (2 * (n - p) - 1, max(2 * (n - p) - 1, n)),
                     split=True)
+
+
+def ahead(schedule: Schedule) -> Schedule:
+    """``schedule`` with every device's forwards one run earlier: on each device, the backward actions (B, W)
+    issued between two forwards move behind the second. A device then issues each forward before the
+    backwards it used to follow, so that on a second stream (:class:`~seqify.pipeline.lanes.Lanes`) they
+    can run beside it; each device holds one more micro-batch's activations. Returned unchanged where the
+    devices' new orders admit no issue order (:func:`merge`)."""
+    lists = []
+    for acts in schedule.per_device():
+        out: list[Action] = []
+        run: list[Action] = []  # the backwards since the last forward, held back until the next one
+        for a in acts:
+            if a.kind == "F":
+                out.append(a)
+                out += run
+                run = []
+            else:
+                run.append(a)
+        lists.append(out + run)
+    merged = merge(lists, schedule.partitions)
+    if merged is None:
+        return schedule
+    return replace(schedule, actions=tuple(merged))
+
+
+def merge(lists: Sequence[Sequence[Action]], partitions: int) -> list[Action] | None:
+    """One issue order from each device's own order: round by round, each device's next action once
+    everything it depends on was issued; None when no device can go on (the orders wait on each other)."""
+    heads = [0] * len(lists)
+    done: set[tuple[int, int, str]] = set()
+    out: list[Action] = []
+    while len(out) < sum(map(len, lists)):
+        moved = False
+        for d, acts in enumerate(lists):
+            if heads[d] < len(acts):
+                a = acts[heads[d]]
+                if all(n in done for n in needs(a.partition, a.microbatch, a.kind, partitions)):
+                    out.append(a)
+                    done.add((a.partition, a.microbatch, a.kind))
+                    heads[d] += 1
+                    moved = True
+        if not moved:
+            return None
+    return out
 
 
 def make(name: str | Schedule, placement: Sequence[int], microbatches: int) -> Schedule:

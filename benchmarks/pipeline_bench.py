@@ -37,7 +37,6 @@ import torchvision
 from torch import nn
 
 import seqify
-from seqify.pipeline import replay as replay_module
 from seqify.pipeline.schedule import SCHEDULES
 
 ROWS: list[dict[str, Any]] = []
@@ -127,7 +126,6 @@ def schedule_rows(args: argparse.Namespace, x: torch.Tensor, y1: torch.Tensor, b
             for loops, graphs, two in [(lo, g, t) for lo in layouts for g in modes for t in (lanes if g else [False])]:
                 shape = ("-v" if schedule == "zb-h1" else f"-loop{loops}") if loops > 1 else ""
                 name = f"sched-{schedule}{shape}-{'graphs' if graphs else 'eager'}{'-lanes' if two else ''}-c{chunks}{tag}"
-                replay_module.OVERLAP = two  # read when the step's programs are built
                 try:
                     seq = seqify.convert(fresh())
                     parts = n_gpus * loops
@@ -137,7 +135,7 @@ def schedule_rows(args: argparse.Namespace, x: torch.Tensor, y1: torch.Tensor, b
                         cleanup()
                     balance = plans[(chunks, parts)]
                     pipe = seqify.pipeline(seq, gpus=n_gpus, loops=loops, balance=balance, chunks=chunks,
-                                           checkpoint="never", graphs=graphs, schedule=schedule)
+                                           checkpoint="never", graphs=graphs, schedule=schedule, overlap=two)
                     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):  # measured as the step runs
                         predicted = [round(b / 2**30, 2) for b in pipe.plan_memory(x).per_device]
                     cleanup()
@@ -257,7 +255,7 @@ def main() -> None:
                         "included (cuDNN picks other kernels; issue 13's 16-chunk rows run micro-batches of 16)")
     p.add_argument("--lanes", choices=["off", "on", "both"], default="off",
                    help="schedule rows with graphs: forwards and backwards on two streams per GPU "
-                        "(seqify.pipeline.replay.OVERLAP), without, or each both ways ('-lanes' rows)")
+                        "(seqify.pipeline(overlap=True)), without, or each both ways ('-lanes' rows)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     global FORMAT

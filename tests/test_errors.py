@@ -470,6 +470,8 @@ LAYOUT_MISTAKES = {
     "graphs-with-deferred-batch-norm": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], graphs=True,
                                                                  deferred_batch_norm=True),
                                        ("graphs=True", "deferred_batch_norm=False")),
+    "overlap-without-graphs": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], overlap=True),
+                               ("overlap=True", "pass graphs=True with it")),
     "loops-below-one": (seqify.BalanceError, dict(devices=CPU2, balance=[2, 1], loops=0),
                         ("loops=0", "partitions per device")),
     "balance-not-a-multiple-of-loops": (seqify.BalanceError, dict(devices=["cpu"], balance=[1, 1, 1], loops=2),

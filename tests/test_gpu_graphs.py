@@ -9,8 +9,8 @@ import torch
 import torchvision
 
 import seqify
-from seqify.pipeline import replay as replay_module
 from seqify.pipeline.replay import Replay
+from seqify.pipeline.schedule import ahead, make
 from seqify.pipeline.replayed import GraphWarning
 from gpu_checks import relative, strict_fp32  # noqa: F401  (strict_fp32: autouse fixture)
 
@@ -38,7 +38,8 @@ def twins(source: torch.nn.Module, loops: int, **options: object) -> tuple[torch
     parts, n = gpus * loops, len(seq)
     balance = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
     kwargs = dict(gpus=gpus, loops=loops, balance=balance, **{"chunks": 4, **options})
-    return twin, seqify.pipeline(seq, **kwargs), seqify.pipeline(seq2, **kwargs, graphs=True)  # type: ignore[arg-type]
+    overlap = kwargs.pop("overlap", False)
+    return twin, seqify.pipeline(seq, **kwargs), seqify.pipeline(seq2, **kwargs, graphs=True, overlap=overlap)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("schedule,loops", layouts())
@@ -51,19 +52,28 @@ def test_graphed_step_matches_eager_step(schedule: str, loops: int) -> None:
 
 
 @pytest.mark.parametrize("schedule,loops", layouts())
-def test_two_lanes_step_matches_eager_step(schedule: str, loops: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With replay.OVERLAP each GPU replays forwards on one stream and backwards on another (backward
-    programs captured in a pool of their own): the same agreement with the eager step, step after step."""
-    monkeypatch.setattr(replay_module, "OVERLAP", True)
-    replay = _graphed_steps(schedule, loops, chunks=8, batch=64)
+def test_two_lanes_step_matches_eager_step(schedule: str, loops: int) -> None:
+    """overlap=True: each GPU replays forwards on one stream and backwards on another (backward programs
+    captured in a pool of their own, forwards issued a run earlier): the same agreement with the eager
+    step, step after step; the memory plan counts the micro-batch more in flight."""
+    replay = _graphed_steps(schedule, loops, chunks=8, batch=64, overlap=True)
+    issued = replay.schedule
     assert replay.lanes is not None
+    assert issued.actions == ahead(make(issued.name, issued.placement, issued.microbatches)).actions
 
 
-def _graphed_steps(schedule: str, loops: int, chunks: int = 4, batch: int = 16) -> Replay:
+def _graphed_steps(schedule: str, loops: int, chunks: int = 4, batch: int = 16, overlap: bool = False) -> Replay:
     """Three SGD steps of an eager and a graphed pipeline from one ResNet-18, compared; the replay."""
     torch.manual_seed(0)
     source = torchvision.models.resnet18(num_classes=10).train()
-    twin, eager, graphed = twins(source, loops, checkpoint="never", schedule=schedule, chunks=chunks)
+    twin, eager, graphed = twins(source, loops, checkpoint="never", schedule=schedule, chunks=chunks, overlap=overlap)
+    sample = torch.randn(batch, 3, 64, 64, device="cuda:0")
+    if overlap:  # the plan follows the order the lanes issue: a device holds at most one micro-batch more
+        planned = graphed.plan_memory(sample).per_device
+        graphed._replayer.overlap = False
+        alone = graphed.plan_memory(sample).per_device
+        graphed._replayer.overlap = True
+        assert all(b >= a for a, b in zip(alone, planned)) and planned != alone
     opt_a = torch.optim.SGD(eager.parameters(), lr=0.01, momentum=0.9)
     opt_b = torch.optim.SGD(graphed.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -178,11 +188,10 @@ def test_distributed_rank_of_four_partitions_captures_and_trains_like_the_source
         assert all(p.split == split and (p.graphs[2] is not None) == split for p in prog.programs), j
 
 
-def test_two_lanes_stay_off_where_a_partition_draws_random_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_lanes_stay_off_where_a_partition_draws_random_numbers() -> None:
     """A replay sets the generator's offset on the stream it runs on: graphs with dropout keep one lane."""
-    monkeypatch.setattr(replay_module, "OVERLAP", True)
     drop = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).cuda()
     pipe = seqify.pipeline(seqify.convert(drop), gpus=1, balance=[3], chunks=2, checkpoint="never", graphs=True,
-                           schedule="1f1b")
+                           schedule="1f1b", overlap=True)
     pipe.step(torch.randn(4, 8, device="cuda:0"), torch.randint(0, 2, (4,), device="cuda:0"), torch.nn.CrossEntropyLoss())
     assert pipe.graph_error is None and pipe._graphed is not None and pipe._graphed[1].lanes is None

@@ -157,6 +157,13 @@ def test_saved_config_round_trips_and_rebuilds_the_same_pipeline(tmp_path) -> No
         (b.balance, [str(d) for d in b.devices], b.chunks, b.checkpoint)
     assert len(b.devices) == 4 and b.config == cfg
     assert_pipe_exact(source, b, x)
+    # overlap (two streams per GPU) travels with a configuration; files from before it load without it
+    lanes = replace(cfg, overlap=True, graphs=True)
+    lanes.save(path)
+    assert seqify.PipeConfig.load(path).overlap and "graphs True, overlap" in str(lanes)
+    assert lanes.options()["overlap"] is True and cfg.options()["overlap"] is False
+    old = {k: v for k, v in cfg.to_dict().items() if k != "overlap"}
+    assert seqify.PipeConfig.from_dict(old) == cfg and not cfg.overlap
 
 
 def test_chunks_auto_is_the_default_with_devices_and_a_sample(monkeypatch) -> None:

@@ -52,7 +52,8 @@ class PipeConfig:
     mini-batch the choice was made for; ``predicted_s`` / ``measured_s``: the chosen candidate's step
     time; ``memory_per_device``: its predicted peak bytes per pipeline device;
     ``trials``: every candidate confirmed by timed steps plus the best predicted ones that were not
-    (the chosen one included); ``key``: the cache key it is stored under.
+    (the chosen one included); ``key``: the cache key it is stored under; ``overlap``: ``pipe.step``'s
+    graphs on two streams per GPU (``seqify.pipeline(overlap=True)``; the tuner does not choose it).
     """
 
     chunks: int
@@ -67,6 +68,7 @@ class PipeConfig:
     measured_s: float | None = None
     schedule: str | None = None
     memory_per_device: tuple[int, ...] = ()
+    overlap: bool = False
     trials: tuple[Trial, ...] = field(default=(), compare=False)
     key: str = field(default="", compare=False)
 
@@ -88,7 +90,8 @@ class PipeConfig:
     def options(self) -> dict[str, Any]:
         """Keyword arguments of ``seqify.pipeline`` that build this configuration."""
         return dict(devices=list(self.devices), loops=self.loops, balance=list(self.balance), chunks=self.chunks,
-                    checkpoint=self.checkpoint, graphs=self.graphs, schedule=self.schedule or "gpipe")
+                    checkpoint=self.checkpoint, graphs=self.graphs, schedule=self.schedule or "gpipe",
+                    overlap=self.overlap)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,7 +103,7 @@ class PipeConfig:
 
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
-        optional = ("trials", "key", "measured_s", "schedule", "memory_per_device")
+        optional = ("trials", "key", "measured_s", "schedule", "memory_per_device", "overlap")
         missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if unknown or missing:
             raise TuneError(
@@ -142,7 +145,8 @@ class PipeConfig:
         measured = f", measured {self.measured_s * 1e3:.2f} ms" if self.measured_s is not None else ""
         head = (f"PipeConfig: {len(self.devices)} devices ({', '.join(self.devices)}), chunks {self.chunks}, "
                 f"loops {self.loops}, balance by {self.by} {list(self.balance)}, checkpoint {self.checkpoint!r}, "
-                f"graphs {self.graphs}, schedule {self.schedule or 'gpipe'!r}; batch {self.batch}: predicted "
+                f"graphs {self.graphs}{', overlap' if self.overlap else ''}, schedule {self.schedule or 'gpipe'!r}; "
+                f"batch {self.batch}: predicted "
                 f"{self.predicted_s * 1e3:.2f} ms per step{measured}"
                 + (f", peak {megabytes(self.memory_per_device)} MiB per device" if self.memory_per_device else ""))
         if not self.trials:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import os
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ from .placement import (  # noqa: F401  (names other modules import from here)
 )
 from .replay import Replay, run
 from .replayed import GraphWarning, Replayer
-from .schedule import SCHEDULES, Schedule, make, round_robin, v_shape
+from .schedule import SCHEDULES, Schedule, ahead, make, round_robin, v_shape
 from .scheduled import ScheduledStep, loss_weights, scalar
 from .transfer import Transfer
 
@@ -66,6 +67,7 @@ class Pipeline(nn.Module):
         plan: Any = None,
         schedule: str | Schedule = "gpipe",
         placement: Sequence[int] | None = None,
+        overlap: bool = False,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT:
@@ -77,6 +79,9 @@ class Pipeline(nn.Module):
             )
         if graphs and any(torch.device(d).type != "cuda" for d in devices):
             raise DeviceError("graphs=True needs every partition on a CUDA device")
+        if overlap and not graphs:
+            raise BalanceError("overlap=True replays a step's captured CUDA graphs on two streams per GPU: pass "
+                               "graphs=True with it (or leave overlap off)")
         chunks = _check_chunks(chunks)
         placed = place(model, balance, devices, chunks=chunks, deferred_batch_norm=deferred_batch_norm, graphs=graphs)
         parts = placed.partitions
@@ -103,7 +108,7 @@ class Pipeline(nn.Module):
         self._eager = Eager(self.stages, self._transfer, self.skip_partitions, self._norms, self._deferred)
         self.placement = _placement(placement, self.devices)
         self._replayer = Replayer(self.stages, self.devices, self._transfer, self.partitions.parameters, graphs,
-                                  self.placement)
+                                  self.placement, overlap)
         self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
             raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a Schedule")
@@ -130,6 +135,11 @@ class Pipeline(nn.Module):
         self._chunks = _check_chunks(value)
 
     @property
+    def overlap(self) -> bool:
+        """Whether ``pipe.step``'s captured graphs run forwards and backwards on two streams per GPU."""
+        return self._replayer.overlap
+
+    @property
     def input_device(self) -> torch.device:
         return self.devices[0]
 
@@ -141,6 +151,7 @@ class Pipeline(nn.Module):
         parts = ", ".join(f"{b} on {d}" for b, d in zip(self.balance, self.devices))
         schedule = self.schedule if isinstance(self.schedule, str) else self.schedule.name
         more = "" if schedule == "gpipe" else f", schedule={schedule!r} (pipe.step)"
+        more += ", graphs=True" + (", overlap=True" if self.overlap else "") if self.graphs else ""
         text = f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r}{more})"
         config = getattr(self, "config", None)
         return text if config is None else f"{text}\ntuned: {config}"
@@ -277,6 +288,8 @@ class Pipeline(nn.Module):
         if self._memory is None or self._memory[0] != key:
             self._memory = (key, measure(self.stages, batches[0]))
         built = make(schedule if schedule is not None else self.schedule, self.placement, len(batches))
+        if self.overlap and self.graphs:  # two lanes issue each forward a run earlier (one more in flight)
+            built = ahead(built)
         return predict(self._memory[1], built, checkpoint)
 
     def fit_memory(self, cap: int | float | str, sample: Any) -> MemoryPlan:
@@ -385,6 +398,7 @@ def pipeline(
     schedule: str | Schedule | None = None,
     memory_cap: int | float | str | None = None,
     config: PipeConfig | str | os.PathLike[str] | None = None,
+    overlap: bool = False,
     **convert_options: Any,
 ) -> Pipeline:
     """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
@@ -436,6 +450,13 @@ def pipeline(
         config: a :class:`PipeConfig` (``seqify.tune(...)`` or ``pipe.config``) or the path of one saved
             with ``cfg.save(path)``: builds exactly that pipeline (its devices unless ``gpus``/``devices``
             are given).
+        overlap: with ``graphs=True``, :meth:`Pipeline.step` replays each GPU's forwards on one CUDA stream
+            and its backwards on another, issuing each forward before the backwards it would follow, so
+            one micro-batch's forward runs beside another's backward. It pays where one micro-batch's
+            kernels do not fill a GPU (many chunks, small layers) and costs memory: one more
+            micro-batch's activations per GPU (``plan_memory`` counts it) and backward memory kept apart
+            from forward memory. Partitions that draw random numbers (dropout) keep one stream.
+            ``chunks='auto'`` tunes with graphs on and then turns overlap on (the tuner does not weigh it).
 
     Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
     the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
@@ -452,7 +473,7 @@ def pipeline(
     _check_meta([model])
     probe = sample if sample is not None else example_inputs
     if config is not None:
-        return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule)
+        return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule, overlap)
     fixed_schedule = schedule
     schedule = "gpipe" if schedule is None else schedule
     if chunks is None:
@@ -462,12 +483,13 @@ def pipeline(
         from ..tuning import tune  # the tuner builds on pipelines: imported on use
 
         cfg = tune(model, probe, gpus=gpus, devices=devices, balance=balance,
-                   checkpoint=None if checkpoint == "except_last" else checkpoint, graphs=True if graphs else None,
+                   checkpoint=None if checkpoint == "except_last" else checkpoint,
+                   graphs=True if graphs or overlap else None,
                    loops=None if loops == 1 else loops,
                    schedule=fixed_schedule if isinstance(fixed_schedule, str) else None,
                    memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)))
         return _from_config(model, cfg, None, None, deferred_batch_norm,
-                            fixed_schedule if isinstance(fixed_schedule, Schedule) else None)
+                            fixed_schedule if isinstance(fixed_schedule, Schedule) else None, overlap)
     chunks = _check_chunks(chunks)
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
         raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
@@ -491,7 +513,7 @@ def pipeline(
         plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
         pipe = Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
                         deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
-                        placement=slots)
+                        placement=slots, overlap=overlap)
         return _capped(pipe, memory_cap, probe)
     counts = _counts(balance, layers)
     if len(counts) > layers:
@@ -502,7 +524,8 @@ def pipeline(
         )
     placed, slots = lay(resolve_devices(gpus, devices, len(counts) // loops))
     pipe = Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
-                    deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots)
+                    deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots,
+                    overlap=overlap)
     return _capped(pipe, memory_cap, sample if sample is not None else example_inputs)
 
 
@@ -520,13 +543,15 @@ def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipel
 
 def _from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str], gpus: int | None,
                  devices: Sequence[Any] | None, deferred_batch_norm: bool,
-                 schedule: str | Schedule | None = None) -> Pipeline:
+                 schedule: str | Schedule | None = None, overlap: bool = False) -> Pipeline:
     """The pipeline a tuned configuration describes, checked against the model and the devices: its
     schedule (``pipe.step`` runs it), or ``schedule`` when given (a :class:`Schedule` built for the same
-    placement, or a name that applies to it)."""
+    placement, or a name that applies to it); two lanes per GPU where it says so or ``overlap``."""
     from ..errors import TuneError
 
     cfg = config if isinstance(config, PipeConfig) else PipeConfig.load(config)
+    if overlap and not cfg.overlap:
+        cfg = replace(cfg, overlap=True)
     if sum(cfg.balance) != len(model):
         raise TuneError(
             f"the configuration's balance {list(cfg.balance)} covers {sum(cfg.balance)} layers but this model has "
@@ -542,6 +567,7 @@ def _from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[st
         placed = [str(mine[d]) for d in cfg.placement]
     pipe = Pipeline(model, list(cfg.balance), resolve_devices(None, placed, None), chunks=cfg.chunks,
                     checkpoint=cfg.checkpoint, deferred_batch_norm=deferred_batch_norm, graphs=cfg.graphs,
-                    schedule=schedule if schedule is not None else (cfg.schedule or "gpipe"), placement=cfg.placement)
+                    schedule=schedule if schedule is not None else (cfg.schedule or "gpipe"), placement=cfg.placement,
+                    overlap=cfg.overlap)
     pipe.config = cfg
     return pipe

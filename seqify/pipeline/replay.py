@@ -30,10 +30,6 @@ __all__ = ["Program", "Replay", "Unreplayable", "build", "order", "run", "slots"
 #: False gives every micro-batch its own (for measuring what sharing saves).
 SHARE_BUFFERS = True
 
-#: Whether ``pipe.step`` on captured graphs runs each GPU's forwards on one stream and its backwards on
-#: another (:class:`Lanes`), so that one micro-batch's forward may run beside another's backward.
-OVERLAP = False
-
 
 class Unreplayable(Exception):
     """A partition takes or returns something other than tensors: the step cannot be fixed programs."""
@@ -713,10 +709,11 @@ def _reach(replay: Replay, streams: dict[torch.device, torch.cuda.Stream] | None
 
 def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
           graphs: bool, transfer: Transfer, warmup: int = 2, schedule: Schedule | None = None,
-          stop: int = 0) -> Replay:
+          stop: int = 0, overlap: bool = False) -> Replay:
     """Programs for these micro-batches (shapes, dtypes, grad requirements), captured as CUDA graphs
     when ``graphs``. Building runs the step once eagerly on the real inputs (so what flows on is real
     data) and restores every buffer afterwards (running statistics, counters): it leaves no trace.
+    ``overlap``: a training step's graphs replay on two lanes per GPU (:class:`~.lanes.Lanes`).
 
     With graphs everything here runs on a side stream per device: autograd remembers the stream each
     node ran on, and a captured backward must never reach back to a device's default stream."""
@@ -727,7 +724,7 @@ def build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carr
         for d, stream in streams.items():
             stream.wait_stream(torch.cuda.current_stream(d))
             scope.enter_context(torch.cuda.stream(stream))
-        replay = _build(stages, batches, carried, streams, transfer, warmup, schedule, stop)
+        replay = _build(stages, batches, carried, streams, transfer, warmup, schedule, stop, overlap)
     for d, stream in streams.items():
         torch.cuda.current_stream(d).wait_stream(stream)
     return replay
@@ -759,12 +756,12 @@ def _check_aliasing(seen: dict[int, tuple[int, int]], values: Sequence[torch.Ten
 
 def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
            streams: dict[torch.device, torch.cuda.Stream] | None, transfer: Transfer, warmup: int,
-           schedule: Schedule | None = None, stop: int = 0) -> Replay:
+           schedule: Schedule | None = None, stop: int = 0, overlap: bool = False) -> Replay:
     saved = _buffers([s.layers for s in stages])
     # Two lanes per GPU (training graphs): the schedule's forwards issued a run earlier, so that they may run
     # beside the backwards they used to follow. Only for graphs that draw no random numbers: a replay sets
     # the generator's offset for its graph on the stream it runs on, and two at once would read each other's.
-    lanes = OVERLAP and streams is not None and torch.is_grad_enabled() and not any(draws_random(s.layers) for s in stages)
+    lanes = overlap and streams is not None and torch.is_grad_enabled() and not any(draws_random(s.layers) for s in stages)
     if lanes and schedule is not None:
         schedule = ahead(schedule)
     # Where some partition changes what it receives in place, a value must reach it as the one tensor

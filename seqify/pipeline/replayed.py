@@ -30,12 +30,14 @@ class Replayer:
     signature (``built``), and why capturing failed (``error``)."""
 
     def __init__(self, stages: Sequence[Stage], devices: Sequence[torch.device], transfer: Transfer,
-                 parameters: Callable[[], Any], graphs: bool, placement: Sequence[int] | None = None) -> None:
+                 parameters: Callable[[], Any], graphs: bool, placement: Sequence[int] | None = None,
+                 overlap: bool = False) -> None:
         self.stages = stages
         self.devices = devices
         self.transfer = transfer
         self.parameters = parameters
         self.graphs = graphs
+        self.overlap = overlap  # pipe.step's graphs on two lanes per GPU (see .lanes)
         self.placement = tuple(placement) if placement is not None else slots(devices)
         self.eager = False
         self.built: tuple[Any, Replay] | None = None
@@ -85,7 +87,8 @@ class Replayer:
                     raise Unreplayable("weights tied across partitions on different devices are copied per call; "
                                        "the step runs eagerly")
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
-                    replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule, stop=stop)
+                    replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule, stop=stop,
+                                   overlap=self.overlap)
             except SeqifyError:
                 raise
             except Exception as e:

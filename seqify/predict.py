@@ -45,7 +45,7 @@ from functools import lru_cache
 from .partition.cost import TRAINING_FACTOR
 from .pipeline.memory import PartitionMemory
 from .pipeline.memory import predict as plan_memory
-from .pipeline.schedule import Action, Schedule, clock_cycles, make, needs
+from .pipeline.schedule import Action, Schedule, ahead, clock_cycles, make, needs
 
 __all__ = ["LayerModel", "Calibration", "Candidate", "Prediction", "predict", "schedule_of", "device_orders",
            "WEIGHT_SHARE"]
@@ -169,6 +169,7 @@ class Candidate:
     graphs: bool = False
     schedule: str = "gpipe"
     placement: tuple[int, ...] | None = None
+    overlap: bool = False  # two lanes per GPU: memory as they hold it (one more micro-batch); time not modelled
 
     def slots(self) -> tuple[int, ...]:
         """Each partition's pipeline device number."""
@@ -262,7 +263,8 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
                              inputs=int(layers.cut_per_sample[a] * b) if a > 0 else 0,
                              kept=int(math.fsum(layers.kept_per_sample[a:z]) * b) if a > 0 else 0)
              for a, z in zip(starts, stops)]
-    per_device = plan_memory(parts, built, c.checkpoint).per_device
+    held = ahead(built) if c.overlap and c.graphs else built  # two lanes issue each forward a run earlier
+    per_device = plan_memory(parts, held, c.checkpoint).per_device
     return Prediction(seconds, max(per_device), per_device)
 
 

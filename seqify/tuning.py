@@ -559,7 +559,8 @@ def _candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[tor
                     names, slots = layouts[sched]
                     if graphs and apart[sched]:
                         continue  # captured graphs cannot replay a weight copied to another device per call
-                    out.append((Candidate(bal, names, m, ckpt, graphs, sched, slots), strategy, loops))
+                    out.append((Candidate(bal, names, m, ckpt, graphs, sched, slots, bool(fixed.get("overlap"))),
+                                strategy, loops))
     return out
 
 
@@ -579,6 +580,7 @@ def tune(
     checkpoint: str | None = None,
     graphs: bool | None = None,
     schedule: str | None = None,
+    overlap: bool | None = None,
     top: int = 3,
     steps: int = 2,
     warm: int = 1,
@@ -606,6 +608,11 @@ def tune(
         chunks, loops, balance, checkpoint, graphs, schedule: fix that choice (``balance``: a strategy
             or a list of layer counts; ``schedule``: one of 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-h2');
             ``None`` searches it. Schedules other than GPipe are timed, and later run, by ``pipe.step``.
+        overlap: two streams per GPU for ``pipe.step``'s graphs (see :func:`seqify.pipeline`). ``None``:
+            the fastest timed candidate with graphs and a schedule other than GPipe is timed once more with
+            it, and kept that way where it ran faster within the same memory bounds (its time is not
+            predicted; its memory is, one micro-batch more in flight); ``True``: every candidate has it
+            (graphs only); ``False``: none.
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
             prediction; from 2, the best eager or replayed candidate is timed too where the ``top`` are
             all of the other kind, and the best of each other schedule predicted within ``BAND`` (5%) of
@@ -632,8 +639,12 @@ def tune(
         raise TuneError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}, or None to let the tuner choose")
     if memory_cap is not None and not memory_cap > 0:
         raise TuneError(f"memory_cap={memory_cap!r}: give the bytes one device may hold (> 0), or None for no cap")
+    if overlap and graphs is False:
+        raise TuneError("overlap=True runs captured graphs on two streams per GPU: it needs graphs (pass graphs=None "
+                        "or True)")
     fixed = dict(chunks=chunks, loops=loops, balance=list(balance) if isinstance(balance, (list, tuple)) else balance,
-                 checkpoint=checkpoint, graphs=graphs, schedule=schedule, memory_cap=memory_cap, top=top)
+                 checkpoint=checkpoint, graphs=True if overlap else graphs, schedule=schedule, memory_cap=memory_cap,
+                 top=top, overlap=overlap)
     key = tune_cache.key(model, sample, placed, fixed)
     if cache:
         hit = tune_cache.read().get(key)
@@ -717,12 +728,21 @@ def tune(
             raise MemoryCapError(f"each of the {len(timed)} best candidates ran out of memory in a timed "
                                  "step; pass a memory_cap below the devices' memory, use more devices, or a smaller "
                                  "mini-batch")
-    best = min(_lean(confirmed, *bound) or confirmed, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
+        best = min(_lean(confirmed, *bound) or confirmed, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
+        if overlap is None and best.measured_s is not None and best.graphs and (best.schedule or "gpipe") != "gpipe":
+            twin = _twin(best, placed, layers, cal, batch)
+            if memory_cap is None or twin.memory_bytes <= memory_cap:
+                more = _confirm(model, sample, placed, [twin], steps=steps, warm=warm, show=show)
+                confirmed += more
+                timed.append(twin)
+                if more and more[0].measured_s < best.measured_s and (_lean(more, *bound) or not _lean([best], *bound)):
+                    best = more[0]
     shown = confirmed + [t for t in fits if not any(t is u for u in timed)][:8]
     cfg = PipeConfig(chunks=best.chunks, loops=best.loops, balance=best.balance, by=best.by,
                      checkpoint=best.checkpoint, graphs=best.graphs, devices=tuple(str(d) for d in placed),
                      batch=batch, predicted_s=best.predicted_s, measured_s=best.measured_s,
-                     schedule=best.schedule, memory_per_device=best.memory_per_device, trials=tuple(shown), key=key)
+                     schedule=best.schedule, memory_per_device=best.memory_per_device, overlap=best.overlap,
+                     trials=tuple(shown), key=key)
     if cache:
         tune_cache.write(key, cfg)
     return cfg
@@ -780,10 +800,17 @@ def _to_time(fits: list[Trial], top: int) -> list[Trial]:
 def _trial(c: Candidate, by: str, loops: int, p: Prediction) -> Trial:
     return Trial(chunks=c.chunks, loops=loops, by=by, checkpoint=c.checkpoint, graphs=c.graphs,
                  schedule=c.schedule, balance=c.balance, predicted_s=p.seconds, memory_bytes=p.memory_bytes,
-                 memory_per_device=p.per_device)
+                 memory_per_device=p.per_device, overlap=c.overlap)
+
+
+def _twin(t: Trial, devices: Sequence[torch.device], layers: LayerModel, cal: Calibration, batch: int) -> Trial:
+    """Trial ``t`` with two lanes per GPU, not yet timed: its memory predicted as they hold it."""
+    names, slots = _layout(t.schedule or "gpipe", devices, t.loops)
+    c = Candidate(t.balance, names, t.chunks, t.checkpoint, t.graphs, t.schedule or "gpipe", slots, overlap=True)
+    return _trial(c, t.by, t.loops, predict(c, layers, cal, batch))
 
 
 def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
     """Keyword arguments of :func:`seqify.pipeline` that build trial ``t`` on ``devices``."""
     return dict(devices=list(devices), loops=t.loops, balance=list(t.balance), chunks=t.chunks,
-                checkpoint=t.checkpoint, graphs=t.graphs, schedule=t.schedule or "gpipe")
+                checkpoint=t.checkpoint, graphs=t.graphs, schedule=t.schedule or "gpipe", overlap=t.overlap)

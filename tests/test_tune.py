@@ -16,6 +16,7 @@ from torch import nn
 
 import seqify
 from seqify.pipeline.microbatch import scatter
+from seqify.pipeline.config import Trial
 from seqify.predict import Calibration, Candidate, LayerModel, predict
 
 from exactness import assert_unchanged, loss_of, snapshot
@@ -356,6 +357,32 @@ def test_bench_on_two_gpus_measures_memory_for_every_row() -> None:
     assert all(0 < a <= b for r in ran for a, b in zip(r.allocated_per_device, r.reserved_per_device))
     baseline = [c.strip() for c in str(result).splitlines()[4].split("|")]
     assert baseline[2].startswith("one device") and baseline[8] != "-"  # the baseline row shows its measured peaks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tune_times_its_best_graphed_step_with_two_lanes_on_gpus() -> None:
+    """On GPUs the best timed candidate with graphs and a step schedule is built and timed again with
+    overlap=True (real pipelines, peaks measured); the choice is the faster of the two, and it trains exactly."""
+    source, seq, _ = source_and_seq()
+    x = torch.randn(64, 6, dtype=torch.float64)
+    cfg = seqify.tune(seq, x, gpus=2, graphs=True, schedule="1f1b", chunks=4, checkpoint="never", top=1, show=False,
+                      cache=False)
+    pair = [t for t in cfg.trials if t.measured_s is not None]
+    assert [t.overlap for t in pair] == [False, True] and all(t.measured_peak for t in pair)
+    assert cfg.overlap == (pair[1].measured_s < pair[0].measured_s)
+    pipe = seqify.pipeline(seq, config=cfg)
+    assert pipe.overlap == cfg.overlap
+    target = torch.randint(0, 3, (64,), device="cuda:1")
+    ref = copy.deepcopy(source).to("cuda:0")
+    want = nn.functional.cross_entropy(torch.cat([ref(p) for p in x.to("cuda:0").tensor_split(4)]), target.to("cuda:0"))
+    want.backward()
+    got = pipe.step(x, target, nn.functional.cross_entropy)
+    torch.testing.assert_close(got.to("cuda:0"), want.detach())
+    mine = dict(pipe.model.named_parameters())
+    for name, p in seqify.convert(ref).named_parameters():
+        torch.testing.assert_close(mine[name].grad.to("cuda:0"), p.grad, msg=name)
+    assert pipe._graphed is not None and (pipe._graphed[1].lanes is not None) == cfg.overlap
 
 
 def test_the_tuner_module_is_importable_under_its_own_name() -> None:
@@ -1061,3 +1088,40 @@ def test_every_candidate_the_tuner_weighs_is_exact() -> None:
         for name, p in pipe.model.named_parameters():
             torch.testing.assert_close(p.grad, grads[name], rtol=1e-10, atol=1e-12, msg=name)
         seq.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("gain", [0.8, 1.25])
+def test_best_graphed_candidate_is_timed_again_with_two_lanes_and_kept_where_faster(monkeypatch, gain: float) -> None:
+    """overlap=None: the fastest timed candidate with graphs and a schedule of pipe.step's is timed once more
+    with two lanes per GPU (memory predicted for the micro-batch more they keep), and wins only by running
+    faster. Graphs need GPUs, so the timed steps here are the tuner's bookkeeping, not pipelines: each
+    trial's "measured" time is its prediction, times ``gain`` with lanes."""
+    _, seq, x = source_and_seq()
+    timed: list[Trial] = []
+
+    def confirm(model, sample, placed, trials, **_):
+        timed.extend(trials)
+        return [replace(t, measured_s=t.predicted_s * (gain if t.overlap else 1.0)) for t in trials]
+
+    monkeypatch.setattr(tuning, "_confirm", confirm)
+    fixed = dict(devices=CPU2, schedule="1f1b", chunks=4, checkpoint="never", top=2, show=False, cache=False)
+    cfg = seqify.tune(seq, x, graphs=True, **fixed)
+    twins = [t for t in timed if t.overlap]
+    assert len(twins) == 1 and len(timed) == 3
+    first = min(timed[:2], key=lambda t: t.predicted_s)
+    twin = twins[0]
+    assert replace(twin, overlap=False, memory_bytes=0, memory_per_device=()) == \
+        replace(first, memory_bytes=0, memory_per_device=())
+    assert twin.memory_bytes > first.memory_bytes  # 1F1B with a micro-batch more in flight
+    assert cfg.overlap == (gain < 1) and cfg.schedule == "1f1b" and cfg.graphs
+    assert any(t.overlap for t in cfg.trials)
+    assert seqify.pipeline(seq, config=replace(cfg, graphs=False, overlap=False)).overlap is False
+
+    timed.clear()  # fixed off: never timed with lanes; fixed on: every candidate has them
+    off = seqify.tune(seq, x, graphs=True, overlap=False, **fixed)
+    assert not off.overlap and not any(t.overlap for t in timed)
+    timed.clear()
+    on = seqify.tune(seq, x, overlap=True, **fixed)
+    assert on.overlap and on.graphs and timed and all(t.overlap for t in timed)
+    with pytest.raises(seqify.TuneError, match="overlap=True"):
+        seqify.tune(seq, x, graphs=False, overlap=True, **fixed)

@@ -16,7 +16,8 @@ class Trial:
     :data:`~seqify.pipeline.schedule.SCHEDULES`; ``None`` in files from before schedules were tuned means
     GPipe), predicted step seconds, measured step seconds (``None`` when it was not confirmed by timed
     steps), predicted peak bytes on the fullest device and on each pipeline device, and the peak bytes each
-    CUDA device allocated and reserved while it was built and timed (empty where not measured)."""
+    CUDA device allocated and reserved while it was built and timed (empty where not measured);
+    ``overlap``: ``pipe.step``'s graphs on two streams per GPU (``seqify.pipeline(overlap=True)``)."""
 
     chunks: int
     loops: int
@@ -31,11 +32,12 @@ class Trial:
     memory_per_device: tuple[int, ...] = ()
     measured_peak: tuple[int, ...] = ()
     measured_reserved: tuple[int, ...] = ()
+    overlap: bool = False
 
     def layout(self) -> str:
-        """The options but the schedule: ``chunks 4, loops 1, by time, checkpoint never`` (plus graphs)."""
+        """The options but the schedule: ``chunks 4, loops 1, by time, checkpoint never`` (plus graphs, overlap)."""
         text = f"chunks {self.chunks}, loops {self.loops}, by {self.by}, checkpoint {self.checkpoint}"
-        return text + (", graphs" if self.graphs else "")
+        return text + (", graphs" if self.graphs else "") + (", overlap" if self.overlap else "")
 
     def label(self) -> str:
         """A short name: :meth:`layout` and the schedule."""
@@ -178,5 +180,5 @@ def megabytes(per_device: tuple[int, ...] | list[int]) -> str:
 
 
 def _same(t: Trial, c: PipeConfig) -> bool:
-    return (t.chunks, t.loops, t.by, t.checkpoint, t.graphs, t.schedule or "gpipe", tuple(t.balance)) == (
-        c.chunks, c.loops, c.by, c.checkpoint, c.graphs, c.schedule or "gpipe", tuple(c.balance))
+    return (t.chunks, t.loops, t.by, t.checkpoint, t.graphs, t.schedule or "gpipe", tuple(t.balance), t.overlap) == (
+        c.chunks, c.loops, c.by, c.checkpoint, c.graphs, c.schedule or "gpipe", tuple(c.balance), c.overlap)

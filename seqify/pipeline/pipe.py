@@ -398,7 +398,7 @@ def pipeline(
     schedule: str | Schedule | None = None,
     memory_cap: int | float | str | None = None,
     config: PipeConfig | str | os.PathLike[str] | None = None,
-    overlap: bool = False,
+    overlap: bool | None = None,
     **convert_options: Any,
 ) -> Pipeline:
     """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
@@ -456,7 +456,8 @@ def pipeline(
             kernels do not fill a GPU (many chunks, small layers) and costs memory: one more
             micro-batch's activations per GPU (``plan_memory`` counts it) and backward memory kept apart
             from forward memory. Partitions that draw random numbers (dropout) keep one stream.
-            ``chunks='auto'`` tunes with graphs on and then turns overlap on (the tuner does not weigh it).
+            Default: off, except with ``chunks='auto'``, where the tuner times its best candidate both
+            ways and keeps the faster (``True`` or ``False`` fixes it).
 
     Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
     the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
@@ -473,7 +474,7 @@ def pipeline(
     _check_meta([model])
     probe = sample if sample is not None else example_inputs
     if config is not None:
-        return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule, overlap)
+        return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule, bool(overlap))
     fixed_schedule = schedule
     schedule = "gpipe" if schedule is None else schedule
     if chunks is None:
@@ -483,13 +484,13 @@ def pipeline(
         from ..tuning import tune  # the tuner builds on pipelines: imported on use
 
         cfg = tune(model, probe, gpus=gpus, devices=devices, balance=balance,
-                   checkpoint=None if checkpoint == "except_last" else checkpoint,
-                   graphs=True if graphs or overlap else None,
+                   checkpoint=None if checkpoint == "except_last" else checkpoint, graphs=True if graphs else None,
+                   overlap=overlap,
                    loops=None if loops == 1 else loops,
                    schedule=fixed_schedule if isinstance(fixed_schedule, str) else None,
                    memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)))
         return _from_config(model, cfg, None, None, deferred_batch_norm,
-                            fixed_schedule if isinstance(fixed_schedule, Schedule) else None, overlap)
+                            fixed_schedule if isinstance(fixed_schedule, Schedule) else None)
     chunks = _check_chunks(chunks)
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
         raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
@@ -513,7 +514,7 @@ def pipeline(
         plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
         pipe = Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
                         deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
-                        placement=slots, overlap=overlap)
+                        placement=slots, overlap=bool(overlap))
         return _capped(pipe, memory_cap, probe)
     counts = _counts(balance, layers)
     if len(counts) > layers:
@@ -525,7 +526,7 @@ def pipeline(
     placed, slots = lay(resolve_devices(gpus, devices, len(counts) // loops))
     pipe = Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
                     deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots,
-                    overlap=overlap)
+                    overlap=bool(overlap))
     return _capped(pipe, memory_cap, sample if sample is not None else example_inputs)
 
 

@@ -368,9 +368,14 @@ def test_tune_times_its_best_graphed_step_with_two_lanes_on_gpus() -> None:
     x = torch.randn(64, 6, dtype=torch.float64)
     cfg = seqify.tune(seq, x, gpus=2, graphs=True, schedule="1f1b", chunks=4, checkpoint="never", top=1, show=False,
                       cache=False)
-    pair = [t for t in cfg.trials if t.measured_s is not None]
-    assert [t.overlap for t in pair] == [False, True] and all(t.measured_peak for t in pair)
-    assert cfg.overlap == (pair[1].measured_s < pair[0].measured_s)
+    ran = [t for t in cfg.trials if t.measured_s is not None]  # the best, the next where the best was not lean
+    (twin,) = [t for t in ran if t.overlap]
+    (base,) = [t for t in ran if not t.overlap and replace(t, overlap=True) == replace(
+        twin, predicted_s=t.predicted_s, measured_s=t.measured_s, memory_bytes=t.memory_bytes,
+        memory_per_device=t.memory_per_device, measured_peak=t.measured_peak, measured_reserved=t.measured_reserved)]
+    assert ran[-1] is twin and all(t.measured_peak for t in ran)
+    if cfg.overlap:
+        assert twin.measured_s < base.measured_s
     pipe = seqify.pipeline(seq, config=cfg)
     assert pipe.overlap == cfg.overlap
     target = torch.randint(0, 3, (64,), device="cuda:1")

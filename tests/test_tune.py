@@ -1121,6 +1121,9 @@ def test_best_graphed_candidate_is_timed_again_with_two_lanes_and_kept_where_fas
     assert cfg.overlap == (gain < 1) and cfg.schedule == "1f1b" and cfg.graphs
     assert any(t.overlap for t in cfg.trials)
     assert seqify.pipeline(seq, config=replace(cfg, graphs=False, overlap=False)).overlap is False
+    with pytest.raises(seqify.BalanceError, match="overlap=True"):  # a config's choice, or the caller's, holds
+        seqify.pipeline(seq, config=replace(cfg, graphs=False), overlap=True)
+    assert seqify.pipeline(seq, config=replace(cfg, graphs=False, overlap=True), overlap=False).config.overlap is False
 
     timed.clear()  # fixed off: never timed with lanes; fixed on: every candidate has them
     off = seqify.tune(seq, x, graphs=True, overlap=False, **fixed)

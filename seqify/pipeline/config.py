@@ -55,7 +55,8 @@ class PipeConfig:
     time; ``memory_per_device``: its predicted peak bytes per pipeline device;
     ``trials``: every candidate confirmed by timed steps plus the best predicted ones that were not
     (the chosen one included); ``key``: the cache key it is stored under; ``overlap``: ``pipe.step``'s
-    graphs on two streams per GPU (``seqify.pipeline(overlap=True)``; the tuner does not choose it).
+    graphs on two streams per GPU (``seqify.pipeline(overlap=True)``; the tuner keeps it where its best
+    candidate ran faster with it).
     """
 
     chunks: int

@@ -457,7 +457,7 @@ def pipeline(
             micro-batch's activations per GPU (``plan_memory`` counts it) and backward memory kept apart
             from forward memory. Partitions that draw random numbers (dropout) keep one stream.
             Default: off, except with ``chunks='auto'``, where the tuner times its best candidate both
-            ways and keeps the faster (``True`` or ``False`` fixes it).
+            ways and keeps the faster, and with ``config``, which says (``True`` or ``False`` fixes it).
 
     Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
     the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
@@ -474,7 +474,7 @@ def pipeline(
     _check_meta([model])
     probe = sample if sample is not None else example_inputs
     if config is not None:
-        return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule, bool(overlap))
+        return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule, overlap)
     fixed_schedule = schedule
     schedule = "gpipe" if schedule is None else schedule
     if chunks is None:
@@ -544,15 +544,15 @@ def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipel
 
 def _from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str], gpus: int | None,
                  devices: Sequence[Any] | None, deferred_batch_norm: bool,
-                 schedule: str | Schedule | None = None, overlap: bool = False) -> Pipeline:
+                 schedule: str | Schedule | None = None, overlap: bool | None = None) -> Pipeline:
     """The pipeline a tuned configuration describes, checked against the model and the devices: its
     schedule (``pipe.step`` runs it), or ``schedule`` when given (a :class:`Schedule` built for the same
-    placement, or a name that applies to it); two lanes per GPU where it says so or ``overlap``."""
+    placement, or a name that applies to it); two lanes per GPU as it says, or as ``overlap`` when given."""
     from ..errors import TuneError
 
     cfg = config if isinstance(config, PipeConfig) else PipeConfig.load(config)
-    if overlap and not cfg.overlap:
-        cfg = replace(cfg, overlap=True)
+    if overlap is not None and overlap != cfg.overlap:
+        cfg = replace(cfg, overlap=overlap)
     if sum(cfg.balance) != len(model):
         raise TuneError(
             f"the configuration's balance {list(cfg.balance)} covers {sum(cfg.balance)} layers but this model has "

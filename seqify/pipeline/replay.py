@@ -16,8 +16,8 @@ from ..skip.namespace import SkipKey
 from ..skip.sizes import size_skips
 from .buffers import Buffers, places
 from .casts import Casts, find, lowered
-from .lanes import Lanes
 from .checkpoint import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
+from .lanes import Lanes
 from .microbatch import is_tensors
 from .schedule import Schedule, ahead, gpipe
 from .stage import Stage

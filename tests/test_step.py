@@ -174,7 +174,8 @@ def test_replayed_step_runs_every_schedule_in_its_own_order(schedule: str, parts
     assert pipe._graphed[1].drains and pipe._graphed[1] is not replay
 
 
-@pytest.mark.parametrize("schedule,parts,loops", [("1f1b", 3, 1), ("interleaved", 4, 2), ("zb-h1", 3, 1), ("zb-h2", 4, 1)])
+@pytest.mark.parametrize("schedule,parts,loops", [("1f1b", 3, 1), ("interleaved", 4, 2), ("zb-h1", 3, 1), ("zb-h2", 4, 1),
+                                                  ("zb-h2", 8, 1), ("interleaved", 8, 2)])  # issue 16's 8-stage plans
 def test_replayed_step_runs_a_schedule_issued_ahead(schedule: str, parts: int, loops: int) -> None:
     """The order two lanes per GPU replay (each forward a run earlier, :func:`ahead`), given as a Schedule:
     Replay shares buffers and frees them by that order and trains like one device."""
@@ -184,7 +185,8 @@ def test_replayed_step_runs_a_schedule_issued_ahead(schedule: str, parts: int, l
     source, pipe = setup(early, parts, loops, chunks=8)
     pipe._replay_eager = True
     compare(source, pipe, nn.CrossEntropyLoss())
-    assert pipe._graphed[1].schedule == early and pipe._graphed[1].shared
+    assert pipe._graphed[1].schedule == early
+    assert pipe._graphed[1].shared or parts == 8  # cut in eight, one partition changes its input in place: none shared
 
 
 @pytest.mark.parametrize("schedule,parts,loops", [("gpipe", 2, 1), ("1f1b", 3, 1), ("zb-h1", 4, 2)])

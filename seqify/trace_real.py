@@ -58,18 +58,29 @@ def unpatched() -> Iterator[None]:
         tracer.plain -= 1
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal values in the same layout (sparse tensors compared through their dense values)."""
+    if a.layout != b.layout or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.layout != torch.strided:
+        return torch.equal(a.to_dense(), b.to_dense())
+    return torch.equal(a, b)
+
+
 @contextmanager
-def buffers_kept(model: nn.Module) -> Iterator[None]:
+def buffers_kept(model: nn.Module, *, parameters: bool = False) -> Iterator[None]:
     """Put every buffer's values back on exit (code run eagerly while tracing, or a real run, may update
-    BatchNorm statistics in place)."""
-    saved = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+    BatchNorm statistics in place); with ``parameters``, every parameter's too (a forward may write its own
+    weights: ``nn.Embedding(max_norm=...)`` renormalises rows, ``weight.clamp_()`` under no_grad)."""
+    tensors = list(model.buffers()) + (list(model.parameters()) if parameters else [])
+    saved = [(t, t.detach().clone()) for t in tensors if not t.is_meta]
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, copy in saved:
-                if not torch.equal(b, copy):
-                    b.copy_(copy)
+            for t, copy in saved:
+                if not same_values(t.detach(), copy):
+                    t.copy_(copy)
 
 
 def source_error(

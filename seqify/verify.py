@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import ExampleInputError, VerifyError
-from .trace_real import raises_itself
+from .trace_real import buffers_kept, raises_itself, same_values
 
 __all__ = ["bit_equal", "close", "split_inputs", "first_difference", "check"]
 
@@ -29,7 +29,11 @@ def bit_equal(a: Any, b: Any) -> bool:
         if isinstance(x, torch.Tensor):
             if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
                 return False
-            if not torch.equal(x, y) and not torch.equal(torch.nan_to_num(x.detach(), 1.0), torch.nan_to_num(y.detach(), 1.0)):
+            if x.layout != torch.strided or y.layout != torch.strided:
+                if not same_values(x.detach(), y.detach()):
+                    return False
+            elif not torch.equal(x, y) and not torch.equal(torch.nan_to_num(x.detach(), 1.0),
+                                                           torch.nan_to_num(y.detach(), 1.0)):
                 return False
         elif type(x) is not type(y) or (x != y and x == x):
             return False
@@ -74,19 +78,19 @@ def _fresh(x: Any) -> Any:
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
 
 
+def _snapshot(x: Any) -> Any:
+    """Detached copies of the tensors in ``x`` (a record that holds no autograd graph)."""
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, x)
+
+
 @contextmanager
 def kept(model: nn.Module) -> Iterator[None]:
-    """Buffers (BatchNorm statistics) and attributes restored on exit: a check leaves the model as it found it."""
+    """Parameters, buffers (BatchNorm statistics) and attributes restored on exit: a check leaves the model as
+    it found it, also where its forward writes its own weights."""
     from .trace import preserved  # Python attributes too (a step counter the forward bumps)
 
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        with preserved(model):
-            yield
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
+    with buffers_kept(model, parameters=True), preserved(model):
+        yield
 
 
 def state(model: nn.Module) -> dict[str, Any]:
@@ -118,8 +122,8 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> str | None:
 _NONE = object()
 
 
-def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> Any:
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], seed: int, grad: bool = False) -> Any:
+    with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad):
         torch.manual_seed(seed)
         return fn(*_fresh(args), **_fresh(kwargs))
 
@@ -131,7 +135,7 @@ def _leaf_outputs(model: nn.Module, modules: dict[int, str], call: Callable[[], 
     for m in model.modules():
         if id(m) in modules:
             path = modules[id(m)]
-            handles.append(m.register_forward_hook(lambda _m, _i, out, path=path: seen[path].append(_fresh(out))))
+            handles.append(m.register_forward_hook(lambda _m, _i, out, path=path: seen[path].append(_snapshot(out))))
     try:
         out = call()
     finally:
@@ -161,18 +165,26 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
     # Source modules a layer is named after (the layer is that module, or stands in for it).
     paths = {id(m): p for p, m in source.named_modules() if p and not any(True for _ in m.children())}
     watched = {id(layer): name for name, layer in layers.items() if name in by_name}
-    with kept(source):
+    trains = _trainable(source, seq)
+    with kept(source), _grads_aside(trains):
         before = state(source) if twice else {}
         try:
-            expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
-        except Exception as e:  # the inputs are wrong, not the conversion: say so, not "report a seqify bug"
-            raise raises_itself(type(source).__name__, e) from e
+            expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed, grad=bool(trains)))
+        except Exception as e:
+            if not trains:  # the inputs are wrong, not the conversion: say so, not "report a seqify bug"
+                raise raises_itself(type(source).__name__, e) from e
+            trains = []  # the source runs only without gradients (inference code): compare values alone
+            expected, want = _source_values(source, paths, args, kwargs, seed)
+        wanted = _gradients(expected, trains)
+        expected = _snapshot(expected)
         # a call that changed Python state (a counter, a value kept in a dict or list): the next call may differ
         changed = _changed(before, state(source)) if twice else None
         buffers = {n: b.detach().clone() for n, b in source.named_buffers()}  # as the source's call left them
         again = _run(source, args, kwargs, seed) if changed else None
-    with kept(source):
-        got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed))
+    with kept(source), _grads_aside(trains):
+        got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed, grad=bool(trains)))
+        made = _gradients(got, trains) if wanted is not None else None
+        got = _snapshot(got)
         left = {n: b.detach().clone() for n, b in source.named_buffers()}  # as the result's call left them
         got_again = _run(seq, args, kwargs, seed) if changed else None
     same = bit_equal if _on_cpu(expected) else close  # bit-equal on the CPU; allclose on accelerators
@@ -185,6 +197,8 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
             return (f"the first call is equal, the second is not: the source's first call changed {changed!r}, "
                     "and its second call computes with that (state kept between calls), which the converted "
                     "model does not carry; it would match a first call only"), SECOND
+        if wanted is not None:
+            return _gradient_difference(source, seq, trains, wanted, made)
         return None
     for name in layers:
         path = by_name.get(name)
@@ -199,6 +213,108 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
             return f"layer {name!r} (source module {path!r}) computes a different value", path
     last = next(reversed(layers)) if layers else "?"
     return f"the output differs (no layer named after a source module differs before it; last layer {last!r})", None
+
+
+def _trainable(source: nn.Module, seq: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a backward reaches, by name (the source's names first, then any the result holds beside
+    them); none where gradients cannot be taken here (inference mode, or no parameter requires them)."""
+    if torch.is_inference_mode_enabled():
+        return []
+    named: dict[int, tuple[str, nn.Parameter]] = {}
+    for model, owner in ((source, ""), (seq, "the converted model's ")):
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p.requires_grad and not p.is_meta:
+                named.setdefault(id(p), (f"{owner}{name}", p))
+    return list(named.values())
+
+
+@contextmanager
+def _grads_aside(params: list[tuple[str, nn.Parameter]]) -> Iterator[None]:
+    """Each parameter's ``.grad`` set aside on entry and put back on exit: a check accumulates nothing."""
+    saved = [(p, p.grad) for _, p in params]
+    for p, _ in saved:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in saved:
+            p.grad = grad
+
+
+def _source_values(source: nn.Module, paths: dict[int, str], args: tuple[Any, ...], kwargs: dict[str, Any],
+                   seed: int) -> tuple[Any, dict[str, list[Any]]]:
+    """The source's outputs without gradients (its inputs are wrong if it raises even so)."""
+    try:
+        return _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
+    except Exception as e:
+        raise raises_itself(type(source).__name__, e) from e
+
+
+def _projection(out: Any) -> torch.Tensor | None:
+    """A scalar that every floating output element reaches with its own weight (fixed random weights, so that
+    no gradient cancels by symmetry); None where no output requires a gradient."""
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        return None
+    draw = torch.Generator().manual_seed(0)
+    total = None
+    for t in leaves:
+        w = torch.rand(t.shape, generator=draw, dtype=torch.float64).to(device=t.device, dtype=t.dtype) + 0.5
+        term = (t * w).sum().to(torch.float64) if not t.is_complex() else (t * w).real.sum().to(torch.float64)
+        total = term if total is None else total + term
+    return total
+
+
+def _gradients(out: Any, params: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor | None] | None:
+    """Each parameter's gradient of :func:`_projection` of ``out`` (None where it gets none), taken by an
+    ordinary backward (hooks run, ``.grad`` accumulates, as in training) and set aside again; None where
+    nothing requires a gradient or the backward itself raises (the source then cannot train on this)."""
+    if not params:
+        return None
+    loss = _projection(out)
+    if loss is None:
+        return [None] * len(params)
+    try:
+        loss.backward()
+    except Exception:
+        return None
+    grads = [p.grad for _, p in params]
+    for _, p in params:
+        p.grad = None
+    return grads
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Gradients equal within float tolerance (relative to the gradient's largest element: a sum taken in
+    another order rounds differently, a lost region or hook changes it by a factor)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    x, y = a.detach().to_dense().double(), b.detach().to_dense().double()
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(a.dtype, 2e-2)
+    scale = float(x.abs().max()) if x.numel() else 0.0
+    return bool(((x - y).abs().max() <= tol * scale + 1e-30).item()) if x.numel() else True
+
+
+def _gradient_difference(source: nn.Module, seq: nn.Module, params: list[tuple[str, nn.Parameter]],
+                         wanted: list[torch.Tensor | None], made: list[torch.Tensor | None] | None,
+                         ) -> tuple[str, str | None] | None:
+    """The first parameter whose gradient differs between the source's backward and the result's."""
+    if made is None:
+        return ("the outputs are equal but the converted model's backward raises where the source's runs "
+                "(an in-place update of a value its backward needs?)"), None
+    for (name, _), a, b in zip(params, wanted, made):
+        owner = name.rpartition(".")[0] or None
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            has, lacks = ("the converted model", "the source") if a is None else ("the source", "the converted model")
+            return (f"the outputs are equal but parameter {name!r} gets a gradient in {has} and none in {lacks} "
+                    "(a no_grad region, detach, hook or requires_grad_ call that the conversion does not keep?)"), owner
+        if not _agree(a, b):
+            ratio = float(b.double().norm() / a.double().norm()) if float(a.double().norm()) else float("inf")
+            return (f"the outputs are equal but the gradient of parameter {name!r} differs (norm ratio "
+                    f"{ratio:.4g}: a tensor hook, a no_grad region or a detach the conversion does not keep?)"), owner
+    return None
 
 
 def _carries(expected: Any, got: Any, same: Callable[[Any, Any], bool]) -> bool | None:

@@ -374,10 +374,13 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
     if found is not None:
         difference, path = found
         note = f" made by the {frontend} frontend" if frontend else ""
+        trains = "gradient" in difference or "backward" in difference
+        accept = ("; verify=False would return a model that trains differently from the source: use it only for "
+                  "inference") if trains else ", or pass verify=False to accept it"
         error = VerifyError(
             f"the converted {type(source).__name__}{note} does not compute what the source computes on the example "
-            f"inputs: {difference}. Try the other frontend (frontend='fx' or 'export'), keep that module whole "
-            "(leaf_paths=[...]), or pass verify=False to accept it"
+            f"inputs: {difference}. Try the other frontend (frontend='fx' or 'export') or keep that module whole "
+            f"(leaf_paths=[...]){accept}"
         )
         error.module_path = path
         raise error

@@ -16,6 +16,7 @@ from ..errors import (
 )
 from ..sequential import ExportedInfo, Sequential
 from ..trace import Opaque, Traced, preserved, trace
+from ..trace_real import buffers_kept
 from ..verify import check, kept, split_inputs
 from .build import RESERVED, build
 from .linearize import Plan, linearize
@@ -113,6 +114,19 @@ def convert(
         return model
     model = _unwrapped(model)
     leaf_types, leaf_paths = _check_options(model, leaf_types, leaf_paths, depth)
+    # Conversion runs the source (traces, the self-check): whatever that draws or writes is put back.
+    with torch.random.fork_rng(devices=_accelerators(model)), buffers_kept(model, parameters=True):
+        return _convert(model, example_inputs, leaf_types, leaf_paths, depth, check_modes, frontend, verify)
+
+
+def _accelerators(model: nn.Module) -> list[int]:
+    """The CUDA devices holding the model's tensors (their generators are forked during conversion)."""
+    return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
+
+
+def _convert(model: nn.Module, example_inputs: Any, leaf_types: tuple[type, ...], leaf_paths: tuple[str, ...],
+             depth: int | None, check_modes: bool, frontend: str, verify: bool) -> Sequential:
+    """:func:`convert` on checked options."""
     if frontend not in ("auto", "fx", "export"):
         raise OptionError(f"frontend={frontend!r}: choose 'auto', 'fx' or 'export'")
     if frontend == "export":

@@ -3,6 +3,7 @@
 from typing import Any
 
 from . import skip
+from ._version import __version__
 from .config import Config, pipeline_from_config
 from .convert import convert
 from .errors import *  # noqa: F403
@@ -14,8 +15,6 @@ from .pipeline import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomput
 from .sequential import OpaqueInfo, Sequential, SkipInfo
 from .pipeline.config import PipeConfig
 from .tuning import tune
-
-__version__ = "0.1.0"
 
 __all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", "measure", "plot", "tune", "PipeConfig", "Config", "pipeline_from_config", "checkpoint", "compat", *_errors]
 

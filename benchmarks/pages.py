@@ -217,8 +217,8 @@ def headline(readme: bool = False) -> str:
         table(["training step", "one GPU: peak", "seqify", "torch pipelining (best)", "DDP", "FSDP2"], body),
         "",
         "Speed-up over one GPU training the same batch in the same run; in brackets the largest peak memory allocated "
-        "on one GPU. seqify on 2 GPUs: ZB-H2, 4 micro-batches, CUDA graphs, two streams per GPU; on 4 GPUs: what "
-        "`seqify.tune` chose. torch pipelining: `torch.distributed.pipelining` on hand-cut halves, its fastest "
+        "on one GPU. seqify on 2 GPUs: ZB-H2, 4 micro-batches, CUDA graphs, two streams per GPU (what `seqify.tune` "
+        "chooses for it on two H100s); on 4 GPUs: what `seqify.tune` chose. torch pipelining: `torch.distributed.pipelining` on hand-cut halves, its fastest "
         f"schedule and chunk count ({r2['tpp_label']}, 4 chunks). DDP and FSDP2 split the batch over the GPUs.",
         "",
         (f"*NVIDIA H200 GPUs on NVLink; torch {TORCH}; seqify {SEQIFY}; 2026-11-26.* The commands and raw files of "

@@ -12,7 +12,7 @@ from torch import nn
 
 import seqify
 
-__all__ = ["snapshot", "assert_unchanged", "assert_exact", "leaves", "loss_of"]
+__all__ = ["snapshot", "assert_unchanged", "assert_exact", "leaves", "loss_of", "by_micro_batch"]
 
 
 def leaves(x: Any) -> list[torch.Tensor]:
@@ -23,6 +23,33 @@ def loss_of(out: Any) -> torch.Tensor:
     """A scalar that depends on every floating output."""
     parts = [t.float().pow(2).mean() * (i + 1) for i, t in enumerate(leaves(out)) if t.is_floating_point()]
     return torch.stack(parts).sum()
+
+
+def by_micro_batch(model: Callable[..., Any], args: tuple[Any, ...], chunks: int,
+                   kwargs: dict[str, Any] | None = None) -> Any:
+    """The source run on each micro-batch, outputs joined along dim 0: what a pipeline of ``chunks``
+    micro-batches computes, to compare it with bit for bit.
+
+    Never compare a pipeline with the source run on the whole batch: a BLAS may take other kernels for
+    other batch sizes (MKL on AVX512 Xeons does for float64 ``nn.Linear``), so whole-batch bits can differ
+    in the last place. Tensors with a batch dimension are split as a pipeline splits them
+    (``tensor_split``, ``chunks`` clamped to the batch size); each micro-batch is a tensor of its own
+    (views of one tensor would share autograd's version counter). Other arguments go to every call.
+    """
+    kwargs = kwargs or {}
+    batched = [t for t in leaves((args, kwargs)) if t.dim() > 0]
+    chunks = max(1, min(chunks, batched[0].size(0))) if batched else 1
+
+    def part(i: int) -> Any:
+        return pytree.tree_map(
+            lambda t: t.tensor_split(chunks)[i].clone() if isinstance(t, torch.Tensor) and t.dim() > 0 else t,
+            (args, kwargs),
+        )
+
+    outs = [model(*a, **k) for a, k in map(part, range(chunks))]
+    flat = [pytree.tree_flatten(o)[0] for o in outs]
+    joined = [torch.cat(xs) if isinstance(xs[0], torch.Tensor) else xs[0] for xs in zip(*flat)]
+    return pytree.tree_unflatten(joined, pytree.tree_flatten(outs[0])[1])
 
 
 def snapshot(model: nn.Module) -> dict[str, Any]:

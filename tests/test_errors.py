@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
-from exactness import assert_exact, assert_unchanged, snapshot
+from exactness import assert_exact, assert_unchanged, by_micro_batch, snapshot
 from seqify.skip import Namespace, pop, skippable, stash
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,7 +125,7 @@ def test_keyword_only_forward_converts_and_pipelines() -> None:
     assert torch.equal(seq2(x=x, scale=scale), model(x=x, scale=scale))
     reference = copy.deepcopy(model)
     pipe = seqify.pipeline(model, devices=CPU2, balance=[2, len(seq) - 2], chunks=2)
-    torch.testing.assert_close(pipe(x=x, scale=scale), reference(x=x, scale=scale), rtol=0, atol=1e-6)
+    assert torch.equal(pipe(x=x, scale=scale), by_micro_batch(reference, (), 2, {"x": x, "scale": scale}))
 
 
 def test_keyword_only_forward_misused() -> None:
@@ -263,8 +263,8 @@ def test_hooks_on_submodules_are_kept_and_run_in_seq_and_in_a_pipeline() -> None
     assert seen == ["pre", "post"] * 2  # the reference's copied hooks and seq's
     seen.clear()
     pipe = seqify.pipeline(seq, devices=CPU2, balance=[2, len(seq) - 2], chunks=3)
-    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-6)
-    assert seen.count("pre") == 3 + 1 and seen.count("post") == 3 + 1  # 3 micro-batches, and the reference once
+    assert torch.equal(pipe(x), by_micro_batch(reference, (x,), 3))
+    assert seen.count("pre") == 3 + 3 and seen.count("post") == 3 + 3  # 3 micro-batches, in both
 
 
 def test_hook_added_after_conversion_to_a_flattened_submodule() -> None:
@@ -363,10 +363,10 @@ def test_mixed_dtypes_convert_exactly_and_pipeline() -> None:
     seq = seqify.convert(model)
     pipe = seqify.pipeline(seq, devices=CPU2, balance=[3, len(seq) - 3], chunks=2)
     got = pipe(x)
-    expected = [torch.cat(parts) for parts in zip(*[reference(c) for c in x.tensor_split(2)])]
+    expected = by_micro_batch(reference, (x,), 2)
     assert [t.dtype for t in got] == [torch.float32, torch.float64]
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert torch.equal(a, b)
 
 
 def test_parameters_on_several_devices_fail_clearly() -> None:

@@ -11,7 +11,7 @@ import operator
 import os
 import traceback
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,7 @@ from torch.fx.proxy import Scope, ScopeContextManager
 from .errors import (ExampleInputError, HookError, KeywordArgumentsError, SeqifyError, StatefulForwardError,
                      UntraceableError)
 from .guard import Guard, check_bool, check_equal
+from .outside import Held, find, outside, values_kept
 from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
 from .trace_checks import attributes, check_decorated, passthrough, writes_since
@@ -533,6 +534,11 @@ class _Tracer(fx.Tracer):
         path = module_qualified_name
         if path in self.opaque:
             return True
+        if isinstance(m, torch.jit.ScriptModule):
+            # compiled code fx cannot read; called whole, it computes what the source's call computes
+            kind = getattr(m, "original_name", type(m).__name__)
+            self.opaque[path] = Opaque(path, kind, "a TorchScript module (its forward is compiled code), kept whole")
+            return True
         if path and any(getattr(m, h, None) for h in _HOOK_DICTS):
             self.opaque[path] = Opaque(path, type(m).__name__, "has hooks, kept whole so they still run")
             return True
@@ -604,21 +610,25 @@ def _readable(text: str, graph: fx.Graph) -> str:
 
 
 @contextmanager
-def preserved(model: nn.Module) -> Iterator[None]:
+def preserved(model: nn.Module) -> Iterator[Callable[[], list[Held]]]:
     """Restore every module's attributes, parameters, buffers, children and flags on exit, and the contents
     of plain dict and list attributes (a cache a forward fills, such as timm's attention-bias cache, must
     not keep the fake tensors a trace put there). Hook dicts (OrderedDicts) are restored too: transformers 5
     installs output-capturing hooks on a model's first call that records hidden states and marks it with
     an attribute; keeping the hooks but dropping the mark would install them again on the next call, and
-    every hidden state would then be recorded twice (Segformer's decode head read the wrong stages)."""
+    every hidden state would then be recorded twice (Segformer's decode head read the wrong stages).
+    The values of tensors and the states of generators the model holds outside its module tree are put
+    back too (``outside.values_kept``, whose function of what changed so far this yields). TorchScript
+    modules are left alone: their tables are views of compiled state that a forward does not change."""
     saved = [
         (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
-        for m in model.modules()
+        for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)
     ]
     contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values()
                 if type(v) in (dict, list, OrderedDict)]
     try:
-        yield
+        with values_kept(model) as changed:
+            yield changed
     finally:
         for container, before in contents:
             if isinstance(container, dict):

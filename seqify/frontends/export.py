@@ -488,6 +488,20 @@ def _shape_guards(graph: fx.Graph, inputs: list[fx.Node], names: list[str]) -> l
     return guards
 
 
+def _refuse_scripted(model: nn.Module) -> None:
+    """A TorchScript submodule runs compiled code that export cannot flatten into ops; fx keeps it whole."""
+    path, module = next(((p, m) for p, m in model.named_modules() if p and isinstance(m, torch.jit.ScriptModule)),
+                        ("", None))
+    if module is not None:
+        kind = getattr(module, "original_name", type(module).__name__)
+        raise ExportError(
+            f"submodule {path!r} ({kind}) of {type(model).__name__} is a TorchScript module (torch.jit.script): "
+            "its forward is compiled code that the torch.export frontend cannot flatten into ops. Convert with "
+            "frontend='fx' (or 'auto'), which keeps it whole as one layer, or convert the Python module before "
+            "scripting it"
+        )
+
+
 def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     """Capture ``model`` with non-strict ``torch.export`` on ``example_inputs`` and return it in the traced form.
 
@@ -508,6 +522,7 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
             "the converted model. Convert with frontend='fx', which keeps a hooked submodule whole as one layer "
             "whose hooks run, or remove the hooks before converting (and register them on the converted layers)"
         )
+    _refuse_scripted(model)
     params, kwargs, dynamic = _bind(model, example_inputs)
     _refuse_cache(model, kwargs)
     ep = _export(model, kwargs, dynamic)

@@ -1,0 +1,164 @@
+"""State a model reaches through plain attributes but holds outside its module tree (lists, dicts, helper objects)."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__ = ["Held", "outside", "find", "values_kept", "registered"]
+
+#: What ``nn.Module.__init__`` puts in a module's ``__dict__``: torch's own bookkeeping, never user state.
+_INTERNALS = frozenset(nn.Module().__dict__)
+#: Values that hold no tensors, skipped without a look inside.
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), type, torch.dtype, torch.device, torch.Size,
+           types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+#: A walk visits at most this many objects and goes this deep: a model holding a data set or a tokenizer
+#: in an attribute must not make every trace slow; weights sit a few attributes deep.
+_BUDGET = 20000
+_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class Held:
+    """An object the model reaches outside its module tree: ``owner`` is the registered module whose plain
+    attribute starts the chain ('' for the model itself), ``where`` the chain from it (``layers[0].weight``)."""
+
+    owner: str
+    where: str
+    obj: Any
+
+    def path(self, model: nn.Module) -> str:
+        """The attribute path a user reads in the source (``M3.layers[0].weight``)."""
+        return ".".join([type(model).__name__, *([self.owner] if self.owner else []), self.where])
+
+
+def registered(model: nn.Module) -> set[int]:
+    """The ids of the model's own parameters, buffers and modules (what ``.to()`` and ``state_dict`` see)."""
+    found = {id(m) for m in model.modules()}
+    found |= {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    return found
+
+
+class _Walk:
+    """One walk over a model's plain attributes, recording the first path to each object outside its tree."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.mine = registered(model)
+        self.seen: set[int] = set()
+        self.found: list[Held] = []
+        self.left = _BUDGET
+
+    def module_attrs(self, m: nn.Module, owner: str, where: str, depth: int) -> None:
+        if isinstance(m, torch.jit.ScriptModule):
+            return  # compiled: its state lives in C++ and its forward reads only what it registered
+        for name, value in m.__dict__.items():
+            if name not in _INTERNALS:
+                self.visit(value, owner, f"{where}.{name}" if where else name, depth + 1)
+
+    def visit(self, value: Any, owner: str, where: str, depth: int) -> None:
+        if isinstance(value, _LEAVES) or id(value) in self.seen or depth > _DEPTH or self.left <= 0:
+            return
+        self.seen.add(id(value))
+        self.left -= 1
+        if isinstance(value, torch.Tensor):
+            if id(value) not in self.mine and not isinstance(value, FakeTensor):
+                self.found.append(Held(owner, where, value))
+        elif isinstance(value, torch.Generator):
+            self.found.append(Held(owner, where, value))
+        elif isinstance(value, nn.Module):
+            if id(value) in self.mine:
+                return  # a reference to one of the model's own modules: its state is registered
+            self.found.append(Held(owner, where, value))
+            for kind in ("_parameters", "_buffers", "_modules"):
+                for name, item in value.__dict__.get(kind, {}).items():
+                    self.visit(item, owner, f"{where}.{name}", depth + 1)
+            self.module_attrs(value, owner, where, depth)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                self.visit(item, owner, f"{where}[{i}]", depth + 1)
+        elif isinstance(value, dict):
+            for key, item in list(value.items()):
+                self.visit(item, owner, f"{where}[{key!r}]", depth + 1)
+        elif type(value).__module__.partition(".")[0] not in ("torch", "builtins"):
+            attrs = getattr(value, "__dict__", None)
+            if isinstance(attrs, dict):
+                for name, item in list(attrs.items()):
+                    self.visit(item, owner, f"{where}.{name}", depth + 1)
+
+
+def outside(model: nn.Module) -> list[Held]:
+    """The tensors (parameters included), modules and ``torch.Generator`` objects that ``model`` reaches
+    through plain attributes of its modules (lists, tuples, dicts, helper objects, unregistered modules)
+    but does not register: ``model.parameters()``, ``.to()`` and ``state_dict`` do not see them."""
+    walk = _Walk(model)
+    for path, m in model.named_modules():
+        walk.module_attrs(m, path, "", 0)
+    return walk.found
+
+
+def _view(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What identifies a tensor's view of memory (export lifts a parameter as a detached alias of it)."""
+    if t.is_meta or isinstance(t, FakeTensor) or t.layout != torch.strided:
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+def find(model: nn.Module, obj: Any, found: list[Held] | None = None) -> Held | None:
+    """Where ``model`` holds ``obj`` outside its module tree: the object itself, or for a tensor the one
+    viewing the same memory the same way; None where it holds none such."""
+    found = outside(model) if found is None else found
+    hit = next((h for h in found if h.obj is obj), None)
+    if hit is not None or not isinstance(obj, torch.Tensor):
+        return hit
+    key = _view(obj)
+    if key is None:
+        return None
+    return next((h for h in found if isinstance(h.obj, torch.Tensor) and _view(h.obj) == key), None)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and values, NaNs in the same places."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
+
+
+@contextmanager
+def values_kept(model: nn.Module) -> Iterator[Callable[[], list[Held]]]:
+    """Put back on exit the values of the tensors (not requiring grad: those cannot change in place under
+    autograd) and the states of the generators ``model`` holds outside its module tree, which a forward
+    run while converting may change; yields a function giving those changed so far."""
+    saved: list[tuple[Held, Any]] = []
+    for held in outside(model):
+        if isinstance(held.obj, torch.Generator):
+            saved.append((held, held.obj.get_state()))
+        elif isinstance(held.obj, torch.Tensor) and not held.obj.requires_grad and _view(held.obj) is not None:
+            saved.append((held, held.obj.detach().clone()))
+
+    def differs(held: Held, before: Any) -> bool:
+        now = held.obj.get_state() if isinstance(held.obj, torch.Generator) else held.obj.detach()
+        return not _same(now, before)
+
+    try:
+        yield lambda: [held for held, before in saved if differs(held, before)]
+    finally:
+        for held, before in saved:
+            if differs(held, before):
+                if isinstance(held.obj, torch.Generator):
+                    held.obj.set_state(before)
+                else:
+                    with torch.no_grad():
+                        held.obj.copy_(before)

@@ -12,7 +12,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["Held", "outside", "find", "values_kept", "registered"]
+from .errors import StatefulForwardError, UnregisteredError
+
+__all__ = ["Held", "outside", "find", "values_kept", "registered", "unregistered_error", "generator_error",
+           "what_is"]
 
 #: What ``nn.Module.__init__`` puts in a module's ``__dict__``: torch's own bookkeeping, never user state.
 _INTERNALS = frozenset(nn.Module().__dict__)
@@ -115,10 +118,13 @@ def _view(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 
 def find(model: nn.Module, obj: Any, found: list[Held] | None = None) -> Held | None:
-    """Where ``model`` holds ``obj`` outside its module tree: the object itself, or for a tensor the one
-    viewing the same memory the same way; None where it holds none such."""
+    """Where ``model`` holds ``obj`` outside its module tree: the object itself, for a tensor the one viewing
+    the same memory the same way, for a generator one in the same state; None where it holds none such."""
     found = outside(model) if found is None else found
     hit = next((h for h in found if h.obj is obj), None)
+    if hit is None and isinstance(obj, torch.Generator):  # export lifts a generator as a copy of its state
+        hit = next((h for h in found if isinstance(h.obj, torch.Generator) and h.obj.device == obj.device
+                    and _same(h.obj.get_state(), obj.get_state())), None)
     if hit is not None or not isinstance(obj, torch.Tensor):
         return hit
     key = _view(obj)
@@ -162,3 +168,52 @@ def values_kept(model: nn.Module) -> Iterator[Callable[[], list[Held]]]:
                 else:
                     with torch.no_grad():
                         held.obj.copy_(before)
+
+
+def what_is(model: nn.Module, held: Held | None, obj: Any) -> str:
+    """``M3.layers[0] (Linear)``: where the model holds ``obj`` outside its tree and what it is."""
+    kind = (type(obj).__name__ if isinstance(obj, nn.Module) else "a parameter" if isinstance(obj, nn.Parameter)
+            else "a tensor that requires grad" if isinstance(obj, torch.Tensor) and obj.requires_grad
+            else "a tensor" if isinstance(obj, torch.Tensor) else type(obj).__name__)
+    if held is None:
+        return f"{kind} that is not part of {type(model).__name__} (one made while forward runs?)"
+    return f"{held.path(model)} ({kind})"
+
+
+def _frozen(obj: Any) -> bool:
+    """A module whose weights never train, or a tensor that does not require grad."""
+    if isinstance(obj, nn.Module):
+        return not any(p.requires_grad for p in obj.parameters())
+    return isinstance(obj, torch.Tensor) and not obj.requires_grad
+
+
+def unregistered_error(model: nn.Module, held: Held | None, obj: Any, *, frontend: str) -> UnregisteredError:
+    """The refusal of a forward that uses a module, or a tensor requiring grad, held outside the module tree."""
+    name = type(model).__name__
+    export_ok = frontend == "fx" and _frozen(obj) and held is not None
+    return UnregisteredError(
+        f"{name}.forward uses {what_is(model, held, obj)}, which {name} keeps outside its module tree (in a plain "
+        "list, tuple, dict or helper object, not as a registered submodule, parameter or buffer): "
+        "model.parameters(), .to(), .double() and state_dict() do not see it, and converted layers cannot hold "
+        "it as the source does (they would bake its weights in as constants that no gradient reaches, or move "
+        "and cast them unlike the source). What to do: register it (nn.ModuleList([...]) or nn.ModuleDict({...}) "
+        "for modules, nn.Parameter or nn.ParameterList for trained tensors, self.register_buffer(...) for the "
+        "rest), or move the code that uses it into a submodule (if it is not in one already) and convert with "
+        "frontend='fx' or 'auto', which keep such a submodule whole as one layer"
+        + (". Weights that never train (requires_grad=False, as here) also convert with frontend='export' (or "
+           "'auto'), which reads them as constants shared with the source" if export_ok else "")
+    )
+
+
+def generator_error(model: nn.Module, held: Held | None, obj: Any) -> StatefulForwardError:
+    """The refusal of a forward that draws from a private ``torch.Generator``."""
+    name = type(model).__name__
+    where = held.path(model) if held is not None else "a torch.Generator made while forward runs"
+    return StatefulForwardError(
+        f"{name}.forward draws random numbers from its own torch.Generator ({where}): a pipeline cannot replay a "
+        "private generator's draws (it splits each batch into micro-batches, and recomputing a checkpointed layer "
+        "replays torch's global generator only), so seqify does not split such a forward into layers. What to "
+        "do: draw from torch's global generator (seeded with torch.manual_seed before the run), or move the draw "
+        "into a submodule, which the fx frontend (frontend='fx' or 'auto') keeps whole as one layer that draws "
+        "as the source does"
+    )

@@ -59,17 +59,24 @@ def unpatched() -> Iterator[None]:
 
 
 @contextmanager
-def buffers_kept(model: nn.Module) -> Iterator[None]:
+def buffers_kept(model: nn.Module) -> Iterator[Callable[[], list[str]]]:
     """Put every buffer's values back on exit (code run eagerly while tracing, or a real run, may update
-    BatchNorm statistics in place)."""
-    saved = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+    BatchNorm statistics in place); yields a function giving the names of the buffers changed so far."""
+    saved = [(name, b, b.detach().clone()) for name, b in model.named_buffers() if not b.is_meta]
     try:
-        yield
+        yield lambda: [name for name, b, copy in saved if not _equal(b, copy)]
     finally:
         with torch.no_grad():
-            for b, copy in saved:
-                if not torch.equal(b, copy):
+            for _, b, copy in saved:
+                if not _equal(b, copy):
                     b.copy_(copy)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaNs in the same places (a NaN is not unequal to itself here)."""
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
 
 
 def source_error(

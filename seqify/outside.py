@@ -44,8 +44,11 @@ class Held:
 
 def registered(model: nn.Module) -> set[int]:
     """The ids of the model's own parameters, buffers and modules (what ``.to()`` and ``state_dict`` see)."""
-    found = {id(m) for m in model.modules()}
-    found |= {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    found: set[int] = set()
+    for m in model.modules():  # the tables directly: parameters() and buffers() walk the tree twice more
+        found.add(id(m))
+        found.update(id(t) for t in m._parameters.values() if t is not None)
+        found.update(id(t) for t in m._buffers.values() if t is not None)
     return found
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
@@ -44,14 +45,20 @@ class Reseed:
         return f"submodule {self.module!r} ({type(model.get_submodule(self.module)).__name__})"
 
 
+_CONTEXTLIB = os.path.abspath(contextlib.__file__)
+
+
 def _owner(file: str) -> str:
     file = os.path.abspath(file)
-    return "torch" if file.startswith(_TORCH) else "seqify" if file.startswith(_HERE) else "user"
+    if file.startswith(_TORCH) or file == _CONTEXTLIB:
+        return "torch"  # contextlib runs the exit of torch's own context managers (fork_rng)
+    return "seqify" if file.startswith(_HERE) else "user"
 
 
 def _caller(frame: FrameType | None) -> FrameType | None:
     """The first frame outside torch above ``frame``, where it is the user's code (not seqify's own: a
-    ``fork_rng`` that seqify opens puts the state back through ``set_rng_state``)."""
+    ``fork_rng`` that seqify opens puts the state back through ``set_rng_state``). A ``fork_rng`` in the
+    user's forward is a reseed too: the state it puts back undoes the draws inside it."""
     while frame is not None and _owner(frame.f_code.co_filename) == "torch":
         frame = frame.f_back
     return frame if frame is not None and _owner(frame.f_code.co_filename) == "user" else None

@@ -431,3 +431,19 @@ def test_a_submodule_that_reseeds_is_kept_whole(frontend: str) -> None:
 
 def test_export_refuses_a_submodule_that_reseeds_by_name() -> None:
     _refused(ReseedInside, "export", seqify.StatefulForwardError, "'seeded'", "torch.manual_seed", "frontend='fx'")
+
+
+class Forked(nn.Module):  # the state fork_rng puts back undoes the draws inside it: a reseed too
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):
+            x = F.dropout(x, 0.5, self.training)
+        return F.dropout(self.l(x), 0.5, self.training)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_fork_rng_in_forward_is_caught(frontend: str) -> None:
+    _refused(Forked, frontend, seqify.StatefulForwardError, "torch.set_rng_state", "with torch.random.fork_rng")

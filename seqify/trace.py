@@ -93,12 +93,13 @@ class KeepWhole(Exception):
 
 @dataclass(frozen=True)
 class _Update:
-    """State a traced forward changed in place without fx recording it: a buffer, a tensor held outside the
-    module tree, or a private generator's state (``owner``: the module whose attribute holds it)."""
+    """State a traced forward changed that no layer would change again: a Python attribute it set, or in place
+    without fx recording it, a buffer, a tensor held outside the module tree or a private generator's state
+    (``owner``: the module whose attribute holds it)."""
 
     owner: str
     name: str
-    kind: str  # "buffer", "tensor" or "generator"
+    kind: str  # "attribute" (a Python attribute set or replaced), "buffer", "tensor" or "generator"
 
 
 @dataclass(frozen=True)
@@ -925,9 +926,9 @@ def _trace_once(
     leaf_types: Sequence[type],
     leaf_paths: Sequence[str],
     depth: int | None,
-) -> tuple[_Tracer, fx.Graph, dict[str, list[Any]]]:
-    """One fx trace; returns the tracer, the graph and, by module path, the attributes each module's traced
-    forward wrote (names) and the state it changed in place without fx recording it (``_Update``)."""
+) -> tuple[_Tracer, fx.Graph, list[_Update]]:
+    """One fx trace; returns the tracer, the graph, and the attributes a traced forward wrote and the state it
+    changed in place without fx recording it."""
     name = type(model).__name__
     fake_mode = real = None
     if example_inputs is not None:
@@ -965,15 +966,15 @@ def _trace_once(
                 "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
                 "or list that submodule in leaf_paths=[...]."
             ) from e
-        writes: dict[str, list[Any]] = dict(writes_since(model, before))
+        writes = [_Update(path, name, "attribute") for path, names in writes_since(model, before).items()
+                  for name in names]
         # In-place changes made while tracing that fx did not record (`self.n += 1` on a buffer, a draw from
         # a private generator with fixed sizes): they ran once, at conversion, and no layer repeats them.
         for buffer in buffers_changed():
             owner, _, attr = buffer.rpartition(".")
-            writes.setdefault(owner, []).append(_Update(owner, attr, "buffer"))
+            writes.append(_Update(owner, attr, "buffer"))
         for held in held_changed():
-            kind = "generator" if isinstance(held.obj, torch.Generator) else "tensor"
-            writes.setdefault(held.owner, []).append(_Update(held.owner, held.where, kind))
+            writes.append(_Update(held.owner, held.where, "generator" if isinstance(held.obj, torch.Generator) else "tensor"))
     if real is not None and real.error is not None and source_error(
         model, _caller(model, example_inputs), lambda: preserved(model)) is not None:
         # An opaque submodule's value came from running the source, and the source raised, outside a trace
@@ -984,21 +985,23 @@ def _trace_once(
     return tracer, graph, writes
 
 
-def _keep_writers(model: nn.Module, writes: dict[str, list[Any]], kept: dict[str, Opaque], tracer: _Tracer) -> None:
+def _keep_writers(model: nn.Module, writes: list[_Update], kept: dict[str, Opaque], tracer: _Tracer) -> None:
     """Keep whole each module whose attributes a traced forward wrote, or whose state it changed in place
     unrecorded (its own forward, or failing that its parent's), so the source's module changes on every
     call; refuse when that is the model itself."""
-    for path, changes in writes.items():
+    by_owner: dict[str, list[_Update]] = {}
+    for w in writes:
+        by_owner.setdefault(w.owner, []).append(w)
+    for path, changes in by_owner.items():
         owner = path
         while owner and owner not in tracer.flattened:
             owner = owner.rpartition(".")[0]  # not traced through: the write comes from an enclosing forward
-        names = [c.name if isinstance(c, _Update) else c for c in changes]
-        attrs = ", ".join(f"{path}.{n}" if path else f"self.{n}" for n in names)
-        kinds = {c.kind if isinstance(c, _Update) else "attribute" for c in changes}
+        attrs = ", ".join(f"{path}.{c.name}" if path else f"self.{c.name}" for c in changes)
+        kinds = {c.kind for c in changes}
         if not owner:
-            raise _stateful(model, kinds, attrs, [c for c in changes if isinstance(c, _Update)])
+            raise _stateful(model, kinds, attrs, changes)
         module = model.get_submodule(owner)
-        what = ("changes in place, unrecorded by fx," if kinds - {"attribute"} else "changes the attribute(s)")
+        what = "changes the attribute(s)" if kinds == {"attribute"} else "changes in place, unrecorded by fx,"
         kept[owner] = Opaque(owner, type(module).__name__, f"its forward {what} {attrs}; kept whole so the source module changes on every call")
 
 
@@ -1007,7 +1010,7 @@ def _stateful(model: nn.Module, kinds: set[str], attrs: str, updates: list[_Upda
     name = type(model).__name__
     if "generator" in kinds:
         gen = next(u for u in updates if u.kind == "generator")
-        held = next((h for h in outside(model) if h.owner == gen.owner and h.where == gen.name), None)
+        held = next((h for h in outside(model) if (h.owner, h.where) == (gen.owner, gen.name)), None)
         return generator_error(model, held, held.obj if held is not None else None)
     if "tensor" in kinds:
         return StatefulForwardError(

@@ -1001,8 +1001,9 @@ def _keep_writers(model: nn.Module, writes: list[_Update], kept: dict[str, Opaqu
         if not owner:
             raise _stateful(model, kinds, attrs, changes)
         module = model.get_submodule(owner)
-        what = "changes the attribute(s)" if kinds == {"attribute"} else "changes in place, unrecorded by fx,"
-        kept[owner] = Opaque(owner, type(module).__name__, f"its forward {what} {attrs}; kept whole so the source module changes on every call")
+        what = (f"changes the attribute(s) {attrs}" if kinds == {"attribute"} else
+                f"changes {attrs} in place where fx does not record it")
+        kept[owner] = Opaque(owner, type(module).__name__, f"its forward {what}; kept whole so the source module changes on every call")
 
 
 def _stateful(model: nn.Module, kinds: set[str], attrs: str, updates: list[_Update]) -> SeqifyError:

@@ -120,6 +120,16 @@ class InHelper(nn.Module):
         return self.l(x) * self.helper.scale
 
 
+class InTuple(nn.Module):  # the weight read directly, not through the module's call
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.pair = (nn.Linear(8, 8), 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.l(x), self.pair[0].weight)
+
+
 class TrainedTensor(nn.Module):  # a plain attribute that requires grad: trained, but not a parameter
     def __init__(self) -> None:
         super().__init__()
@@ -134,6 +144,7 @@ class TrainedTensor(nn.Module):  # a plain attribute that requires grad: trained
 @pytest.mark.parametrize("make, where, fix", [
     (InDict, "InDict.heads['a']", "nn.ModuleDict"),
     (InHelper, "InHelper.helper.scale", "nn.Parameter"),
+    (InTuple, "InTuple.pair[0].weight", "nn.Parameter"),
     (TrainedTensor, "TrainedTensor.w", "nn.Parameter"),
 ])
 def test_trained_state_outside_the_module_tree_is_refused_by_path(

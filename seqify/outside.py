@@ -64,6 +64,8 @@ class _Walk:
     def module_attrs(self, m: nn.Module, owner: str, where: str, depth: int) -> None:
         if isinstance(m, torch.jit.ScriptModule):
             return  # compiled: its state lives in C++ and its forward reads only what it registered
+        if type(m).__module__.partition(".")[0] == "seqify":
+            return  # a converted model's bookkeeping (the source modules it flattened), not state it reads
         for name, value in m.__dict__.items():
             if name not in _INTERNALS:
                 self.visit(value, owner, f"{where}.{name}" if where else name, depth + 1)

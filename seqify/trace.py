@@ -428,12 +428,14 @@ class _Tracer(fx.Tracer):
             )
         if isinstance(a, torch.Generator):
             raise _generator(self.root, a)
-        if isinstance(a, torch.Tensor) and id(a) not in self._registered() and (
-                isinstance(a, nn.Parameter) or a.requires_grad):
+        outside_tree = isinstance(a, torch.Tensor) and id(a) not in self._registered()
+        if outside_tree and a.requires_grad:
+            # trained where no optimizer sees it: a layer can neither bake it nor hold it as the source does (a
+            # tensor made in forward is made afresh each call, and stays a constant)
             held = find(self.root, a, self._outside())
             if held is not None or isinstance(a, nn.Parameter):
                 raise _unregistered(self.root, held, a)
-        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
+        if isinstance(a, torch.Tensor) and (not isinstance(a, nn.Parameter) or outside_tree):
             if self._known_tensors is None:
                 self._known_tensors = {id(t) for t in self.root.buffers()} | {id(t) for t in self.tensor_attrs}
             if id(a) not in self._known_tensors:

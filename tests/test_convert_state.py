@@ -181,6 +181,24 @@ def test_a_frozen_module_in_a_list_shares_and_keeps_its_dtype() -> None:
     assert model.l.weight.dtype == torch.float64
 
 
+class FrozenWeight(nn.Module):  # a frozen module's weight read directly: a constant, the source's own tensor
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.teacher = [nn.Linear(8, 8).requires_grad_(False)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.l(x), self.teacher[0].weight)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_frozen_weight_read_directly_converts_exactly(frontend: str) -> None:
+    model = FrozenWeight()
+    seq = _exact(lambda: model, frontend)
+    assert any(t is model.teacher[0].weight for t in seq.buffers())
+    assert not any(p is model.teacher[0].weight for p in seq.parameters())
+
+
 def test_fx_refuses_a_frozen_module_in_a_list_and_points_to_export() -> None:
     _refused(Frozen, "fx", seqify.UnregisteredError, "Frozen.teacher[0]", "frontend='export'")
 

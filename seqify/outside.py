@@ -95,7 +95,10 @@ class _Walk:
             for key, item in list(value.items()):
                 self.visit(item, owner, f"{where}[{key!r}]", depth + 1)
         elif type(value).__module__.partition(".")[0] not in ("torch", "builtins"):
-            attrs = getattr(value, "__dict__", None)
+            try:  # an object without a __dict__ may answer through its own __getattr__
+                attrs = vars(value)
+            except Exception:
+                return
             if isinstance(attrs, dict):
                 for name, item in list(attrs.items()):
                     self.visit(item, owner, f"{where}.{name}", depth + 1)
@@ -104,7 +107,13 @@ class _Walk:
 def outside(model: nn.Module) -> list[Held]:
     """The tensors (parameters included), modules and ``torch.Generator`` objects that ``model`` reaches
     through plain attributes of its modules (lists, tuples, dicts, helper objects, unregistered modules)
-    but does not register: ``model.parameters()``, ``.to()`` and ``state_dict`` do not see them."""
+    but does not register: ``model.parameters()``, ``.to()`` and ``state_dict`` do not see them.
+
+    The rule a conversion follows for them: one that trains (requires grad) is refused by its path, since
+    layers could only bake it in (no gradient) or hold it where the source's casts and moves do not reach;
+    one that does not (a frozen module kept in a list, a constant) is read by the layers as the source's own
+    tensor, which the converted model's dtype casts leave alone as the source's do; a submodule whose forward
+    uses either, the fx frontend may keep whole (exact: it runs the source's code)."""
     walk = _Walk(model)
     for path, m in model.named_modules():
         walk.module_attrs(m, path, "", 0)

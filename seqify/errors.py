@@ -42,6 +42,7 @@ __all__ = [
     "StatefulForwardError",
     "KeywordArgumentsError",
     "SourceRaisesError",
+    "UnregisteredError",
 ]
 
 
@@ -220,3 +221,9 @@ class KeywordArgumentsError(ExampleInputError, UntraceableError):
 class SourceRaisesError(ExampleInputError):
     """The source model itself raises on the example inputs (an id past the vocabulary, an option its
     config does not support): the inputs are wrong, not the conversion."""
+
+
+class UnregisteredError(UntraceableError):
+    """The forward uses a module or a tensor requiring grad that the model keeps outside its module tree (a
+    plain list, dict, tuple or helper object): ``parameters()``, ``.to()`` and ``state_dict`` do not see it,
+    and converted layers cannot hold it as the source does."""

@@ -11,7 +11,7 @@ import operator
 import os
 import traceback
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,8 @@ from torch.fx.proxy import Scope, ScopeContextManager
 from .errors import (ExampleInputError, HookError, KeywordArgumentsError, SeqifyError, StatefulForwardError,
                      UntraceableError)
 from .guard import Guard, check_bool, check_equal
+from .outside import Held, find, generator_error, outside, registered, unregistered_error, values_kept, what_is
+from .reseeds import Reseed, reseeds
 from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
 from .trace_checks import attributes, check_decorated, passthrough, writes_since
@@ -76,6 +78,28 @@ def user_hooks(module: nn.Module) -> list[str]:
 
 class Diverged(fx.proxy.TraceError):
     """An op fails on the example values while tracing: the traced code is not the path the source runs."""
+
+
+class KeepWhole(Exception):
+    """Raised inside a traced forward that fx cannot turn into exact layers but that is exact run whole: a
+    submodule's forward is kept whole as one layer (``reason`` says why); the model's own forward, which
+    cannot be, raises ``error`` instead."""
+
+    def __init__(self, reason: str, error: SeqifyError) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+@dataclass(frozen=True)
+class _Update:
+    """State a traced forward changed that no layer would change again: a Python attribute it set, or in place
+    without fx recording it, a buffer, a tensor held outside the module tree or a private generator's state
+    (``owner``: the module whose attribute holds it)."""
+
+    owner: str
+    name: str
+    kind: str  # "attribute" (a Python attribute set or replaced), "buffer", "tensor" or "generator"
 
 
 @dataclass(frozen=True)
@@ -214,6 +238,39 @@ def _call_text(node: fx.Node) -> str:
     return f"{target}({args})" if node.op == "call_function" else f"{_expr(node.args[0])}.{target}({args.split(', ', 1)[1] if ', ' in args else ''})"
 
 
+def _unregistered(root: nn.Module, held: Held | None, obj: Any) -> KeepWhole:
+    """A traced forward uses a module, or a tensor requiring grad, held outside the module tree."""
+    where = what_is(root, held, obj)
+    return KeepWhole(f"its forward uses {where}, held outside the module tree (a plain list, dict or helper "
+                     "object); kept whole so it computes with it as the source does",
+                     unregistered_error(root, held, obj, frontend="fx"))
+
+
+def _generator(root: nn.Module, gen: torch.Generator) -> KeepWhole:
+    """A traced forward draws from a private generator."""
+    held = find(root, gen)
+    where = held.path(root) if held is not None else "a torch.Generator made in forward"
+    return KeepWhole(f"its forward draws from its own torch.Generator ({where}); kept whole so it draws as the source does",
+                     generator_error(root, held, gen))
+
+
+def _reseeded(root: nn.Module, record: Reseed, tracer: _Tracer) -> None:
+    """While fx traces (not while a leaf runs whole), a reseed stops the forward: fx would run it once, at
+    conversion, and no layer would repeat it."""
+    if not tracer.plain:
+        raise KeepWhole(
+            f"its forward reseeds torch's random number generator ({record.call} at {record.site}); kept whole so "
+            "it reseeds on every call",
+            StatefulForwardError(
+                f"{type(root).__name__}.forward reseeds torch's random number generator ({record.call} at "
+                f"{record.site}) while it runs: torch.fx runs that call once, while tracing, and no converted layer "
+                "would repeat it, so every random draw after it (dropout, sampling) would differ from the source's. "
+                "What to do: seed before calling the model instead of inside forward, or move the seeding into a "
+                "submodule, which seqify keeps whole as one layer (it then reseeds on every call)"
+            ),
+        )
+
+
 class _Proxy(fx.Proxy):
     """A proxy that asks the tracer for concrete values where Python needs them."""
 
@@ -298,6 +355,8 @@ class _Tracer(fx.Tracer):
         self._clones: dict[int, nn.Module] = {}
         self._param_cache: dict[str, fx.Proxy] | None = None
         self._known_tensors: set[int] | None = None
+        self._mine: set[int] | None = None  # ids of the model's own modules, parameters and buffers
+        self._held: list[Held] | None = None  # what the model holds outside its module tree
         self._depth = 0
         self._raw: Any = None
         self.raw_output: Any = None
@@ -367,7 +426,16 @@ class _Tracer(fx.Tracer):
                 "What to do: pass use_cache=False (in the call inside forward, or set model.config.use_cache = "
                 "False before converting)."
             )
-        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
+        if isinstance(a, torch.Generator):
+            raise _generator(self.root, a)
+        outside_tree = isinstance(a, torch.Tensor) and id(a) not in self._registered()
+        if outside_tree and a.requires_grad:
+            # trained where no optimizer sees it: a layer can neither bake it nor hold it as the source does (a
+            # tensor made in forward is made afresh each call, and stays a constant)
+            held = find(self.root, a, self._outside())
+            if held is not None or isinstance(a, nn.Parameter):
+                raise _unregistered(self.root, held, a)
+        if isinstance(a, torch.Tensor) and (not isinstance(a, nn.Parameter) or outside_tree):
             if self._known_tensors is None:
                 self._known_tensors = {id(t) for t in self.root.buffers()} | {id(t) for t in self.tensor_attrs}
             if id(a) not in self._known_tensors:
@@ -377,6 +445,16 @@ class _Tracer(fx.Tracer):
                     self.constants[name] = a
                 return self.create_node("get_attr", name, (), {})
         return super().create_arg(a)
+
+    def _registered(self) -> set[int]:
+        if self._mine is None:
+            self._mine = registered(self.root)
+        return self._mine
+
+    def _outside(self) -> list[Held]:
+        if self._held is None:
+            self._held = outside(self.root)
+        return self._held
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
         if self.plain:
@@ -533,6 +611,11 @@ class _Tracer(fx.Tracer):
         path = module_qualified_name
         if path in self.opaque:
             return True
+        if isinstance(m, torch.jit.ScriptModule):
+            # compiled code fx cannot read; called whole, it computes what the source's call computes
+            kind = getattr(m, "original_name", type(m).__name__)
+            self.opaque[path] = Opaque(path, kind, "a TorchScript module (its forward is compiled code), kept whole")
+            return True
         if path and any(getattr(m, h, None) for h in _HOOK_DICTS):
             self.opaque[path] = Opaque(path, type(m).__name__, "has hooks, kept whole so they still run")
             return True
@@ -545,7 +628,10 @@ class _Tracer(fx.Tracer):
     def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.plain:
             return forward(*args, **kwargs)
-        path = self.path_of_module(m)
+        try:
+            path = self.path_of_module(m)
+        except NameError:
+            raise _unregistered(self.root, find(self.root, m, self._outside()), m) from None
         with ScopeContextManager(self.scope, Scope(path, type(m))) as scope:
             calls = self.num_calls.get(path, 0)
             key = f"{scope.module_path}@{calls}" if calls > 0 else scope.module_path
@@ -560,6 +646,12 @@ class _Tracer(fx.Tracer):
                     return forward(*args, **kwargs)
                 except SeqifyError:
                     raise
+                except KeepWhole as e:  # exact as one layer: no export splice, which would flatten it again
+                    self._rollback(mark)
+                    for inner in [p for p in self.flattened if p == path or p.startswith(f"{path}.")]:
+                        del self.flattened[inner]
+                    self.opaque[path] = Opaque(path, type(m).__name__, e.reason)
+                    return self._leaf_call(path, calls, args, kwargs)
                 except Exception as e:
                     self._rollback(mark)
                     for inner in [p for p in self.flattened if p == path or p.startswith(f"{path}.")]:
@@ -604,22 +696,29 @@ def _readable(text: str, graph: fx.Graph) -> str:
 
 
 @contextmanager
-def preserved(model: nn.Module) -> Iterator[None]:
+def preserved(model: nn.Module) -> Iterator[Callable[[], list[Held]]]:
     """Restore every module's attributes, parameters, buffers, children and flags on exit, and the contents
     of plain dict and list attributes (a cache a forward fills, such as timm's attention-bias cache, must
     not keep the fake tensors a trace put there). Hook dicts (OrderedDicts) are restored too: transformers 5
     installs output-capturing hooks on a model's first call that records hidden states and marks it with
     an attribute; keeping the hooks but dropping the mark would install them again on the next call, and
-    every hidden state would then be recorded twice (Segformer's decode head read the wrong stages)."""
+    every hidden state would then be recorded twice (Segformer's decode head read the wrong stages).
+    The values of tensors and the states of generators the model holds outside its module tree are put
+    back too (``outside.values_kept``, whose function of what changed so far this yields). TorchScript
+    modules keep their tables (views of compiled state that a forward does not change); their mode is put back."""
     saved = [
         (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
-        for m in model.modules()
+        for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)
     ]
     contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values()
                 if type(v) in (dict, list, OrderedDict)]
+    scripted = [(m, m.training) for m in model.modules() if isinstance(m, torch.jit.ScriptModule)]
     try:
-        yield
+        with values_kept(model) as changed:
+            yield changed
     finally:
+        for m, training in scripted:  # its mode lives in the compiled module: train()/eval() change it there
+            m.training = training
         for container, before in contents:
             if isinstance(container, dict):
                 container.clear()
@@ -829,8 +928,9 @@ def _trace_once(
     leaf_types: Sequence[type],
     leaf_paths: Sequence[str],
     depth: int | None,
-) -> tuple[_Tracer, fx.Graph, dict[str, list[str]]]:
-    """One fx trace; returns the tracer, the graph and the attributes each module's traced forward wrote."""
+) -> tuple[_Tracer, fx.Graph, list[_Update]]:
+    """One fx trace; returns the tracer, the graph, and the attributes a traced forward wrote and the state it
+    changed in place without fx recording it."""
     name = type(model).__name__
     fake_mode = real = None
     if example_inputs is not None:
@@ -848,12 +948,16 @@ def _trace_once(
         real=real,
     )
     tracer.opaque.update(kept)
-    with preserved(model), buffers_kept(model), torch.random.fork_rng(devices=[]), recording_shape_ops():
+    with preserved(model) as held_changed, buffers_kept(model) as buffers_changed, \
+            torch.random.fork_rng(devices=[]), recording_shape_ops():
         before = attributes(model)
         try:
-            graph = tracer.trace(model, concrete_args=concrete or None)
+            with reseeds(model, lambda record: _reseeded(model, record, tracer)):
+                graph = tracer.trace(model, concrete_args=concrete or None)
         except SeqifyError:
             raise
+        except KeepWhole as e:
+            raise e.error from None
         except Exception as e:
             site = _error_site(e)
             raise UntraceableError(
@@ -864,7 +968,15 @@ def _trace_once(
                 "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
                 "or list that submodule in leaf_paths=[...]."
             ) from e
-        writes = writes_since(model, before)
+        writes = [_Update(path, name, "attribute") for path, names in writes_since(model, before).items()
+                  for name in names]
+        # In-place changes made while tracing that fx did not record (`self.n += 1` on a buffer, a draw from
+        # a private generator with fixed sizes): they ran once, at conversion, and no layer repeats them.
+        for buffer in buffers_changed():
+            owner, _, attr = buffer.rpartition(".")
+            writes.append(_Update(owner, attr, "buffer"))
+        for held in held_changed():
+            writes.append(_Update(held.owner, held.where, "generator" if isinstance(held.obj, torch.Generator) else "tensor"))
     if real is not None and real.error is not None and source_error(
         model, _caller(model, example_inputs), lambda: preserved(model)) is not None:
         # An opaque submodule's value came from running the source, and the source raised, outside a trace
@@ -875,22 +987,54 @@ def _trace_once(
     return tracer, graph, writes
 
 
-def _keep_writers(model: nn.Module, writes: dict[str, list[str]], kept: dict[str, Opaque], tracer: _Tracer) -> None:
-    """Keep whole each module whose attributes a traced forward wrote (its own forward, or failing that
-    its parent's), so the source's module changes on every call; refuse when that is the model itself."""
-    for path, names in writes.items():
+def _keep_writers(model: nn.Module, writes: list[_Update], kept: dict[str, Opaque], tracer: _Tracer) -> None:
+    """Keep whole each module whose attributes a traced forward wrote, or whose state it changed in place
+    unrecorded (its own forward, or failing that its parent's), so the source's module changes on every
+    call; refuse when that is the model itself."""
+    by_owner: dict[str, list[_Update]] = {}
+    for w in writes:
+        by_owner.setdefault(w.owner, []).append(w)
+    for path, changes in by_owner.items():
         owner = path
         while owner and owner not in tracer.flattened:
             owner = owner.rpartition(".")[0]  # not traced through: the write comes from an enclosing forward
-        attrs = ", ".join(f"{path}.{n}" if path else f"self.{n}" for n in names)
+        attrs = ", ".join(f"{path}.{c.name}" if path else f"self.{c.name}" for c in changes)
+        kinds = {c.kind for c in changes}
         if not owner:
-            name = type(model).__name__
-            raise StatefulForwardError(
-                f"{name}.forward changes the Python attribute(s) {attrs} while it runs (e.g. a step counter, "
-                "`self.calls += 1`); a converted model would bake the first value in and be wrong from the "
-                "second call on. What to do: move that state change into a submodule (seqify keeps a "
-                "submodule that writes its attributes whole, so the change happens on every call), or keep "
-                "the state in a buffer updated in place (self.calls.add_(1))."
-            )
+            raise _stateful(model, kinds, attrs, changes)
         module = model.get_submodule(owner)
-        kept[owner] = Opaque(owner, type(module).__name__, f"its forward changes the attribute(s) {attrs}; kept whole so the source module changes on every call")
+        what = (f"changes the attribute(s) {attrs}" if kinds == {"attribute"} else
+                f"changes {attrs} in place where fx does not record it")
+        kept[owner] = Opaque(owner, type(module).__name__, f"its forward {what}; kept whole so the source module changes on every call")
+
+
+def _stateful(model: nn.Module, kinds: set[str], attrs: str, updates: list[_Update]) -> SeqifyError:
+    """The refusal of a model whose own forward changes state a converted model would not change."""
+    name = type(model).__name__
+    if "generator" in kinds:
+        gen = next(u for u in updates if u.kind == "generator")
+        held = next((h for h in outside(model) if (h.owner, h.where) == (gen.owner, gen.name)), None)
+        return generator_error(model, held, held.obj if held is not None else None)
+    if "tensor" in kinds:
+        return StatefulForwardError(
+            f"{name}.forward changes {attrs} in place, a tensor {name} keeps outside its module tree (a plain "
+            "attribute, list, dict or helper object, not a buffer), with values torch.fx does not record: fx runs "
+            "the change once, while tracing, and a converted model would never make it. What to do: convert with "
+            "frontend='export' (or 'auto'), which records in-place changes; register it as a buffer "
+            "(self.register_buffer(...)); or move the change into a submodule, which seqify keeps whole as one layer."
+        )
+    if "buffer" in kinds:
+        return StatefulForwardError(
+            f"{name}.forward updates its buffer(s) {attrs} in place with values torch.fx does not record "
+            "(`self.n += 1` runs once, while tracing), so a converted model would never update them. What to do: "
+            "convert with frontend='export' (or 'auto', which falls back to it), which records the update; or "
+            "move the update into a submodule, which seqify keeps whole as one layer (it then updates them on "
+            "every call)."
+        )
+    return StatefulForwardError(
+        f"{name}.forward changes the Python attribute(s) {attrs} while it runs (e.g. a step counter, "
+        "`self.calls += 1`); a converted model would bake the first value in and be wrong from the "
+        "second call on. What to do: move that state change into a submodule (seqify keeps a "
+        "submodule that writes its attributes whole, so the change happens on every call), or keep "
+        "the state in a buffer updated in place (self.calls.add_(1))."
+    )

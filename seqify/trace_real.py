@@ -68,19 +68,31 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @contextmanager
-def buffers_kept(model: nn.Module, *, parameters: bool = False) -> Iterator[None]:
+def buffers_kept(model: nn.Module, *, parameters: bool = False) -> Iterator[Callable[[], list[str]]]:
     """Put every buffer's values back on exit (code run eagerly while tracing, or a real run, may update
     BatchNorm statistics in place); with ``parameters``, every parameter's too (a forward may write its own
-    weights: ``nn.Embedding(max_norm=...)`` renormalises rows, ``weight.clamp_()`` under no_grad)."""
-    tensors = list(model.buffers()) + (list(model.parameters()) if parameters else [])
-    saved = [(t, t.detach().clone()) for t in tensors if not t.is_meta]
+    weights: ``nn.Embedding(max_norm=...)`` renormalises rows, ``weight.clamp_()`` under no_grad). Yields a
+    function giving the names of the buffers changed so far."""
+    named = list(model.named_buffers()) + (list(model.named_parameters()) if parameters else [])
+    saved = [(name, t, t.detach().clone()) for name, t in named if not t.is_meta]
+    buffers = {name for name, _ in model.named_buffers()}
     try:
-        yield
+        yield lambda: [name for name, t, copy in saved if name in buffers and not _equal(t.detach(), copy)]
     finally:
         with torch.no_grad():
-            for t, copy in saved:
-                if not same_values(t.detach(), copy):
+            for _, t, copy in saved:
+                if not _equal(t.detach(), copy):
                     t.copy_(copy)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaNs in the same places (a NaN is not unequal to itself here); sparse tensors compared
+    through their dense values."""
+    if a.layout != torch.strided or b.layout != torch.strided:
+        return same_values(a, b)
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
 
 
 def source_error(

@@ -133,7 +133,7 @@ def _leaf_outputs(model: nn.Module, modules: dict[int, str], call: Callable[[], 
     seen: dict[str, list[Any]] = defaultdict(list)
     handles = []
     for m in model.modules():
-        if id(m) in modules:
+        if id(m) in modules and not isinstance(m, torch.jit.ScriptModule):  # TorchScript takes no hooks
             path = modules[id(m)]
             handles.append(m.register_forward_hook(lambda _m, _i, out, path=path: seen[path].append(_snapshot(out))))
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,12 @@ def by_micro_batch(model: Callable[..., Any], args: tuple[Any, ...], chunks: int
     return pytree.tree_unflatten(joined, pytree.tree_flatten(outs[0])[1])
 
 
+def _forward(m: nn.Module) -> Any:
+    """The forward ``m``'s class defines, read without running descriptors (a TorchScript module's forward
+    is one that fails on the class)."""
+    return inspect.getattr_static(type(m), "forward")
+
+
 def snapshot(model: nn.Module) -> dict[str, Any]:
     """What conversion must not change: tree, attributes, flags, hooks and state values."""
     return {
@@ -62,7 +69,7 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
             (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()
         ],
         "state": {k: (id(v), v.detach().clone()) for k, v in model.state_dict(keep_vars=True).items()},
-        "forward": [type(m).forward for m in model.modules()],
+        "forward": [_forward(m) for m in model.modules()],
     }
 
 
@@ -75,7 +82,7 @@ def assert_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
     assert [m.training for m in model.modules()] == before["training"], "training flags changed"
     hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]
     assert hooks == before["hooks"], "hooks changed"
-    assert [type(m).forward for m in model.modules()] == before["forward"], "forward changed"
+    assert [_forward(m) for m in model.modules()] == before["forward"], "forward changed"
     state = model.state_dict(keep_vars=True)
     assert before["state"].keys() == state.keys()
     for k, (ident, value) in before["state"].items():

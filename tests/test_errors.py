@@ -843,6 +843,73 @@ def test_forward_that_writes_an_attribute() -> None:
         seqify.convert(StepCounter(), torch.randn(2, 4))
 
 
+class ListedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = [nn.Linear(4, 4)]  # a plain list: the layer's weights are outside the module tree
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x)
+
+
+@pytest.mark.parametrize("frontend", ["auto", "fx", "export"])
+def test_a_module_kept_outside_the_module_tree(frontend: str) -> None:
+    with raises(seqify.UnregisteredError, "ListedLayer.forward", "ListedLayer.layers[0]", "What to do",
+                "nn.ModuleList"):
+        seqify.convert(ListedLayer(), torch.randn(2, 4), frontend=frontend)
+
+
+class BufferCounter(Lin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n += 1
+        return super().forward(x) * self.n
+
+
+def test_a_buffer_update_fx_does_not_record() -> None:
+    with raises(seqify.StatefulForwardError, "BufferCounter.forward", "self.n", "What to do", "frontend='export'"):
+        seqify.convert(BufferCounter(), torch.randn(2, 4), frontend="fx")
+    assert seqify.convert(BufferCounter(), torch.randn(2, 4)).frontend == "export"  # auto falls back to it
+
+
+class OwnGenerator(Lin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.randn(x.shape, generator=self.gen)
+
+
+def test_a_private_generator() -> None:
+    with raises(seqify.StatefulForwardError, "OwnGenerator.forward", "OwnGenerator.gen", "What to do", "submodule"):
+        seqify.convert(OwnGenerator(), torch.randn(2, 4))
+
+
+class Reseeding(Lin):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)
+        return F.dropout(super().forward(x), 0.5, self.training)
+
+
+def test_a_reseed_inside_forward() -> None:
+    with raises(seqify.StatefulForwardError, "Reseeding.forward", "torch.manual_seed", "test_errors.py:",
+                "What to do", "seed before calling the model"):
+        seqify.convert(Reseeding(), torch.randn(2, 4))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_scripted_submodule_with_the_export_frontend() -> None:
+    model = Lin()
+    model.f = torch.jit.script(nn.Linear(4, 4))
+    with raises(seqify.ExportError, "submodule 'f' (Linear)", "TorchScript", "frontend='fx'"):
+        seqify.convert(model, torch.randn(2, 4), frontend="export")
+    assert [o.path for o in seqify.convert(model, torch.randn(2, 4)).opaque] == ["f"]
+
+
 class KeptInDict(Lin):
     """A hidden state carried between calls in a dict attribute (mutated, never reassigned)."""
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import (
     ConversionError, DecoratedForwardError, OptionError, SeqifyError, SourceRaisesError, SpecializationError,
-    UntraceableError, VerifyError,
+    StatefulForwardError, UnregisteredError, UntraceableError, VerifyError,
 )
 from ..sequential import ExportedInfo, Sequential
 from ..trace import Opaque, Traced, preserved, trace
@@ -175,9 +175,11 @@ def _convert(model: nn.Module, example_inputs: Any, leaf_types: tuple[type, ...]
         if isinstance(fx_error, SeqifyError) and not isinstance(fx_error, DecoratedForwardError) and not (
             isinstance(e, SourceRaisesError)  # the inputs are wrong: that is the fix, not fx's advice
         ):
-            # Both failed: fx's error names the line and the fix (a branch on values, say); export adds a note.
-            fx_error.args = (f"{fx_error.args[0] if fx_error.args else fx_error}\n(the export frontend failed "
-                             f"too: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",)
+            # Both failed: fx's error names the line and the fix (a branch on values, say); export adds a note,
+            # unless it refuses for the same reason (state held or changed where no layer can keep it)
+            if type(e) is not type(fx_error) or not isinstance(e, (UnregisteredError, StatefulForwardError)):
+                fx_error.args = (f"{fx_error.args[0] if fx_error.args else fx_error}\n(the export frontend failed "
+                                 f"too: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",)
             raise fx_error from e
         e.args = (f"{e.args[0] if e.args else e}\n(the fx frontend failed first: {type(fx_error).__name__}: "
                   f"{str(fx_error).splitlines()[0] if str(fx_error) else ''})",)

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..layer import Attr, Layer, Op, Ref
+from ..outside import Held, find, outside, registered, unregistered_error
 from ..sequential import OpaqueInfo, Sequential, SkipInfo, _Unused
 from ..signature import OutputSpec
 from ..skip.namespace import Namespace
@@ -30,7 +31,28 @@ _LAYER_RESERVED = set(dir(Layer)) | {"inputs", "ops", "outputs", "pops", "stashe
 
 
 class Tensors(nn.Module):
-    """Buffers and constants a traced forward reads directly, shared by every layer that reads them."""
+    """Buffers and constants a traced forward reads directly, shared by every layer that reads them.
+
+    A tensor the source does not register (a plain attribute, a tensor in a list, one its forward made) is
+    held with its dtype fixed: the source's ``.double()`` or ``.to(dtype)`` leaves such a tensor as it is, so
+    the converted model's must too. Device moves still move it (a pipeline puts a copy where each partition
+    runs); otherwise it stays the source's own object, so in-place changes to it reach both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fixed: set[str] = set()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Tensors:  # type: ignore[override]
+        fixed = getattr(self, "_fixed", set())
+        before = {name: self._buffers[name] for name in fixed if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, t in before.items():
+            moved = self._buffers[name]
+            if moved is not None and moved.device == t.device:
+                self._buffers[name] = t
+            elif moved is not None and moved.dtype != t.dtype:
+                self._buffers[name] = t.to(moved.device)
+        return self
 
 
 def _safe(name: str, taken: set[str]) -> str:
@@ -66,6 +88,8 @@ class _Builder:
         self.traced = traced
         self.plan = plan
         self.namespace = Namespace()
+        self.mine = registered(traced.model)  # the source's own parameters and buffers (what its casts reach)
+        self.held: list[Held] | None = None
 
     def holder_attr(self, holders: dict[str, Tensors], target: str, tensor: torch.Tensor) -> tuple[Tensors, str]:
         """The layer's own holder of the tensors that the source module ``owner`` owns. Each layer has its
@@ -81,7 +105,21 @@ class _Builder:
                 module = self.traced.model.get_submodule(owner)
                 persistent = attr in module._buffers and attr not in module._non_persistent_buffers_set
             holder.register_buffer(attr, tensor, persistent=persistent)
+            if id(tensor) not in self.mine:
+                holder._fixed.add(attr)
         return holder, attr
+
+    def refuse_trained(self, tensor: torch.Tensor) -> None:
+        """A tensor requiring grad that the source holds outside its module tree cannot be layer state: the
+        source trains it where no optimizer, ``.to()`` or ``state_dict`` sees it. (One its forward makes is
+        made afresh each call: a layer may keep it.)"""
+        if not tensor.requires_grad:
+            return
+        if self.held is None:
+            self.held = outside(self.traced.model)
+        held = find(self.traced.model, tensor, self.held)
+        if held is not None:
+            raise unregistered_error(self.traced.model, held, tensor, frontend="export")
 
     def layer(self, step: Step) -> nn.Module:
         bare = self.bare(step)
@@ -99,7 +137,9 @@ class _Builder:
                 return by_target[target]
             obj = self.traced.attribute(target)
             local = target.rpartition(".")[2].lstrip("_") or "attr"
-            if isinstance(obj, nn.Parameter):
+            if isinstance(obj, torch.Tensor) and id(obj) not in self.mine:
+                self.refuse_trained(obj)
+            if isinstance(obj, nn.Parameter) and id(obj) in self.mine:
                 name = _safe(local, taken)
                 params[name] = obj
                 ref = Attr(name)

@@ -17,10 +17,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from ..errors import ConversionError, ExampleInputError, ExportError, HookError, SeqifyError
+from ..errors import ConversionError, ExampleInputError, ExportError, HookError, SeqifyError, StatefulForwardError
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved, user_hooks
+from ..outside import Held, find, generator_error, outside
+from ..reseeds import Reseed, reseeds
 from ..trace_real import raises_itself, source_error
 from .hf_masks import causal_skip
 from .regions import graphs as regions, neutral_autocast, prepare_regions
@@ -162,6 +164,23 @@ def _writes(model: nn.Module) -> Iterator[list[tuple[str, Any, Any]]]:
         nn.Module.__setattr__ = original  # type: ignore[method-assign]
 
 
+def _refuse_reseeds(model: nn.Module, seeded: list[Reseed]) -> None:
+    """A reseed inside forward runs once, while exporting: the graph has no such op, so a converted model
+    would never reseed and every draw after it would differ. Refused; fx keeps a submodule that does it whole."""
+    if not seeded:
+        return
+    first = seeded[0]
+    where = first.where(model)
+    fix = ("seed before calling the model instead of inside forward" if not first.module else
+           "convert with frontend='fx' (or 'auto'), which keeps a submodule that reseeds whole as one layer, or seed "
+           "before calling the model instead of inside forward")
+    raise StatefulForwardError(
+        f"{where} reseeds torch's random number generator ({first.call} at {first.site}) while it runs: the export "
+        "frontend runs that call once, while capturing, and records no op for it, so a converted model would never "
+        f"reseed and every random draw after it (dropout, sampling) would differ from the source's. What to do: {fix}"
+    )
+
+
 def _refuse_writes(model: nn.Module, kwargs: dict[str, Any], seen: list[tuple[str, Any, Any]]) -> None:
     """A forward that sets an attribute it read before (a step counter, a state carried between calls) would
     have the value seen at conversion baked in: refused. One that always writes an attribute before reading it
@@ -255,7 +274,7 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
     name = type(model).__name__
     last: Exception | None = None
     for shapes in (dynamic, None):  # a batch dimension the model fixes falls back to static shapes (guarded)
-        with preserved(model), torch.random.fork_rng(devices=[]), _writes(model) as seen:
+        with preserved(model), torch.random.fork_rng(devices=[]), _writes(model) as seen, reseeds(model) as seeded:
             try:
                 with _quiet(), neutral_autocast(model, kwargs), causal_skip(kwargs):
                     ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
@@ -264,6 +283,7 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
             except Exception as e:
                 last = e
                 continue
+        _refuse_reseeds(model, seeded)
         _refuse_writes(model, kwargs, seen)
         return ep
     assert last is not None
@@ -274,6 +294,9 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
     if "use_cache" not in kwargs and getattr(config, "use_cache", False) and "use_cache" in inspect.signature(model.forward).parameters:
         raise ExampleInputError(_CACHE.format(name=name, source="model.config.use_cache")) from last
     site = _error_site(last)
+    drawn = _generator_on(model, site)
+    if drawn is not None:  # export fails on the draw itself (sizes from a symbolic batch): say what is wrong
+        raise generator_error(model, drawn, drawn.obj) from last
     raise ExportError(
         f"torch.export cannot capture {name}.forward: {_first_line(last)}"
         + (f"\n  at {site}" if site else "")
@@ -282,6 +305,15 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
         "and use frontend='fx', which keeps such submodules whole"
         + _hints(model, kwargs, site, last)
     ) from last
+
+
+def _generator_on(model: nn.Module, site: str) -> Held | None:
+    """A private generator the model holds whose attribute the failing line reads (``generator=self.gen``)."""
+    code = site.partition(" (")[2]
+    for held in outside(model):
+        if isinstance(held.obj, torch.Generator) and re.search(rf"\.{re.escape(held.where.rpartition('.')[2])}\b", code):
+            return held
+    return None
 
 
 def _hints(model: nn.Module, kwargs: dict[str, Any], site: str, error: Exception) -> str:
@@ -309,6 +341,32 @@ def _resolve(model: nn.Module, target: str) -> Any:
     return obj
 
 
+def _written(node: Any) -> Any:
+    """The tensor an in-place op's result is (``add_(b, 1)`` returns ``b`` itself), through chains of them."""
+    while (isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+           and node.args and node.target._schema.arguments
+           and (info := node.target._schema.arguments[0].alias_info) is not None and info.is_write):
+        node = node.args[0]
+    return node
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    return a is b or (isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.op == b.op == "get_attr"
+                      and a.target == b.target)
+
+
+def _drop_self_copies(graph: fx.Graph) -> None:
+    """Drop the write-back export appends for a buffer the forward updated in place (``self.n += 1`` records
+    ``add_(n, 1)``, then ``copy_(n, add_)``): it copies the buffer onto itself, which changes nothing but
+    its version, so the backward of an op that saved the updated buffer (``y * self.n``) would refuse it."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _aten.copy_.default and len(node.args) >= 2:
+            dst, src = node.args[0], node.args[1]
+            if _same_tensor(_written(src), dst):
+                node.replace_all_uses_with(dst)
+                graph.erase_node(node)
+
+
 def _clean(gm: fx.GraphModule, model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[fx.Node]]:
     """Drop export's own checks, bake constant inputs, and point get_attr at the source's tensors."""
     graph = gm.graph
@@ -318,6 +376,7 @@ def _clean(gm: fx.GraphModule, model: nn.Module, kwargs: dict[str, Any]) -> tupl
             graph.erase_node(node)
         elif node.op == "call_function" and node.target in _ASSERTS and not node.users:
             graph.erase_node(node)
+    _drop_self_copies(graph)
     flat, _ = pytree.tree_flatten(((), kwargs))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat):
@@ -329,6 +388,7 @@ def _clean(gm: fx.GraphModule, model: nn.Module, kwargs: dict[str, Any]) -> tupl
         else:
             node.replace_all_uses_with(value)  # type: ignore[arg-type]
             graph.erase_node(node)
+    held: list[Held] | None = None
     for node in graph.nodes:
         if node.op != "get_attr":
             continue
@@ -336,6 +396,16 @@ def _clean(gm: fx.GraphModule, model: nn.Module, kwargs: dict[str, Any]) -> tupl
         if isinstance(source, (torch.Tensor, nn.Module)):
             continue  # the source's own parameter, buffer or module: shared, never copied
         obj = _resolve(gm, str(node.target))
+        if isinstance(obj, (torch.Tensor, torch.Generator)):
+            held = outside(model) if held is None else held
+            hit = find(model, obj, held)
+            if isinstance(obj, torch.Generator):
+                raise generator_error(model, hit, obj)
+            if hit is not None:
+                # export lifts a tensor the model holds outside its module tree (a module in a plain list) as a
+                # detached alias: the layers read the source's own tensor instead, which the source's in-place
+                # changes reach (build refuses it where it requires grad)
+                obj = hit.obj
         key = f"_seqify_export_{len(constants)}"
         constants[key] = obj
         node.target = key
@@ -488,6 +558,20 @@ def _shape_guards(graph: fx.Graph, inputs: list[fx.Node], names: list[str]) -> l
     return guards
 
 
+def _refuse_scripted(model: nn.Module) -> None:
+    """A TorchScript submodule runs compiled code that export cannot flatten into ops; fx keeps it whole."""
+    path, module = next(((p, m) for p, m in model.named_modules() if p and isinstance(m, torch.jit.ScriptModule)),
+                        ("", None))
+    if module is not None:
+        kind = getattr(module, "original_name", type(module).__name__)
+        raise ExportError(
+            f"submodule {path!r} ({kind}) of {type(model).__name__} is a TorchScript module (torch.jit.script): "
+            "its forward is compiled code that the torch.export frontend cannot flatten into ops. Convert with "
+            "frontend='fx' (or 'auto'), which keeps it whole as one layer, or convert the Python module before "
+            "scripting it"
+        )
+
+
 def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     """Capture ``model`` with non-strict ``torch.export`` on ``example_inputs`` and return it in the traced form.
 
@@ -508,6 +592,7 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
             "the converted model. Convert with frontend='fx', which keeps a hooked submodule whole as one layer "
             "whose hooks run, or remove the hooks before converting (and register them on the converted layers)"
         )
+    _refuse_scripted(model)
     params, kwargs, dynamic = _bind(model, example_inputs)
     _refuse_cache(model, kwargs)
     ep = _export(model, kwargs, dynamic)

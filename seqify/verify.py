@@ -166,27 +166,25 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
     paths = {id(m): p for p, m in source.named_modules() if p and not any(True for _ in m.children())}
     watched = {id(layer): name for name, layer in layers.items() if name in by_name}
     trains = _trainable(source, seq)
-    with kept(source), _grads_aside(trains):
+    mode = False  # values compared without gradients; with them where the source needs them (autograd.grad)
+    with kept(source):
         before = state(source) if twice else {}
         try:
-            expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed, grad=bool(trains)))
+            expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
         except Exception as e:
             if not trains:  # the inputs are wrong, not the conversion: say so, not "report a seqify bug"
                 raise raises_itself(type(source).__name__, e) from e
-            trains = []  # the source runs only without gradients (inference code): compare values alone
-            expected, want = _source_values(source, paths, args, kwargs, seed)
-        wanted = _gradients(expected, trains)
-        expected = _snapshot(expected)
+            mode = True
+            expected, want = _source_values(source, paths, args, kwargs, seed, grad=True)
         # a call that changed Python state (a counter, a value kept in a dict or list): the next call may differ
         changed = _changed(before, state(source)) if twice else None
         buffers = {n: b.detach().clone() for n, b in source.named_buffers()}  # as the source's call left them
-        again = _run(source, args, kwargs, seed) if changed else None
-    with kept(source), _grads_aside(trains):
-        got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed, grad=bool(trains)))
-        made = _gradients(got, trains) if wanted is not None else None
+        again = _run(source, args, kwargs, seed, grad=mode) if changed else None
+    with kept(source), _grads_aside(trains if mode else []):
+        got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed, grad=mode))
         got = _snapshot(got)
         left = {n: b.detach().clone() for n, b in source.named_buffers()}  # as the result's call left them
-        got_again = _run(seq, args, kwargs, seed) if changed else None
+        got_again = _run(seq, args, kwargs, seed, grad=mode) if changed else None
     same = bit_equal if _on_cpu(expected) else close  # bit-equal on the CPU; allclose on accelerators
     if same(expected, got):
         moved = next((n for n in buffers if n in left and not same(buffers[n], left[n])), None)
@@ -197,9 +195,7 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
             return (f"the first call is equal, the second is not: the source's first call changed {changed!r}, "
                     "and its second call computes with that (state kept between calls), which the converted "
                     "model does not carry; it would match a first call only"), SECOND
-        if wanted is not None:
-            return _gradient_difference(source, seq, trains, wanted, made)
-        return None
+        return _gradient_pass(source, seq, args, kwargs, seed, trains, same) if trains else None
     for name in layers:
         path = by_name.get(name)
         if name not in have or path not in want:
@@ -242,12 +238,36 @@ def _grads_aside(params: list[tuple[str, nn.Parameter]]) -> Iterator[None]:
 
 
 def _source_values(source: nn.Module, paths: dict[int, str], args: tuple[Any, ...], kwargs: dict[str, Any],
-                   seed: int) -> tuple[Any, dict[str, list[Any]]]:
-    """The source's outputs without gradients (its inputs are wrong if it raises even so)."""
+                   seed: int, grad: bool) -> tuple[Any, dict[str, list[Any]]]:
+    """The source's outputs (its inputs are wrong if it raises even so)."""
     try:
-        return _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
+        return _leaf_outputs(source, paths, lambda: _snapshot(_run(source, args, kwargs, seed, grad=grad)))
     except Exception as e:
         raise raises_itself(type(source).__name__, e) from e
+
+
+def _gradient_pass(source: nn.Module, seq: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int,
+                   params: list[tuple[str, nn.Parameter]], same: Callable[[Any, Any], bool],
+                   ) -> tuple[str, str | None] | None:
+    """Source and result run again with gradients, each followed by a backward: their outputs must still agree
+    (a forward may branch on ``torch.is_grad_enabled()``) and so must every parameter's gradient."""
+    runs = []
+    for model in (source, seq):
+        with kept(source), _grads_aside(params):
+            try:
+                out = _run(model, args, kwargs, seed, grad=True)
+            except Exception:
+                if model is source:
+                    return None  # the source runs only without gradients (inference code): nothing to train
+                raise
+            runs.append((_snapshot(out), _gradients(out, params)))
+    (expected, wanted), (got, made) = runs
+    if wanted is None:
+        return None  # the source's own backward raises on this output: it does not train this way
+    if not same(expected, got):
+        return ("the outputs are equal without gradients and differ with them (a branch on "
+                "torch.is_grad_enabled() that the conversion resolved for one mode?)"), None
+    return _gradient_difference(source, seq, params, wanted, made)
 
 
 def _projection(out: Any) -> torch.Tensor | None:

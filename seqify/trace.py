@@ -717,8 +717,8 @@ def preserved(model: nn.Module) -> Iterator[Callable[[], list[Held]]]:
         with values_kept(model) as changed:
             yield changed
     finally:
-        for m, training in scripted:  # its mode lives in the compiled module: train()/eval() change it there
-            m.training = training
+        for compiled, training in scripted:  # its mode lives in the compiled module: train()/eval() change it there
+            compiled.training = training
         for container, before in contents:
             if isinstance(container, dict):
                 container.clear()

@@ -96,7 +96,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def source_error(
-    model: nn.Module, call: Callable[[], Any], preserve: Callable[[], AbstractContextManager[None]]
+    model: nn.Module, call: Callable[[], Any], preserve: Callable[[], AbstractContextManager[Any]]
 ) -> Exception | None:
     """What the source raises when ``call`` runs it plainly (no trace) on the example; None where it runs. It
     changes nothing: attributes by ``preserve()``, buffers copied back, random draws on a forked generator."""
@@ -132,7 +132,7 @@ class RealRun:
     """
 
     def __init__(
-        self, model: nn.Module, call: Callable[[], Any], preserve: Callable[[], AbstractContextManager[None]]
+        self, model: nn.Module, call: Callable[[], Any], preserve: Callable[[], AbstractContextManager[Any]]
     ) -> None:
         self.model = model
         self.call = call
@@ -176,7 +176,7 @@ Call = tuple[str, int]  # (submodule path, index of its call in one forward)
 def record_inputs(
     model: nn.Module,
     call: Callable[[], Any],
-    preserve: Callable[[], AbstractContextManager[None]],
+    preserve: Callable[[], AbstractContextManager[Any]],
     wanted: Collection[Call],
 ) -> dict[Call, tuple[tuple[Any, ...], dict[str, Any]]]:
     """The arguments (tensors cloned) of the ``wanted`` submodule calls when ``call`` runs the source on the

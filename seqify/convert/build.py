@@ -43,15 +43,17 @@ class Tensors(nn.Module):
         self._fixed: set[str] = set()
 
     def _apply(self, fn: Any, recurse: bool = True) -> Tensors:  # type: ignore[override]
-        fixed = getattr(self, "_fixed", set())
-        before = {name: self._buffers[name] for name in fixed if self._buffers.get(name) is not None}
+        fixed: set[str] = getattr(self, "_fixed", set())
+        before = {name: t for name in fixed if (t := self._buffers.get(name)) is not None}
         super()._apply(fn, recurse)
         for name, t in before.items():
             moved = self._buffers[name]
-            if moved is not None and moved.device == t.device:
-                self._buffers[name] = t
-            elif moved is not None and moved.dtype != t.dtype:
-                self._buffers[name] = t.to(moved.device)
+            if moved is None:
+                continue
+            if moved.device == t.device:
+                self._buffers[name] = t  # a cast: the source's own tensor, as its cast leaves it
+            elif moved.dtype != t.dtype:
+                self._buffers[name] = t.to(moved.device)  # a move with a cast: moved only
         return self
 
 

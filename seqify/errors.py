@@ -42,6 +42,7 @@ __all__ = [
     "StatefulForwardError",
     "KeywordArgumentsError",
     "SourceRaisesError",
+    "AutogradContextError",
 ]
 
 
@@ -220,3 +221,10 @@ class KeywordArgumentsError(ExampleInputError, UntraceableError):
 class SourceRaisesError(ExampleInputError):
     """The source model itself raises on the example inputs (an id past the vocabulary, an option its
     config does not support): the inputs are wrong, not the conversion."""
+
+
+class AutogradContextError(UntraceableError):
+    """The forward sets or uses autograd context a frontend cannot keep: a tensor hook it registers, autograd it
+    runs (``torch.autograd.grad``, ``.backward()``), ``requires_grad_``/``detach_``, a custom
+    ``autograd.Function`` or an ``inference_mode`` region under torch.export, grad mode left changed. The
+    message names the module path, the line and the frontend or change that keeps it."""

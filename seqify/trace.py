@@ -26,10 +26,12 @@ from torch.fx.proxy import Scope, ScopeContextManager
 
 from .errors import (ExampleInputError, HookError, KeywordArgumentsError, SeqifyError, StatefulForwardError,
                      UntraceableError)
+from .grad_watch import GRAD, Use, watching
 from .guard import Guard, check_bool, check_equal
 from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
 from .trace_checks import attributes, check_decorated, passthrough, writes_since
+from .trace_autograd import AUTOGRAD_CALLS, GRAD_MODE, PROXY_USES, FxAutograd, keep_reason, refusal
 from .trace_real import RealRun, buffers_kept, raises_itself, source_error, tracing, unpatched
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved", "attribute", "is_cache"]
@@ -272,6 +274,9 @@ class _Attribute(_Proxy):
         return self._node
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.attr in PROXY_USES:  # a hook or autograd run on a traced value: no graph op holds it
+            kind, what = PROXY_USES[self.attr]
+            self.tracer.autograd.use(Use(kind, what, _user_frame()))
         return self.tracer.create_proxy("call_method", self.attr, (self.root,) + args, kwargs)
 
 
@@ -305,9 +310,10 @@ class _Tracer(fx.Tracer):
         self.real = real
         self._calling: tuple[str, int] = ("", 0)  # the leaf module call being recorded, and its index
         self.plain = 0  # > 0: module calls and attribute reads act plainly (trace_real.unpatched)
+        self.autograd = FxAutograd(self)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        with tracing(self):
+        with tracing(self), watching(self.autograd):
             return super().trace(root, concrete_args)
 
     # -- proxies ---------------------------------------------------------------------------------
@@ -327,6 +333,13 @@ class _Tracer(fx.Tracer):
     ) -> fx.Proxy:
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
+        if kind in ("call_function", "call_method", "call_module"):
+            mode = self.autograd.mode()
+            if mode is not None:  # made inside a grad-mode region of the model's code: its layer runs it so
+                node.meta[GRAD_MODE] = mode
+            what = next((w for f, w in AUTOGRAD_CALLS.items() if f is target), None)
+            if what is not None and not self.plain:
+                self.autograd.note(Use(GRAD, what, _user_frame()))
         if kind == "placeholder":
             planned = next(self.placeholder_plan, ("baked", None))
             node.meta["seqify_baked"] = planned[0] == "baked"
@@ -556,12 +569,16 @@ class _Tracer(fx.Tracer):
                     return self._leaf_call(path, calls, args, kwargs)
                 mark = next(iter(reversed(self.graph.nodes)), None)
                 self.flattened[path] = m
+                depth = len(self.autograd.regions)
                 try:
-                    return forward(*args, **kwargs)
+                    out = forward(*args, **kwargs)
+                    self.autograd.left_open(depth)
+                    return out
                 except SeqifyError:
                     raise
                 except Exception as e:
                     self._rollback(mark)
+                    del self.autograd.regions[depth:]
                     for inner in [p for p in self.flattened if p == path or p.startswith(f"{path}.")]:
                         del self.flattened[inner]
                     site = _error_site(e)
@@ -610,16 +627,22 @@ def preserved(model: nn.Module) -> Iterator[None]:
     not keep the fake tensors a trace put there). Hook dicts (OrderedDicts) are restored too: transformers 5
     installs output-capturing hooks on a model's first call that records hidden states and marks it with
     an attribute; keeping the hooks but dropping the mark would install them again on the next call, and
-    every hidden state would then be recorded twice (Segformer's decode head read the wrong stages)."""
+    every hidden state would then be recorded twice (Segformer's decode head read the wrong stages). The
+    parameters' and buffers' requires_grad flags are restored too."""
     saved = [
         (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
         for m in model.modules()
     ]
     contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values()
                 if type(v) in (dict, list, OrderedDict)]
+    # a forward may freeze or unfreeze its own parameters (requires_grad_ on what .parameters() gives)
+    flags = [(t, t.requires_grad) for t in (*model.parameters(), *model.buffers()) if t.is_leaf]
     try:
         yield
     finally:
+        for t, flag in flags:
+            if t.requires_grad != flag:
+                t.requires_grad_(flag)
         for container, before in contents:
             if isinstance(container, dict):
                 container.clear()
@@ -777,9 +800,11 @@ def trace(
             except UntraceableError as e:
                 check_decorated(model, e)  # a (self, *args, **kwargs) decorator is the cause: say so
                 raise
-            if not writes:
+            if not writes and not tracer.autograd.uses:
                 break
-            _keep_writers(model, writes, kept, tracer)
+            _keep_users(model, tracer.autograd.uses, kept)
+            if writes:
+                _keep_writers(model, writes, kept, tracer)
         else:  # pragma: no cover - every round keeps a module whole or raises at the root
             raise StatefulForwardError(f"{name}: attribute writes could not be isolated; convert with depth=1")
     finally:
@@ -848,13 +873,17 @@ def _trace_once(
         real=real,
     )
     tracer.opaque.update(kept)
-    with preserved(model), buffers_kept(model), torch.random.fork_rng(devices=[]), recording_shape_ops():
+    with preserved(model), buffers_kept(model), torch.random.fork_rng(devices=[]), recording_shape_ops(), \
+            torch.set_grad_enabled(torch.is_grad_enabled()):  # a forward may leave grad mode changed
         before = attributes(model)
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
+            tracer.autograd.left_open(0)
         except SeqifyError:
             raise
         except Exception as e:
+            if "" in tracer.autograd.uses:
+                raise refusal(name, tracer.autograd.uses[""]) from e
             site = _error_site(e)
             raise UntraceableError(
                 f"{name}.forward cannot be traced: {_first_line(e)}\n"
@@ -865,6 +894,8 @@ def _trace_once(
                 "or list that submodule in leaf_paths=[...]."
             ) from e
         writes = writes_since(model, before)
+    if "" in tracer.autograd.uses:
+        raise refusal(name, tracer.autograd.uses[""])
     if real is not None and real.error is not None and source_error(
         model, _caller(model, example_inputs), lambda: preserved(model)) is not None:
         # An opaque submodule's value came from running the source, and the source raised, outside a trace
@@ -873,6 +904,15 @@ def _trace_once(
         # trace's divergence, which the self-check names.
         raise raises_itself(name, real.error)
     return tracer, graph, writes
+
+
+def _keep_users(model: nn.Module, uses: dict[str, Use], kept: dict[str, Opaque]) -> None:
+    """Keep whole each submodule whose forward uses autograd context a graph cannot hold (a tensor hook it
+    registers, autograd it runs): called whole, it does so on every call as the source does."""
+    for path, use in uses.items():
+        if path and path not in kept:
+            module = model.get_submodule(path)
+            kept[path] = Opaque(path, type(module).__name__, keep_reason(use))
 
 
 def _keep_writers(model: nn.Module, writes: dict[str, list[str]], kept: dict[str, Opaque], tracer: _Tracer) -> None:

@@ -18,12 +18,14 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd import grad_mode
 
-__all__ = ["Use", "Watcher", "watching", "REGION", "HOOK", "FLAG", "GRAD", "FUNCTION", "LEAK", "custom_function",
-           "applied", "holds_proxy", "owner", "RUN"]
+__all__ = ["Use", "Watcher", "watching", "REGION", "HOOK", "FLAG", "GRAD", "FUNCTION", "CHECKPOINT", "LEAK",
+           "custom_function", "applied", "holds_proxy", "owner", "RUN"]
 
 #: Kinds of use: a grad-mode region, a tensor hook, a requires_grad_/detach_ call, torch.autograd.grad or
-#: backward, a custom autograd.Function, and grad mode left changed when a forward returns.
-REGION, HOOK, FLAG, GRAD, FUNCTION, LEAK = "region", "hook", "flag", "grad", "function", "leak"
+#: backward, a custom autograd.Function, torch's reentrant checkpointing (its autograd.Function), and grad mode
+#: left changed when a forward returns.
+REGION, HOOK, FLAG, GRAD, FUNCTION, CHECKPOINT, LEAK = (
+    "region", "hook", "flag", "grad", "function", "checkpoint", "leak")
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _SEQIFY = os.path.dirname(os.path.abspath(__file__))
@@ -162,13 +164,34 @@ def applied(cls: type) -> Callable[..., Any]:
     return _APPLY.__get__(None, cls)
 
 
+def _beyond_torch(frame: FrameType | None) -> FrameType | None:
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TORCH):
+        frame = frame.f_back
+    return frame
+
+
+def _function_use(cls: type, frame: FrameType | None) -> Use | None:
+    """The use of autograd.Function ``cls`` applied from ``frame``: any of the model's own, and torch's where
+    the model's code reached it through torch's helpers (checkpoint); None for seqify's and torch's inner ones."""
+    if custom_function(cls):
+        found = _site(frame)
+        where = found or (f"{cls.__module__}.{cls.__qualname__}", None)
+        return Use(FUNCTION, f"applies the custom autograd.Function {cls.__qualname__}", where[0], where[1])
+    if cls.__module__.startswith("seqify."):
+        return None
+    found = _site(_beyond_torch(frame))
+    if found is None:
+        return None
+    if cls.__module__ == "torch.utils.checkpoint":
+        return Use(CHECKPOINT, "runs torch.utils.checkpoint with use_reentrant=True", found[0], found[1])
+    return Use(FUNCTION, f"applies torch's autograd.Function {cls.__qualname__}", found[0], found[1])
+
+
 def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     watcher = _watcher()
-    if watcher is not None and custom_function(cls):
-        found = _site(sys._getframe(1))
-        site = Use(FUNCTION, f"applies the custom autograd.Function {cls.__qualname__}",
-                   found[0] if found else f"{cls.__module__}.{cls.__qualname__}", found[1] if found else None)
-        result = watcher.function(cls, args, kwargs, site)
+    use = _function_use(cls, sys._getframe(1)) if watcher is not None else None
+    if watcher is not None and use is not None:
+        result = watcher.function(cls, args, kwargs, use)
         if result is not RUN:
             return result
     return applied(cls)(*args, **kwargs)

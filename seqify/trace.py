@@ -628,21 +628,24 @@ def preserved(model: nn.Module) -> Iterator[None]:
     installs output-capturing hooks on a model's first call that records hidden states and marks it with
     an attribute; keeping the hooks but dropping the mark would install them again on the next call, and
     every hidden state would then be recorded twice (Segformer's decode head read the wrong stages). The
-    parameters' and buffers' requires_grad flags are restored too."""
+    parameters' and buffers' requires_grad flags and tensor hooks are restored too."""
     saved = [
         (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
         for m in model.modules()
     ]
     contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values()
                 if type(v) in (dict, list, OrderedDict)]
-    # a forward may freeze or unfreeze its own parameters (requires_grad_ on what .parameters() gives)
-    flags = [(t, t.requires_grad) for t in (*model.parameters(), *model.buffers()) if t.is_leaf]
+    # a forward may freeze or unfreeze its own parameters (requires_grad_ on what .parameters() gives) and hook
+    # them (register_hook, register_post_accumulate_grad_hook): the source run to check a conversion must not
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_leaf]
+    flags = [(t, t.requires_grad, _tensor_hooks(t)) for t in tensors]
     try:
         yield
     finally:
-        for t, flag in flags:
+        for t, flag, hooks in flags:
             if t.requires_grad != flag:
                 t.requires_grad_(flag)
+            _restore_tensor_hooks(t, hooks)
         for container, before in contents:
             if isinstance(container, dict):
                 container.clear()
@@ -658,6 +661,29 @@ def preserved(model: nn.Module) -> Iterator[None]:
             m._buffers.update(buffers)
             m._modules.clear()
             m._modules.update(children)
+
+
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _tensor_hooks(t: torch.Tensor) -> list[tuple[Any, dict[Any, Any] | None]]:
+    """Each hook dict of ``t`` (the object, or None) and what it holds."""
+    found = [getattr(t, name, None) for name in _TENSOR_HOOKS]
+    return [(d, None if d is None else dict(d)) for d in found]
+
+
+def _restore_tensor_hooks(t: torch.Tensor, saved: list[tuple[Any, dict[Any, Any] | None]]) -> None:
+    """Put ``t``'s hook dicts back as :func:`_tensor_hooks` found them: emptied or refilled in place, since
+    autograd keeps calling the dict a hook was registered in, then the attribute itself."""
+    for name, (before, items) in zip(_TENSOR_HOOKS, saved):
+        now = getattr(t, name, None)
+        if now is not None and now is not before:
+            now.clear()
+        if before is not None and dict(before) != items:
+            before.clear()
+            before.update(items or {})
+        if now is not before:
+            setattr(t, name, before)
 
 
 def _has_tensor(x: Any) -> bool:

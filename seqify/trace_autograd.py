@@ -10,7 +10,8 @@ import torch.utils._pytree as pytree
 from torch.autograd import grad_mode
 
 from .errors import AutogradContextError
-from .grad_watch import FLAG, FUNCTION, GRAD, HOOK, LEAK, RUN, Use, Watcher, applied, holds_proxy
+from .grad_watch import (CHECKPOINT, FLAG, FUNCTION, GRAD, HOOK, LEAK, RUN, Use, Watcher, applied, custom_function,
+                         holds_proxy)
 
 __all__ = ["GRAD_MODE", "FxAutograd", "Refused", "refusal", "keep_reason", "AUTOGRAD_CALLS", "PROXY_USES"]
 
@@ -30,6 +31,13 @@ PROXY_USES = {
     "register_post_accumulate_grad_hook": (HOOK, "registers a tensor hook (Tensor.register_post_accumulate_grad_hook)"),
     "backward": (GRAD, "calls Tensor.backward()"),
 }
+
+
+def _requires_grad(value: Any) -> bool:
+    """Whether ``value`` (a tensor, or a traced value with an example) requires grad."""
+    if isinstance(value, fx.Proxy):
+        value = value.node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 class Refused(fx.proxy.TraceError):
@@ -90,6 +98,14 @@ class FxAutograd(Watcher):
     def function(self, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], site: Use) -> Any:
         if self.tracer.plain:
             return RUN
+        if site.kind == CHECKPOINT:
+            # its ops are traced through: the same gradients, unless no input requires grad (then the source's
+            # checkpoint gives its parameters none)
+            if not any(_requires_grad(a) for a in pytree.tree_leaves((args, kwargs))):
+                self.use(Use(CHECKPOINT, f"{site.what} on inputs that do not require grad", site.site, site.frame))
+            return RUN
+        if not custom_function(cls):
+            return RUN
         if holds_proxy((args, kwargs)):
             # recorded as the Function itself, so the converted layer runs its forward and its backward
             return self.tracer.create_proxy("call_function", applied(cls), args, kwargs)
@@ -114,6 +130,8 @@ _WHY = {
            "so the converted model would not repeat it", "changes that tensor on every call"),
     FUNCTION: ("fx would bake the result in as a constant, and the gradient through it would be lost",
                "applies it on every call"),
+    CHECKPOINT: ("reentrant checkpointing then gives the parameters inside no gradient, where its traced ops would "
+                 "(pass use_reentrant=False, or an input that requires grad)", "checkpoints as the source does"),
     LEAK: ("grad mode stays changed after the forward returns, which layers cannot repeat (use a with block)",
            "leaves grad mode as the source does"),
 }

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import seqify
 from exactness import assert_unchanged, snapshot
@@ -255,6 +256,50 @@ class SplicedInRegion(nn.Module):
         return self.b(x) * h
 
 
+class PostAccumulate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(N, N)
+        self.seen = 0
+
+    def count(self, p: torch.Tensor) -> None:
+        self.seen += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lin.weight.register_post_accumulate_grad_hook(self.count)
+        return self.lin(x)
+
+
+class HooksAParameter(nn.Module):
+    """A hook registered on a parameter in forward (one more every call, as the source does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooker, self.b = PostAccumulate(), nn.Linear(N, N)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(x) * self.hooker(x)
+
+
+class Checkpointed(Two):
+    """Reentrant checkpointing of a block whose input is an activation (it requires grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(N, N), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(checkpoint(self.block, h, use_reentrant=True))
+
+
+class CheckpointsInput(Two):
+    """Reentrant checkpointing of the input itself: the source gives ``a`` no gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(checkpoint(self.a, x, use_reentrant=True))
+
+
 EXACT = "exact"
 Expect = Any  # EXACT, or (error class, phrases the message holds)
 
@@ -288,6 +333,12 @@ PATTERNS: dict[str, tuple[Callable[[], nn.Module], Expect, Expect, Expect]] = {
     "set_grad_enabled as a function in a child": (LeakerChild, EXACT, refused("'leaker'", "outside a with block"),
                                                   EXACT),
     "region around a submodule export makes": (SplicedInRegion, EXACT, EXACT, EXACT),
+    "post-accumulate hook on a parameter in a child": (
+        HooksAParameter, EXACT, refused("'hooker'", "register_post_accumulate_grad_hook"), EXACT),
+    "reentrant checkpoint of an activation": (Checkpointed, EXACT, refused("use_reentrant=False"), EXACT),
+    "reentrant checkpoint of the input": (
+        CheckpointsInput, refused("CheckpointsInput.forward", "do not require grad", "use_reentrant=False"),
+        refused("use_reentrant=False"), refused("use_reentrant=False")),
 }
 FRONTENDS = ("fx", "export", "auto")
 
@@ -310,6 +361,7 @@ def test_pattern_is_kept_exactly_or_refused(pattern: str, frontend: str) -> None
     reference = copy.deepcopy(model)  # before converting: the conversion shares the model's parameters
     before = snapshot(model)
     flags = [p.requires_grad for p in model.parameters()]
+    hooks = [(p._backward_hooks, p._post_accumulate_grad_hooks) for p in model.parameters()]
     if expect != EXACT:
         kind, phrases = expect
         with pytest.raises(kind) as info:
@@ -318,10 +370,12 @@ def test_pattern_is_kept_exactly_or_refused(pattern: str, frontend: str) -> None
             assert phrase in str(info.value), f"message lacks {phrase!r}: {info.value}"
         assert_unchanged(model, before)
         assert [p.requires_grad for p in model.parameters()] == flags
+        assert [(p._backward_hooks, p._post_accumulate_grad_hooks) for p in model.parameters()] == hooks
         return
     seq = seqify.convert(model, example_inputs=(x,), frontend=frontend)
     assert_unchanged(model, before)
     assert [p.requires_grad for p in model.parameters()] == flags, "convert changed requires_grad"
+    assert [(p._backward_hooks, p._post_accumulate_grad_hooks) for p in model.parameters()] == hooks, "hooked"
     for _ in range(2):  # a second call: hooks and flags set by the first do not accumulate differently
         for p in (*model.parameters(), *reference.parameters()):
             p.grad = None

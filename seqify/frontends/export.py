@@ -18,7 +18,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..errors import AutogradContextError, ConversionError, ExampleInputError, ExportError, HookError, SeqifyError
-from ..grad_watch import FLAG, FUNCTION, GRAD, HOOK, LEAK, REGION, Use, Watcher, owner, watching
+from ..grad_watch import CHECKPOINT, FLAG, FUNCTION, GRAD, HOOK, LEAK, REGION, Use, Watcher, owner, watching
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, preserved, user_hooks
@@ -289,12 +289,14 @@ _DROPS = {
     FLAG: "torch.export does not record requires_grad_() or detach_() on the values it traces",
     FUNCTION: "torch.export keeps the Function's forward ops but not its backward, so the gradient through it "
               "would differ",
+    CHECKPOINT: "torch.export captures reentrant checkpointing wrongly (the rest of the forward without gradients)",
     REGION: "torch.export drops inference_mode regions, so the converted model would track gradients where the "
             "source does not",
     LEAK: "grad mode stays changed after the forward returns, which an export graph cannot repeat",
 }
 _KEEPS = {
     FUNCTION: "applies the Function itself, forward and backward",
+    CHECKPOINT: "records the checkpointed ops; or pass use_reentrant=False, which torch.export captures",
     FLAG: "records it on the values it traces (and keeps a submodule doing it to parameters whole)",
     REGION: "runs the region's ops in inference mode as the source does; or use torch.no_grad() instead, which "
             "torch.export keeps",

@@ -43,6 +43,7 @@ __all__ = [
     "KeywordArgumentsError",
     "SourceRaisesError",
     "UnregisteredError",
+    "AutogradContextError",
 ]
 
 
@@ -227,3 +228,10 @@ class UnregisteredError(UntraceableError):
     """The forward uses a module or a tensor requiring grad that the model keeps outside its module tree (a
     plain list, dict, tuple or helper object): ``parameters()``, ``.to()`` and ``state_dict`` do not see it,
     and converted layers cannot hold it as the source does."""
+
+
+class AutogradContextError(UntraceableError):
+    """The forward sets or uses autograd context a frontend cannot keep: a tensor hook it registers, autograd it
+    runs (``torch.autograd.grad``, ``.backward()``), ``requires_grad_``/``detach_``, a custom
+    ``autograd.Function`` or an ``inference_mode`` region under torch.export, grad mode left changed. The
+    message names the module path, the line and the frontend or change that keeps it."""

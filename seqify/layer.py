@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -15,7 +16,7 @@ from .skip.namespace import SkipKey
 from .skip.skippable import Skippable
 from .skip.tracker import current_tracker
 
-__all__ = ["Ref", "Attr", "Op", "Layer"]
+__all__ = ["Ref", "Attr", "Op", "Layer", "grad_mode"]
 
 
 class Ref(NamedTuple):
@@ -32,13 +33,28 @@ class Attr(NamedTuple):
 
 @dataclass(frozen=True)
 class Op:
-    """``out = target(*args, **kwargs)``; ``kind`` is ``call_function``, ``call_method`` or ``call_module``."""
+    """``out = target(*args, **kwargs)``; ``kind`` is ``call_function``, ``call_method`` or ``call_module``;
+    ``grad``: the ``(grad enabled, inference mode or None)`` it runs under, where the source ran it inside a
+    grad-mode region (``torch.no_grad()``, ``enable_grad``, ``set_grad_enabled``, ``inference_mode``); None:
+    the caller's mode."""
 
     out: str
     kind: str
     target: Any
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    grad: tuple[bool, bool | None] | None = None
+
+
+@contextmanager
+def grad_mode(enabled: bool, inference: bool | None) -> Iterator[None]:
+    """Run an op under the grad mode (and inference mode, unless None) it ran under in the source."""
+    if inference is None:
+        with torch.set_grad_enabled(enabled):
+            yield
+        return
+    with torch.inference_mode(inference), torch.set_grad_enabled(enabled):
+        yield
 
 
 class Layer(Skippable):
@@ -119,9 +135,17 @@ def _describe(op: Op) -> str:
 
     args = [show(a) for a in op.args] + [f"{k}={show(v)}" for k, v in op.kwargs.items()]
     if op.kind == "call_method":
-        return f"{op.out} = {args[0]}.{op.target}({', '.join(args[1:])})"
+        return f"{op.out} = {args[0]}.{op.target}({', '.join(args[1:])})" + _mode(op)
     name = op.target if op.kind == "call_module" else getattr(op.target, "__name__", str(op.target))
-    return f"{op.out} = {name}({', '.join(args)})"
+    return f"{op.out} = {name}({', '.join(args)})" + _mode(op)
+
+
+def _mode(op: Op) -> str:
+    """The grad mode an op runs under, where it is not the caller's: `` [no grad]``, `` [grad]``, `` [inference]``."""
+    grad = getattr(op, "grad", None)
+    if grad is None:
+        return ""
+    return " [inference]" if grad[1] else " [grad]" if grad[0] else " [no grad]"
 
 
 _SIMPLE = (bool, int, str, type(None))
@@ -177,13 +201,18 @@ def _generate(layer: Layer) -> tuple[str, list[Any]]:
         body.append(f"{name} = __t.pop({bind(key)})")
     for op in layer.ops:
         if op.kind == "call_module":
-            body.append(f"{op.out} = self.{op.target}({call(op.args, op.kwargs)})")
+            line = f"{op.out} = self.{op.target}({call(op.args, op.kwargs)})"
         elif op.kind == "call_method":
-            body.append(f"{op.out} = {render(op.args[0])}.{op.target}({call(op.args[1:], op.kwargs)})")
+            line = f"{op.out} = {render(op.args[0])}.{op.target}({call(op.args[1:], op.kwargs)})"
         elif op.target is operator.getitem and not op.kwargs:
-            body.append(f"{op.out} = {render(op.args[0])}[{render(op.args[1])}]")
+            line = f"{op.out} = {render(op.args[0])}[{render(op.args[1])}]"
         else:
-            body.append(f"{op.out} = {bind(op.target)}({call(op.args, op.kwargs)})")
+            line = f"{op.out} = {bind(op.target)}({call(op.args, op.kwargs)})"
+        grad = getattr(op, "grad", None)  # layers saved before ops carried a grad mode have none
+        if grad is None:
+            body.append(line)
+        else:
+            body += [f"with {bind(grad_mode)}({grad[0]!r}, {grad[1]!r}):", f"    {line}"]
     for key, name in layer.stashes:
         body.append(f"__t.stash({bind(key)}, {name})")
     if len(layer.outputs) == 1:

@@ -26,12 +26,14 @@ from torch.fx.proxy import Scope, ScopeContextManager
 
 from .errors import (ExampleInputError, HookError, KeywordArgumentsError, SeqifyError, StatefulForwardError,
                      UntraceableError)
+from .grad_watch import GRAD, Use, watching
 from .guard import Guard, check_bool, check_equal
 from .outside import Held, find, generator_error, outside, registered, unregistered_error, values_kept, what_is
 from .reseeds import Reseed, reseeds
 from .signature import EMPTY, InputSpec, Param, bind_examples
 from .trace_factories import recording_shape_ops
 from .trace_checks import attributes, check_decorated, passthrough, writes_since
+from .trace_autograd import AUTOGRAD_CALLS, GRAD_MODE, PROXY_USES, FxAutograd, keep_reason, refusal
 from .trace_real import RealRun, buffers_kept, raises_itself, source_error, tracing, unpatched
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "preserved", "attribute", "is_cache"]
@@ -329,6 +331,9 @@ class _Attribute(_Proxy):
         return self._node
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.attr in PROXY_USES:  # a hook or autograd run on a traced value: no graph op holds it
+            kind, what = PROXY_USES[self.attr]
+            self.tracer.autograd.use(Use(kind, what, _user_frame()))
         return self.tracer.create_proxy("call_method", self.attr, (self.root,) + args, kwargs)
 
 
@@ -364,9 +369,10 @@ class _Tracer(fx.Tracer):
         self.real = real
         self._calling: tuple[str, int] = ("", 0)  # the leaf module call being recorded, and its index
         self.plain = 0  # > 0: module calls and attribute reads act plainly (trace_real.unpatched)
+        self.autograd = FxAutograd(self)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        with tracing(self):
+        with tracing(self), watching(self.autograd):
             return super().trace(root, concrete_args)
 
     # -- proxies ---------------------------------------------------------------------------------
@@ -386,6 +392,13 @@ class _Tracer(fx.Tracer):
     ) -> fx.Proxy:
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
+        if kind in ("call_function", "call_method", "call_module"):
+            mode = self.autograd.mode()
+            if mode is not None:  # made inside a grad-mode region of the model's code: its layer runs it so
+                node.meta[GRAD_MODE] = mode
+            what = next((w for f, w in AUTOGRAD_CALLS.items() if f is target), None)
+            if what is not None and not self.plain:
+                self.autograd.note(Use(GRAD, what, _user_frame()))
         if kind == "placeholder":
             planned = next(self.placeholder_plan, ("baked", None))
             node.meta["seqify_baked"] = planned[0] == "baked"
@@ -642,18 +655,23 @@ class _Tracer(fx.Tracer):
                     return self._leaf_call(path, calls, args, kwargs)
                 mark = next(iter(reversed(self.graph.nodes)), None)
                 self.flattened[path] = m
+                depth = len(self.autograd.regions)
                 try:
-                    return forward(*args, **kwargs)
+                    out = forward(*args, **kwargs)
+                    self.autograd.left_open(depth)
+                    return out
                 except SeqifyError:
                     raise
                 except KeepWhole as e:  # exact as one layer: no export splice, which would flatten it again
                     self._rollback(mark)
+                    del self.autograd.regions[depth:]
                     for inner in [p for p in self.flattened if p == path or p.startswith(f"{path}.")]:
                         del self.flattened[inner]
                     self.opaque[path] = Opaque(path, type(m).__name__, e.reason)
                     return self._leaf_call(path, calls, args, kwargs)
                 except Exception as e:
                     self._rollback(mark)
+                    del self.autograd.regions[depth:]
                     for inner in [p for p in self.flattened if p == path or p.startswith(f"{path}.")]:
                         del self.flattened[inner]
                     site = _error_site(e)
@@ -705,7 +723,8 @@ def preserved(model: nn.Module) -> Iterator[Callable[[], list[Held]]]:
     every hidden state would then be recorded twice (Segformer's decode head read the wrong stages).
     The values of tensors and the states of generators the model holds outside its module tree are put
     back too (``outside.values_kept``, whose function of what changed so far this yields). TorchScript
-    modules keep their tables (views of compiled state that a forward does not change); their mode is put back."""
+    modules keep their tables (views of compiled state that a forward does not change); their mode is put back.
+    The parameters' and buffers' requires_grad flags and tensor hooks are restored too."""
     saved = [
         (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
         for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)
@@ -713,12 +732,20 @@ def preserved(model: nn.Module) -> Iterator[Callable[[], list[Held]]]:
     contents = [(v, copy.copy(v)) for _, attrs, *_ in saved for v in attrs.values()
                 if type(v) in (dict, list, OrderedDict)]
     scripted = [(m, m.training) for m in model.modules() if isinstance(m, torch.jit.ScriptModule)]
+    # a forward may freeze or unfreeze its own parameters (requires_grad_ on what .parameters() gives) and hook
+    # them (register_hook, register_post_accumulate_grad_hook): the source run to check a conversion must not
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_leaf]
+    flags = [(t, t.requires_grad, _tensor_hooks(t)) for t in tensors]
     try:
         with values_kept(model) as changed:
             yield changed
     finally:
         for compiled, training in scripted:  # its mode lives in the compiled module: train()/eval() change it there
             compiled.training = training
+        for t, flag, hooks in flags:
+            if t.requires_grad != flag:
+                t.requires_grad_(flag)
+            _restore_tensor_hooks(t, hooks)
         for container, before in contents:
             if isinstance(container, dict):
                 container.clear()
@@ -734,6 +761,29 @@ def preserved(model: nn.Module) -> Iterator[Callable[[], list[Held]]]:
             m._buffers.update(buffers)
             m._modules.clear()
             m._modules.update(children)
+
+
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _tensor_hooks(t: torch.Tensor) -> list[tuple[Any, dict[Any, Any] | None]]:
+    """Each hook dict of ``t`` (the object, or None) and what it holds."""
+    found = [getattr(t, name, None) for name in _TENSOR_HOOKS]
+    return [(d, None if d is None else dict(d)) for d in found]
+
+
+def _restore_tensor_hooks(t: torch.Tensor, saved: list[tuple[Any, dict[Any, Any] | None]]) -> None:
+    """Put ``t``'s hook dicts back as :func:`_tensor_hooks` found them: emptied or refilled in place, since
+    autograd keeps calling the dict a hook was registered in, then the attribute itself."""
+    for name, (before, items) in zip(_TENSOR_HOOKS, saved):
+        now = getattr(t, name, None)
+        if now is not None and now is not before:
+            now.clear()
+        if before is not None and dict(before) != items:
+            before.clear()
+            before.update(items or {})
+        if now is not before:
+            setattr(t, name, before)
 
 
 def _has_tensor(x: Any) -> bool:
@@ -876,9 +926,11 @@ def trace(
             except UntraceableError as e:
                 check_decorated(model, e)  # a (self, *args, **kwargs) decorator is the cause: say so
                 raise
-            if not writes:
+            if not writes and not tracer.autograd.uses:
                 break
-            _keep_writers(model, writes, kept, tracer)
+            _keep_users(model, tracer.autograd.uses, kept)
+            if writes:
+                _keep_writers(model, writes, kept, tracer)
         else:  # pragma: no cover - every round keeps a module whole or raises at the root
             raise StatefulForwardError(f"{name}: attribute writes could not be isolated; convert with depth=1")
     finally:
@@ -949,16 +1001,20 @@ def _trace_once(
     )
     tracer.opaque.update(kept)
     with preserved(model) as held_changed, buffers_kept(model) as buffers_changed, \
-            torch.random.fork_rng(devices=[]), recording_shape_ops():
+            torch.random.fork_rng(devices=[]), recording_shape_ops(), \
+            torch.set_grad_enabled(torch.is_grad_enabled()):  # a forward may leave grad mode changed
         before = attributes(model)
         try:
             with reseeds(model, lambda record: _reseeded(model, record, tracer)):
                 graph = tracer.trace(model, concrete_args=concrete or None)
+            tracer.autograd.left_open(0)
         except SeqifyError:
             raise
         except KeepWhole as e:
             raise e.error from None
         except Exception as e:
+            if "" in tracer.autograd.uses:
+                raise refusal(name, tracer.autograd.uses[""]) from e
             site = _error_site(e)
             raise UntraceableError(
                 f"{name}.forward cannot be traced: {_first_line(e)}\n"
@@ -977,6 +1033,8 @@ def _trace_once(
             writes.append(_Update(owner, attr, "buffer"))
         for held in held_changed():
             writes.append(_Update(held.owner, held.where, "generator" if isinstance(held.obj, torch.Generator) else "tensor"))
+    if "" in tracer.autograd.uses:
+        raise refusal(name, tracer.autograd.uses[""])
     if real is not None and real.error is not None and source_error(
         model, _caller(model, example_inputs), lambda: preserved(model)) is not None:
         # An opaque submodule's value came from running the source, and the source raised, outside a trace
@@ -985,6 +1043,15 @@ def _trace_once(
         # trace's divergence, which the self-check names.
         raise raises_itself(name, real.error)
     return tracer, graph, writes
+
+
+def _keep_users(model: nn.Module, uses: dict[str, Use], kept: dict[str, Opaque]) -> None:
+    """Keep whole each submodule whose forward uses autograd context a graph cannot hold (a tensor hook it
+    registers, autograd it runs): called whole, it does so on every call as the source does."""
+    for path, use in uses.items():
+        if path and path not in kept:
+            module = model.get_submodule(path)
+            kept[path] = Opaque(path, type(module).__name__, keep_reason(use))
 
 
 def _keep_writers(model: nn.Module, writes: list[_Update], kept: dict[str, Opaque], tracer: _Tracer) -> None:

@@ -910,6 +910,50 @@ def test_a_scripted_submodule_with_the_export_frontend() -> None:
     assert [o.path for o in seqify.convert(model, torch.randn(2, 4)).opaque] == ["f"]
 
 
+class HooksItself(Lin):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.f(x)
+        h.register_hook(lambda g: g * 2)
+        return self.g(h)
+
+
+def test_autograd_context_in_the_model_itself() -> None:
+    model, x = HooksItself(), torch.randn(2, 4)
+    before = snapshot(model)
+    with raises(seqify.AutogradContextError, "HooksItself.forward", "register_hook", "test_errors.py",
+                "h.register_hook", "What to do", "submodule"):
+        seqify.convert(model, x, frontend="fx")
+    assert_unchanged(model, before)
+
+
+class _Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            g = torch.sigmoid(self.f(x))
+        return x * g.clone()
+
+
+class FrozenInside(Lin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = _Frozen()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(super().forward(x))
+
+
+def test_export_refuses_autograd_context_it_would_drop() -> None:
+    model, x = FrozenInside(), torch.randn(2, 4)
+    with raises(seqify.AutogradContextError, "'frozen'", "_Frozen", "inference_mode", "test_errors.py",
+                "frontend='fx'", "torch.no_grad()"):
+        seqify.convert(model, x, frontend="export")
+    seq = seqify.convert(model, x)  # the fix: fx keeps the submodule whole
+    assert [o.path for o in seq.opaque] == [] and torch.equal(seq(x), model(x))
+
 class KeptInDict(Lin):
     """A hidden state carried between calls in a dict attribute (mutated, never reassigned)."""
 

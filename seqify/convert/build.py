@@ -17,6 +17,7 @@ from ..sequential import OpaqueInfo, Sequential, SkipInfo, _Unused
 from ..signature import OutputSpec
 from ..skip.namespace import Namespace
 from ..trace import Traced, value_of
+from ..trace_autograd import GRAD_MODE
 from .kinds import CONST, TENSOR
 from .linearize import Plan, Step
 
@@ -171,14 +172,15 @@ class _Builder:
         for node in step.nodes:
             args = tuple(_map(node.args, arg))
             kwargs = {k: _map(v, arg) for k, v in node.kwargs.items()}
+            grad = node.meta.get(GRAD_MODE)
             if node.op == "call_module":
                 target = module_names.get(node.target)
                 if target is None:
                     target = module_names[node.target] = _safe(node.target.rpartition(".")[2], taken)
                     modules[target] = self.traced.model.get_submodule(node.target)
-                ops.append(Op(node.name, "call_module", target, args, kwargs))
+                ops.append(Op(node.name, "call_module", target, args, kwargs, grad))
             else:
-                ops.append(Op(node.name, node.op, node.target, args, kwargs))
+                ops.append(Op(node.name, node.op, node.target, args, kwargs, grad))
         return Layer(
             inputs=[n.name for n in step.carried_in],
             ops=ops,
@@ -196,7 +198,7 @@ class _Builder:
             step.role == "op" and h is not None and h.op == "call_module" and step.nodes == [h]
             and not step.pops and not step.stashes and not h.kwargs
             and len(h.args) == 1 and step.carried_in == [h.args[0]] and step.carried_out == [h]
-            and self.plan.kinds[h] == TENSOR
+            and self.plan.kinds[h] == TENSOR and GRAD_MODE not in h.meta  # a region's call runs in its mode
         ):
             return self.traced.model.get_submodule(h.target)
         return None

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..guard import Guard, check_bool, check_equal
 from ..trace import HOOK_DICTS, Opaque, Traced, _caller, preserved
+from ..trace_autograd import GRAD_MODE
 from ..trace_real import record_inputs
 from .modes import exported_mode_dependent
 
@@ -178,6 +179,8 @@ def _splice_one(traced: Traced, node: fx.Node, exported: Traced, feeds: list[fx.
         for n in exported.graph.nodes:
             if n.op not in ("placeholder", "output"):
                 copies[n] = _copy(traced, n, copies, exported.constants, path, index, outer)
+                if GRAD_MODE in node.meta:  # the call sat in a grad-mode region: so do the ops that replace it
+                    copies[n].meta[GRAD_MODE] = node.meta[GRAD_MODE]
 
     def mapped(x: Any) -> Any:
         return pytree.tree_map(lambda v: copies[v] if isinstance(v, fx.Node) else v, x)

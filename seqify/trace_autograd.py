@@ -10,8 +10,7 @@ import torch.utils._pytree as pytree
 from torch.autograd import grad_mode
 
 from .errors import AutogradContextError
-from .grad_watch import (CHECKPOINT, FLAG, FUNCTION, GRAD, HOOK, LEAK, RUN, Use, Watcher, applied, custom_function,
-                         holds_proxy)
+from .grad_watch import CHECKPOINT, FLAG, FUNCTION, GRAD, HOOK, LEAK, RUN, Use, Watcher, applied, holds_proxy
 
 __all__ = ["GRAD_MODE", "FxAutograd", "Refused", "refusal", "keep_reason", "AUTOGRAD_CALLS", "PROXY_USES"]
 
@@ -103,8 +102,6 @@ class FxAutograd(Watcher):
             # checkpoint gives its parameters none)
             if not any(_requires_grad(a) for a in pytree.tree_leaves((args, kwargs))):
                 self.use(Use(CHECKPOINT, f"{site.what} on inputs that do not require grad", site.site, site.frame))
-            return RUN
-        if not custom_function(cls):
             return RUN
         if holds_proxy((args, kwargs)):
             # recorded as the Function itself, so the converted layer runs its forward and its backward

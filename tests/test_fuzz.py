@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ import torch.utils._pytree as pytree
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis.control import currently_in_test_context
 
-from exactness import assert_exact, loss_of
+from exactness import assert_exact, by_micro_batch, loss_of
 import seqify
 from nets import KINDS, PipeCase, Program, ProgramNet, build, example_inputs, features, pipe_cases, programs
 
@@ -63,15 +62,6 @@ def test_convert_is_exact_on_random_nets(program: Program) -> None:
     assert_exact(net, tuple(x.clone() for x in inputs), train=True)
     with_shapes = lambda m: seqify.convert(m, example_inputs=tuple(x.clone() for x in inputs))  # noqa: E731
     assert_exact(net, tuple(x.clone() for x in inputs), train=False, backward=False, convert=with_shapes)
-
-
-def micro_batched(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], chunks: int) -> Any:
-    """The source run micro-batch by micro-batch, outputs concatenated along dim 0 (what GPipe computes).
-    Each micro-batch is a tensor of its own (views of one tensor would share autograd's version counter)."""
-    outs = [model(*parts) for parts in zip(*[[c.clone() for c in x.tensor_split(chunks)] for x in inputs])]
-    flat = [pytree.tree_flatten(o)[0] for o in outs]
-    spec = pytree.tree_flatten(outs[0])[1]
-    return pytree.tree_unflatten([torch.cat(parts) for parts in zip(*flat)], spec)
 
 
 def splits_a_parameter(seq: seqify.Sequential, balance: list[int]) -> bool:
@@ -153,7 +143,7 @@ def check_pipeline(case: PipeCase, replay: bool) -> None:
     got = pipe(*[x.clone() for x in inputs])
     assert (pipe._graphed is not None or pipe.graph_error is not None) == replay  # replayed, or said why not
     loss_of(got).backward()
-    expected = micro_batched(reference, tuple(x.clone() for x in inputs), case.chunks)
+    expected = by_micro_batch(reference, tuple(x.clone() for x in inputs), case.chunks)
     loss_of(expected).backward()
     assert pytree.tree_structure(got) == pytree.tree_structure(expected)
     for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(expected)):

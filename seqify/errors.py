@@ -27,6 +27,7 @@ __all__ = [
     "SpecError",
     "SampleError",
     "ScheduleError",
+    "LossError",
     "MemoryCapError",
     "PeerError",
     "TuneError",
@@ -174,6 +175,12 @@ class CompatSkipError(SkipError, TypeError):
 
 class ScheduleError(SeqifyError):
     """A pipeline schedule that is unknown, does not fit the placement, or breaks an ordering rule."""
+
+
+class LossError(ScheduleError):
+    """``pipe.step`` cannot weigh the micro-batch losses so that they add up to one device's loss: a loss that
+    divides by a count the data decides (a mask) without ``denominator=``, a declared reduction the loss
+    contradicts, a loss that mixes samples, or an undeclared loss whose reduction its probe cannot tell."""
 
 
 class MemoryCapError(SeqifyError):

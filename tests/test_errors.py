@@ -525,6 +525,42 @@ def test_chunks_set_on_a_pipeline() -> None:
     assert pipe(torch.randn(6, 2)).shape == (6, 2)
 
 
+def masked_mean(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    keep = target[:, 0] > 0
+    return ((out - target) ** 2).sum(1)[keep].sum() / keep.sum()
+
+
+def test_a_loss_that_divides_by_a_count_the_data_decides() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2, schedule="1f1b")
+    target = torch.randn(8, 4)
+    target[:4, 0], target[4:, 0] = 1.0, torch.tensor([1.0, -1.0, -1.0, -1.0])
+    with raises(seqify.LossError, "masked_mean", "neither a sum nor a mean over samples", "denominator=",
+                "reduction='sum'", "loss_fn(pipe(x), target).backward()"):
+        pipe.step(torch.randn(8, 4), target, masked_mean)
+    pipe.step(torch.randn(8, 4), target, masked_mean, denominator=lambda t: (t[:, 0] > 0).sum())
+
+
+def test_a_loss_its_probe_cannot_tell() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    with raises(seqify.LossError, "cannot tell", "reduction='sum' or 'mean'"):
+        pipe.step(x, x, lambda out, t: (out * 0).sum())
+    with raises(seqify.LossError, "probing it", "ZeroDivisionError", "reduction='sum' or 'mean'"):
+        pipe.step(x, x, lambda out, t: out.sum() if out.size(0) == 2 else 1 / 0)  # the pieces put together: 4
+
+
+def test_loss_declarations_that_contradict_the_loss() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    with raises(seqify.LossError, "reduction='sum' but MSELoss(reduction='mean')", "leave reduction= out"):
+        pipe.step(x, x, nn.MSELoss(), reduction="sum")
+    with raises(seqify.LossError, "denominator=", "reduction='sum'", "pass one"):
+        pipe.step(x, x, F.mse_loss, reduction="sum", denominator=lambda t: 1)
+    with raises(seqify.LossError, "denominator returned Tensor (4,)", "one number per micro-batch"):
+        pipe.step(x, x, F.mse_loss, denominator=lambda t: torch.ones(4))
+    with raises(seqify.LossError, "CTCLoss", "batch second", "ctc(out.transpose(0, 1), *t)"):
+        pipe.step(x, x, nn.CTCLoss())
+
 def test_balancing_on_a_sample_that_does_not_fit() -> None:
     model = three_layers()
     with raises(seqify.BalanceError, "layer 0 '0' (Linear) fails on the sample while profiling", "check that the sample fits"):

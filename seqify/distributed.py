@@ -24,6 +24,7 @@ from .pipeline.microbatch import gather, scatter
 from .pipeline.pipe import CHECKPOINT, _check_balance, _place
 from .pipeline.schedule import SCHEDULES, Action, Schedule, gpipe, make, round_robin, v_shape
 from .pipeline.stage import Stage
+from .pipeline.transfer import refuse_meta
 from .pipeline import tied
 from .sequential import Sequential
 from .skip.layout import routes
@@ -235,6 +236,8 @@ class DistributedStage(nn.Module):
             carried = model.flatten_inputs(inputs)
         else:
             carried = inputs
+        refuse_meta(carried, "the pipeline's input", self.device,
+                    model.input_names() if isinstance(model, Sequential) else None)
         if isinstance(carried, torch.Tensor):
             carried = carried.to(self.device)
         else:
@@ -298,6 +301,8 @@ class DistributedStage(nn.Module):
         if self.is_last and loss_fn is None:
             raise BoundaryError("the rank holding the last partition needs loss_fn(output, target) to run backward")
         how = reduction_of(loss_fn, reduction, denominator) if self.is_last and loss_fn is not None else None
+        if self.is_last and target is not None:
+            refuse_meta(target, "target", self.device)
         micro = self._micro_inputs(inputs) if self.is_first else []
         sizes = self._sizes(micro)
         m = len(sizes)

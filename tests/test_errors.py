@@ -525,6 +525,23 @@ def test_chunks_set_on_a_pipeline() -> None:
     assert pipe(torch.randn(6, 2)).shape == (6, 2)
 
 
+def test_one_sample_micro_batches_under_batch_norm() -> None:
+    pipe = seqify.pipeline(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)), devices=CPU2, chunks=8)
+    with pytest.warns(UserWarning, match="clamped"), \
+            raises(seqify.MicroBatchError, "chunks=8", "a batch of 4 samples", "clamped", "BatchNorm1d layer '1'",
+                   "Use chunks=2 or fewer", "a larger batch"):
+        pipe(torch.randn(4, 8))
+
+
+def test_meta_inputs_of_a_pipeline() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    with raises(seqify.DeviceError, "the pipeline's input 'x'", "(4, 4)", "meta device", "copied to cpu",
+                "Pass a tensor holding data"):
+        pipe(torch.randn(4, 4, device="meta"))
+    with raises(seqify.DeviceError, "target of shape (4, 4)", "meta device", "Pass a tensor holding data"):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4, device="meta"), F.mse_loss)
+
+
 def masked_mean(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     keep = target[:, 0] > 0
     return ((out - target) ** 2).sum(1)[keep].sum() / keep.sum()

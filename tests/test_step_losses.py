@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -240,6 +241,55 @@ def test_what_is_declared_is_trusted_and_what_contradicts_is_refused() -> None:
         reduction_of(nn.CTCLoss())
     with pytest.raises(seqify.LossError, match="pass one"):
         reduction_of(summed, "sum", lambda t: 1)
+
+
+# -- inputs the pipeline cannot take -----------------------------------------------------------------------
+
+
+def test_meta_inputs_and_targets_are_refused_before_any_work() -> None:
+    _, pipe = lm(chunks=2)
+    with pytest.raises(seqify.DeviceError, match="the pipeline's input 'i'.*meta device"):
+        pipe(torch.zeros(4, 6, dtype=torch.long, device="meta"))
+    ids, target = padded([6, 6, 6, 6])
+    with pytest.raises(seqify.DeviceError, match="input 'i'"):
+        pipe.step(ids.to("meta"), target, nn.CrossEntropyLoss())
+    with pytest.raises(seqify.DeviceError, match="target of shape"):
+        pipe.step(ids, target.to("meta"), nn.CrossEntropyLoss())
+    plain = seqify.pipeline(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(seqify.DeviceError, match="the pipeline's input of shape \\(4, 8\\)"):
+        plain(torch.randn(4, 8, device="meta"))
+
+
+def test_a_distributed_stage_refuses_meta_inputs_and_targets_before_any_message() -> None:
+    import seqify.distributed as sd
+
+    stage = sd.DistributedStage(seqify.convert(LM()), [8], index=0, device=torch.device("cpu"), chunks=2)
+    ids, target = padded([6, 6, 6, 6])
+    with pytest.raises(seqify.DeviceError, match="the pipeline's input 'i'"):
+        stage.step(ids.to("meta"), target, nn.CrossEntropyLoss())
+    with pytest.raises(seqify.DeviceError, match="target of shape"):
+        stage.step(ids, target.to("meta"), nn.CrossEntropyLoss())
+
+def test_one_sample_micro_batches_under_batch_norm_name_chunks_the_batch_and_the_layer() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    pipe = seqify.pipeline(model, devices=["cpu"] * 2, chunks=8)
+    before = [b.clone() for b in model.buffers()]
+    with pytest.warns(UserWarning, match="chunks=8 but the batch has 4"), \
+            pytest.raises(seqify.MicroBatchError, match="chunks=8 on a batch of 4.*BatchNorm1d layer '1'.*chunks=2"):
+        pipe(torch.randn(4, 8))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))  # statistics as they were
+    with pytest.raises(ValueError):  # a ValueError too, as torch raised
+        pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
+
+
+def test_chunks_above_the_batch_warn_once_and_run() -> None:
+    pipe = seqify.pipeline(nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten()), devices=["cpu"] * 2,
+                           chunks=8)
+    with pytest.warns(UserWarning, match="clamped"):
+        pipe(torch.randn(4, 2, 5, 5))  # one sample per micro-batch: nine values per channel, torch runs it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(torch.randn(4, 2, 5, 5))
 
 
 # -- seqify.distributed: ranks and replicas weigh alike ----------------------------------------------------

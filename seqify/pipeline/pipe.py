@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import os
+import warnings
 from dataclasses import replace
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, MemoryCapError, ScheduleError
 from ..sequential import Sequential
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, one_sample
 from .checkpoint import norms_of
 from .config import PipeConfig
 from .eager import Eager, checkpoint_stop
@@ -36,7 +37,7 @@ from .replay import Replay, run
 from .replayed import GraphWarning, Replayer
 from .schedule import SCHEDULES, Schedule, ahead, make, round_robin, v_shape
 from .scheduled import ScheduledStep
-from .transfer import Transfer
+from .transfer import Transfer, refuse_meta
 
 __all__ = ["Pipeline", "pipeline", "resolve_devices", "GraphWarning"]
 
@@ -126,6 +127,7 @@ class Pipeline(nn.Module):
         #: the PipeConfig seqify.tune chose (chunks="auto") or config= gave; None when chosen by hand
         self.config: PipeConfig | None = None
         self._probes = Probes()  # how undeclared losses given to step reduce, found once per loss and layout
+        self._said_clamped = False
 
     @property
     def chunks(self) -> int:
@@ -201,7 +203,7 @@ class Pipeline(nn.Module):
             carried = args[0]
         else:
             raise BoundaryError("a plain nn.Sequential pipeline takes one argument: a tensor or a tuple of tensors")
-        batches = self._micro_batches(carried)
+        batches = self._micro_batches(carried, stacklevel=5)  # under nn.Module.__call__ and _call_impl
         saved = self._save_statistics() if self._statistics else None
         try:
             replay = self._replayer.programs(batches, self.training, stop=self._checkpoint_stop(len(batches)))
@@ -209,21 +211,36 @@ class Pipeline(nn.Module):
                 out = run(replay, [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches])
             else:
                 out = gather(self._run(batches), model.output_spec.names if isinstance(model, Sequential) else None)
-        except BaseException:
+        except BaseException as e:
             if saved:
                 self._restore_statistics(saved)
+            self._refuse_one_sample(e, batches)
             raise
         return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
 
-    def _micro_batches(self, carried: Any) -> list[Any]:
+    def _micro_batches(self, carried: Any, stacklevel: int) -> list[Any]:
         """The flat input on the first device, split into micro-batches (copies where the model changes its
-        input in place)."""
+        input in place); a meta tensor refused first, and a batch below ``chunks`` said once (a warning
+        ``stacklevel`` frames up: the caller's line)."""
         model = self.model
-        batches = scatter(self._transfer(carried, self.devices[0]), self.chunks,
-                          model.input_names if isinstance(model, Sequential) else None)
+        names = model.input_names if isinstance(model, Sequential) else None
+        refuse_meta(carried, "the pipeline's input", self.devices[0], names() if names is not None else None)
+        batches = scatter(self._transfer(carried, self.devices[0]), self.chunks, names)
+        if len(batches) < self.chunks and not self._said_clamped:
+            self._said_clamped = True
+            warnings.warn(f"chunks={self.chunks} but the batch has {len(batches)} samples: the pipeline runs "
+                          f"{len(batches)} micro-batches of one sample (chunks above the batch size are clamped)",
+                          stacklevel=stacklevel)
         if self._copy_input:
             batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
         return batches
+
+    def _refuse_one_sample(self, error: BaseException, batches: list[Any]) -> None:
+        """Raise a :class:`MicroBatchError` from torch's refusal of a one-sample micro-batch in BatchNorm."""
+        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
+        better = one_sample(error, self.model, self.chunks, sizes)
+        if better is not None:
+            raise better from error
 
     def schedule_for(self, micro_batches: int) -> Schedule:
         """The pipeline's schedule for this many micro-batches (built once per count)."""
@@ -265,12 +282,13 @@ class Pipeline(nn.Module):
             carried = model.flatten_inputs(x) if not isinstance(x, tuple) else model.flatten_inputs(*x)
         else:
             carried = x
+        refuse_meta(target, "target", self.devices[-1])
         if self.schedule == "gpipe" and (self.graphs or self._replay_eager):
             out = self(*x) if isinstance(x, tuple) and isinstance(model, Sequential) else self(x)
             loss = loss_fn(out, self._transfer(target, self.devices[-1]))
             loss.backward()
             return loss.detach()
-        batches = self._micro_batches(carried)
+        batches = self._micro_batches(carried, stacklevel=3)
         sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
         targets = split_like(self._transfer(target, self.devices[-1]), sizes)
         unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
@@ -283,9 +301,10 @@ class Pipeline(nn.Module):
                 flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
                 return replay.train(flat, targets, weigh)
             return self._stepper(schedule, batches, weigh, self._checkpoint_stop(len(batches)))
-        except BaseException:
+        except BaseException as e:
             if saved:
                 self._restore_statistics(saved)
+            self._refuse_one_sample(e, batches)
             raise
 
     def plan_memory(self, sample: Any, *, schedule: str | Schedule | None = None,

@@ -19,7 +19,6 @@ from .pipeline.replay import (Program, Unreplayable, _buffers, _capture_in_order
                               _partition_order, _warm)
 from .pipeline.replayed import GraphWarning
 from .pipeline.stage import Stage
-from .sequential import Sequential
 from .skip.namespace import SkipKey
 
 if TYPE_CHECKING:
@@ -250,10 +249,9 @@ class ProgramRun(RankRun):
     cross the :class:`~seqify.dist_link.Link`. Under a split schedule a program's backward is B, whose
     input gradients are sent on at once, and its W runs when the schedule says."""
 
-    def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any],
-                 sizes: list[int], loss_fn: Callable[[Any, Any], torch.Tensor] | None, stop: int,
-                 split: bool = False) -> None:
-        super().__init__(stage, link, micro, targets, sizes, loss_fn, stop, split)
+    def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], sizes: list[int],
+                 loss: Callable[[Any, int], torch.Tensor] | None, stop: int, split: bool = False) -> None:
+        super().__init__(stage, link, micro, sizes, loss, stop, split)
         self.fixed: dict[tuple[int, int], _Fixed] = {}
 
     def forward(self, p: int, i: int) -> None:
@@ -271,11 +269,9 @@ class ProgramRun(RankRun):
             raise GraphError(f"{s.me}: {e}") from e
         self._send(p, i, y, stashed, w)
         if p == self.last:  # the loss on leaves: a program's outputs carry no autograd history
-            assert self.loss_fn is not None
+            assert self.loss is not None
             w.out = [t.detach().requires_grad_(t.is_floating_point()) for t in leaves(y)]
-            y = w.out[0] if isinstance(y, torch.Tensor) else tuple(w.out)
-            out = s.model.unflatten_outputs(y) if isinstance(s.model, Sequential) else y
-            y = self.loss_fn(out, self.targets[i]) * (self.sizes[i] / self.batch)  # the mean, piece by piece
+            y = self.loss(w.out[0] if isinstance(y, torch.Tensor) else tuple(w.out), i)
             self.losses.append(y.detach())
         w.y = y
         self.fixed[(p, i)] = w
@@ -306,8 +302,8 @@ class ProgramRun(RankRun):
         self.s._programs[p].weights(i)
 
 
-def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any], sizes: list[int],
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, stop: int = 0) -> list[torch.Tensor]:
+def program_step(stage: DistributedStage, link: Link, micro: list[Any], sizes: list[int],
+                 loss: Callable[[Any, int], torch.Tensor] | None, stop: int = 0) -> list[torch.Tensor]:
     """One training step of ``stage``'s partitions as fixed programs, in its schedule's order, checkpointing
     micro-batches below ``stop``; the micro-batch losses on the rank holding the last partition."""
     plan = stage.plan(len(sizes))
@@ -318,7 +314,7 @@ def program_step(stage: DistributedStage, link: Link, micro: list[Any], targets:
         prog.begin(sizes, stop, plan.split, _partition_order(plan, p), autocast=dtype if on else None)
     # every program built in an earlier step (same sizes, same everything): this step sends what that one did
     link.steady = all(prog.programs and all(q is not None for q in prog.programs) for prog in stage._programs.values())
-    run = ProgramRun(stage, link, micro, targets, sizes, loss_fn, stop, plan.split)
+    run = ProgramRun(stage, link, micro, sizes, loss, stop, plan.split)
     actions = plan.per_device()[stage.index]
     # The caller's autocast without its cache of weight casts, as CUDA graphs need (torch's
     # make_graphed_callables asks for cache_enabled=False): each program casts its weights itself, inside

@@ -14,14 +14,14 @@ from .dist_sizes import is_size
 from .errors import ScheduleError
 from .pipeline.checkpoint import checkpointed
 from .pipeline.schedule import Action
-from .sequential import Sequential
 
 if TYPE_CHECKING:
     from .distributed import DistributedStage
 
 __all__ = ["RankRun"]
 
-LossFn = Callable[[Any, Any], torch.Tensor]
+#: micro-batch i's output -> its loss, already weighed (seqify.pipeline.losses.Weigher)
+Loss = Callable[[Any, int], torch.Tensor]
 
 
 def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -61,15 +61,13 @@ class RankRun:
     the gradients of its leaves and sends them on at once; W later adds the weights' gradients
     (:mod:`seqify.dist_backward`). Unsplit, B does both in one ``torch.autograd.backward``."""
 
-    def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], targets: list[Any],
-                 sizes: list[int], loss_fn: LossFn | None, stop: int, split: bool) -> None:
+    def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], sizes: list[int], loss: Loss | None,
+                 stop: int, split: bool) -> None:
         self.s = stage
         self.link = link
         self.micro = micro
-        self.targets = targets
         self.sizes = sizes
-        self.batch = sum(sizes)
-        self.loss_fn = loss_fn
+        self.loss = loss
         self.stop = stop
         self.split = split
         self.grad = torch.is_grad_enabled()
@@ -137,11 +135,10 @@ class RankRun:
             y, stashed = runner(x, skips)
         self._send(p, i, y, stashed, w)
         if p == self.last:
-            if self.loss_fn is None:
+            if self.loss is None:
                 self.outputs[i] = y
                 return
-            out = s.model.unflatten_outputs(y) if isinstance(s.model, Sequential) else y
-            y = self.loss_fn(out, self.targets[i]) * (self.sizes[i] / self.batch)  # the mean, piece by piece
+            y = self.loss(y, i)
             self.losses.append(y.detach())
         w.y = y
         if self.grad:

@@ -19,10 +19,12 @@ from .dist_replay import RankPrograms, program_step
 from .dist_schedule import RankRun
 from .errors import BalanceError, BoundaryError, DeviceError, ScheduleError
 from .pipeline.checkpoint import norms_of
+from .pipeline.losses import Count, Probes, Weigher, reduction_of
 from .pipeline.microbatch import gather, scatter
 from .pipeline.pipe import CHECKPOINT, _check_balance, _place
 from .pipeline.schedule import SCHEDULES, Action, Schedule, gpipe, make, round_robin, v_shape
 from .pipeline.stage import Stage
+from .pipeline.transfer import refuse_meta
 from .pipeline import tied
 from .sequential import Sequential
 from .skip.layout import routes
@@ -188,6 +190,7 @@ class DistributedStage(nn.Module):
         # graphs=True: each partition's micro-batches as fixed programs (dist_replay), one set per partition
         self._programs: dict[int, RankPrograms] = (
             {p: RankPrograms(r, device, graphs, sized=self.sized) for p, r in self.runners.items()} if graphs else {})
+        self._probes = Probes()  # how undeclared losses reduce, found once per loss and layout
 
     @property
     def is_first(self) -> bool:
@@ -233,6 +236,8 @@ class DistributedStage(nn.Module):
             carried = model.flatten_inputs(inputs)
         else:
             carried = inputs
+        refuse_meta(carried, "the pipeline's input", self.device,
+                    model.input_names() if isinstance(model, Sequential) else None)
         if isinstance(carried, torch.Tensor):
             carried = carried.to(self.device)
         else:
@@ -283,27 +288,38 @@ class DistributedStage(nn.Module):
         inputs: Any = None,
         target: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        *,
+        reduction: str | None = None,
+        denominator: Count | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of one mini-batch. ``inputs`` on the rank holding the first partition,
-        ``target`` and ``loss_fn(output, target) -> mean loss of a micro-batch`` on the one holding the last."""
+        ``target`` and ``loss_fn(output, target)`` on the one holding the last, whose micro-batch losses
+        are weighed as :meth:`seqify.Pipeline.step` weighs them (``reduction`` and ``denominator`` as there).
+        Over data-parallel replicas the weights are shares of the global batch (what the loss divides by
+        added over the replicas), so the averaged gradients are one device's on every replica's samples; the
+        loss returned is this replica's own."""
         if self.is_last and loss_fn is None:
             raise BoundaryError("the rank holding the last partition needs loss_fn(output, target) to run backward")
+        how = reduction_of(loss_fn, reduction, denominator) if self.is_last and loss_fn is not None else None
+        if self.is_last and target is not None:
+            refuse_meta(target, "target", self.device)
         micro = self._micro_inputs(inputs) if self.is_first else []
         sizes = self._sizes(micro)
         m = len(sizes)
         targets = scatter(target.to(self.device), m) if self.is_last and target is not None else [None] * m
         grad = torch.is_grad_enabled()
         if not grad:
-            return self._forward_only(micro, sizes, Link(self.device, self.me, self._directions), targets, loss_fn)
+            return self._forward_only(micro, sizes, Link(self.device, self.me, self._directions), targets, loss_fn, how)
+        weigh = self._weigher(loss_fn, how, targets, sizes, replicas=self.replicas)
         # fixed programs send the same messages every step of the same sizes: after the first, receivers need not wait for headers
         link = Link(self.device, self.me, self._directions, self._books if self._programs else None)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         try:
             if self._programs:
-                losses = program_step(self, link, micro, targets, sizes, loss_fn, stop)
+                losses = program_step(self, link, micro, sizes, weigh, stop)
             else:
                 plan = self.plan(m)
-                run = RankRun(self, link, micro, targets, sizes, loss_fn, stop, plan.split)
+                run = RankRun(self, link, micro, sizes, weigh, stop, plan.split)
                 run.run(plan.per_device()[self.index])
                 losses = run.losses
             self._all_reduce_grads()
@@ -311,14 +327,38 @@ class DistributedStage(nn.Module):
         except BaseException:
             self._books.clear()  # what this step sent is not a book its peers hold
             raise
-        return torch.stack(losses).sum() if self.is_last else None
+        if weigh is None:
+            return None
+        total = torch.stack(losses).sum()
+        return total if weigh.report == 1.0 else total * weigh.report
+
+    def _weigher(self, loss_fn: Callable[[Any, Any], torch.Tensor] | None, how: Any, targets: list[Any],
+                 sizes: list[int], replicas: int) -> Weigher | None:
+        """The last partition's rank's micro-batch losses (None elsewhere); over ``replicas`` > 1, what the
+        loss divides by is added over the replicas' last ranks (one all-reduce of a number)."""
+        if loss_fn is None or how is None:
+            return None
+        model = self.model
+        unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
+        total = self._over_replicas if replicas > 1 and self._dp_group is not None else None
+        return Weigher(loss_fn, how, targets, sizes, self._probes, unflatten=unflatten, total=total,
+                       replicas=replicas if total is not None else 1)
+
+    def _over_replicas(self, local: float) -> float:
+        """``local`` added over this pipeline rank's data-parallel replicas."""
+        value = torch.tensor([local], dtype=torch.float64, device=self.device)
+        others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
+        with peer(self.me, others, "adding what the loss divides by over data-parallel replicas"):
+            dist.all_reduce(value, group=self._dp_group)
+        return float(value)
 
     def _forward_only(self, micro: list[Any], sizes: list[int], link: Link, targets: list[Any],
-                      loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Any:
-        """Every forward, in fill-drain order, without autograd: the loss (with ``loss_fn``) or the
-        outputs by micro-batch on the last partition's rank."""
+                      loss_fn: Callable[[Any, Any], torch.Tensor] | None, how: Any = None) -> Any:
+        """Every forward, in fill-drain order, without autograd: the loss (with ``loss_fn``: this replica's)
+        or the outputs by micro-batch on the last partition's rank."""
         order = [a for a in gpipe(self.placement, len(sizes)).per_device()[self.index] if a.kind == "F"]
-        run = RankRun(self, link, micro, targets, sizes, loss_fn, 0, False)
+        weigh = self._weigher(loss_fn, how, targets, sizes, replicas=1)
+        run = RankRun(self, link, micro, sizes, weigh, 0, False)
         run.run(order)
         link.flush()
         if loss_fn is not None:

@@ -27,6 +27,8 @@ __all__ = [
     "SpecError",
     "SampleError",
     "ScheduleError",
+    "LossError",
+    "MicroBatchError",
     "MemoryCapError",
     "PeerError",
     "TuneError",
@@ -176,6 +178,17 @@ class CompatSkipError(SkipError, TypeError):
 
 class ScheduleError(SeqifyError):
     """A pipeline schedule that is unknown, does not fit the placement, or breaks an ordering rule."""
+
+
+class LossError(ScheduleError):
+    """``pipe.step`` cannot weigh the micro-batch losses so that they add up to one device's loss: a loss that
+    divides by a count the data decides (a mask) without ``denominator=``, a declared reduction the loss
+    contradicts, a loss that mixes samples, or an undeclared loss whose reduction its probe cannot tell."""
+
+
+class MicroBatchError(BalanceError, ValueError):
+    """Micro-batches too small for a layer: ``chunks`` leaves one sample per micro-batch and a BatchNorm
+    computing batch statistics gets one value per channel (a ``ValueError`` too, as torch raises)."""
 
 
 class MemoryCapError(SeqifyError):

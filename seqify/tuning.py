@@ -40,7 +40,8 @@ from .partition.walk import layers as walk_layers
 from .pipeline import tied
 from .pipeline.config import PipeConfig, Trial
 from .pipeline.memory import weighted
-from .pipeline.pipe import CHECKPOINT, Pipeline, _split_like, pipeline, resolve_devices
+from .pipeline.microbatch import split_like
+from .pipeline.pipe import CHECKPOINT, Pipeline, pipeline, resolve_devices
 from .pipeline.schedule import SCHEDULES, SPLIT, round_robin, v_shape
 from .predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 from .progress import progress
@@ -396,7 +397,7 @@ def _accumulated(model: nn.Module, sample: Any, device: torch.device,
     while k <= batch:
         try:
             with _peaks([device]) as got:
-                for part in _split_like(sample, [batch // k + (i < batch % k) for i in range(k)]):
+                for part in split_like(sample, [batch // k + (i < batch % k) for i in range(k)]):
                     _loss(_call(model, part)).backward()
                 _sync([device])
             fits = True

@@ -303,5 +303,74 @@ def _spawned(rank: int, world: int, port: int, out: str, name: str, balance: lis
         torch.distributed.destroy_process_group()
 
 
+
+class PaddedLM(nn.Module):
+    """A tiny language model (8 layers converted) whose logits come out (batch, classes, positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = nn.Embedding(11, 8)
+        self.h = nn.Linear(8, 8)
+        self.g = nn.Linear(8, 8)
+        self.o = nn.Linear(8, 11)
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.h(self.e(i)))
+        return self.o(torch.relu(self.g(h)) + h).transpose(1, 2)
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Eight samples of six tokens whose targets are padded (-100) past lengths that differ across
+    micro-batches and replicas (one sample holds no target at all)."""
+    g = torch.Generator().manual_seed(5)
+    ids, target = torch.randint(0, 11, (8, 6), generator=g), torch.randint(0, 11, (8, 6), generator=g)
+    for row, n in enumerate([6, 1, 4, 6, 0, 3, 5, 2]):
+        target[row, n:] = -100
+    return ids, target
+
+
+def masked_mean(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    keep = target != -100
+    return (F.cross_entropy(out, target.clamp(min=0), reduction="none") * keep).sum() / keep.sum()
+
+
+def summed_ce(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, target, reduction="sum")
+
+
+#: loss name -> (loss_fn, step keywords): torch's count, a user's denominator, a probed sum
+PADDED_LOSSES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "ce": (nn.CrossEntropyLoss(), {}),
+    "masked": (masked_mean, {"denominator": lambda t: (t != -100).sum()}),
+    "sum": (summed_ce, {}),
+}
+
+
+def padded_spawned(rank: int, world: int, port: int, out: str, balance: list[int], schedule: str, loops: int,
+                   chunks: int, graphs: bool) -> None:
+    """One rank started by ``torch.multiprocessing.spawn``: one step of each of :data:`PADDED_LOSSES` on its
+    replica's shard of :func:`padded_batch`, saving each loss and the gradients (source names)."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = PaddedLM().double().train()
+        stage = sd.stage(seqify.convert(model), balance=balance, chunks=chunks, schedule=schedule, loops=loops,
+                         graphs=graphs)
+        names = {id(p): n for n, p in model.named_parameters()}
+        x, y = padded_batch()
+        shard = slice(stage.replica * 8 // stage.replicas, (stage.replica + 1) * 8 // stage.replicas)
+        record: dict[str, Any] = {"replica": stage.replica}
+        for name, (loss_fn, keywords) in PADDED_LOSSES.items():
+            stage.zero_grad()
+            loss = stage.step(x[shard] if stage.is_first else None, y[shard] if stage.is_last else None,
+                              loss_fn=loss_fn, **keywords)
+            record[name] = (None if loss is None else float(loss),
+                            {names[id(p)]: p.grad.clone() for p in stage.partition.parameters() if p.grad is not None})
+        torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
 if __name__ == "__main__":
     main()

@@ -525,6 +525,59 @@ def test_chunks_set_on_a_pipeline() -> None:
     assert pipe(torch.randn(6, 2)).shape == (6, 2)
 
 
+def test_one_sample_micro_batches_under_batch_norm() -> None:
+    pipe = seqify.pipeline(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)), devices=CPU2, chunks=8)
+    with pytest.warns(UserWarning, match="clamped"), \
+            raises(seqify.MicroBatchError, "chunks=8", "a batch of 4 samples", "clamped", "BatchNorm1d layer '1'",
+                   "Use chunks=2 or fewer", "a larger batch"):
+        pipe(torch.randn(4, 8))
+
+
+def test_meta_inputs_of_a_pipeline() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    with raises(seqify.DeviceError, "the pipeline's input 'x'", "(4, 4)", "meta device", "copied to cpu",
+                "Pass a tensor holding data"):
+        pipe(torch.randn(4, 4, device="meta"))
+    with raises(seqify.DeviceError, "target of shape (4, 4)", "meta device", "Pass a tensor holding data"):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4, device="meta"), F.mse_loss)
+
+
+def masked_mean(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    keep = target[:, 0] > 0
+    return ((out - target) ** 2).sum(1)[keep].sum() / keep.sum()
+
+
+def test_a_loss_that_divides_by_a_count_the_data_decides() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2, schedule="1f1b")
+    target = torch.randn(8, 4)
+    target[:4, 0], target[4:, 0] = 1.0, torch.tensor([1.0, -1.0, -1.0, -1.0])
+    with raises(seqify.LossError, "masked_mean", "neither a sum nor a mean over samples", "denominator=",
+                "reduction='sum'", "loss_fn(pipe(x), target).backward()"):
+        pipe.step(torch.randn(8, 4), target, masked_mean)
+    pipe.step(torch.randn(8, 4), target, masked_mean, denominator=lambda t: (t[:, 0] > 0).sum())
+
+
+def test_a_loss_its_probe_cannot_tell() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    with raises(seqify.LossError, "cannot tell", "reduction='sum' or 'mean'"):
+        pipe.step(x, x, lambda out, t: (out * 0).sum())
+    with raises(seqify.LossError, "probing it", "ZeroDivisionError", "reduction='sum' or 'mean'"):
+        pipe.step(x, x, lambda out, t: out.sum() if out.size(0) == 2 else 1 / 0)  # the pieces put together: 4
+
+
+def test_loss_declarations_that_contradict_the_loss() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    with raises(seqify.LossError, "reduction='sum' but MSELoss(reduction='mean')", "leave reduction= out"):
+        pipe.step(x, x, nn.MSELoss(), reduction="sum")
+    with raises(seqify.LossError, "denominator=", "reduction='sum'", "pass one"):
+        pipe.step(x, x, F.mse_loss, reduction="sum", denominator=lambda t: 1)
+    with raises(seqify.LossError, "denominator returned Tensor (4,)", "one number per micro-batch"):
+        pipe.step(x, x, F.mse_loss, denominator=lambda t: torch.ones(4))
+    with raises(seqify.LossError, "CTCLoss", "batch second", "ctc(out.transpose(0, 1), *t)"):
+        pipe.step(x, x, nn.CTCLoss())
+
 def test_balancing_on_a_sample_that_does_not_fit() -> None:
     model = three_layers()
     with raises(seqify.BalanceError, "layer 0 '0' (Linear) fails on the sample while profiling", "check that the sample fits"):

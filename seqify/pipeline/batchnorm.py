@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import traceback
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import MicroBatchError
 from .checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "defer_batch_norm"]
+__all__ = ["DeferredBatchNorm", "defer_batch_norm", "one_sample"]
 
 
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -91,3 +93,20 @@ def defer_batch_norm(module: nn.Module, chunks: int) -> nn.Module:
     clone = copy.copy(module)
     clone.__dict__["_modules"] = children
     return clone
+
+
+def one_sample(error: BaseException, modules: nn.Module, chunks: int, sizes: list[int]) -> MicroBatchError | None:
+    """A :class:`MicroBatchError` for torch's refusal of a BatchNorm that got one value per channel from a
+    micro-batch of one sample, naming the layer (found where torch raised); None for any other error."""
+    if not (isinstance(error, ValueError) and "more than 1 value per channel" in str(error) and min(sizes) == 1):
+        return None
+    bn = next((f.f_locals.get("self") for f, _ in reversed(list(traceback.walk_tb(error.__traceback__)))
+               if isinstance(f.f_locals.get("self"), nn.modules.batchnorm._BatchNorm)), None)
+    name = next((n for n, m in modules.named_modules() if m is bn), None) if bn is not None else None
+    layer = f"the {type(bn).__name__} layer {name!r}" if bn is not None else "a BatchNorm layer"
+    batch = sum(sizes)
+    split = (f"clamped to {batch} micro-batches" if chunks > batch else f"{len(sizes)} micro-batches") + " of one sample"
+    return MicroBatchError(
+        f"chunks={chunks} on a batch of {batch} samples ({split}) leaves {layer} one value per channel to compute "
+        f"training statistics from, which torch refuses ({error}). Use chunks={max(1, batch // 2)} or fewer "
+        "(micro-batches of two samples or more), a larger batch, or eval mode for BatchNorm")

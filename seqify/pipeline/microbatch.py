@@ -9,7 +9,7 @@ import torch
 
 from ..errors import BoundaryError
 
-__all__ = ["scatter", "gather", "is_tensors"]
+__all__ = ["scatter", "gather", "is_tensors", "split_like"]
 
 
 def is_tensors(value: Any) -> bool:
@@ -82,3 +82,20 @@ def gather(outputs: list[Any], names: Callable[[], list[str] | None] | None = No
             f"micro-batch outputs cannot be concatenated along dim 0 (output shapes {shapes}): every "
             f"output of a pipelined model needs a batch dimension first{hint}"
         ) from e
+
+
+def split_like(target: Any, sizes: list[int]) -> list[Any]:
+    """``target`` cut along the batch dimension into micro-batches of ``sizes`` (tensors, or tuples,
+    lists and dicts of them; anything else is given to every micro-batch whole)."""
+    if isinstance(target, torch.Tensor):
+        if target.dim() == 0 or target.size(0) != sum(sizes):
+            raise BoundaryError(f"target has shape {tuple(target.shape)} but the batch has {sum(sizes)} samples; "
+                                "pipe.step splits the target along its first dimension like the input")
+        return list(target.split(sizes))
+    if isinstance(target, (tuple, list)):
+        parts = [split_like(t, sizes) for t in target]
+        return [type(target)(p[i] for p in parts) for i in range(len(sizes))]
+    if isinstance(target, dict):
+        parts_d = {k: split_like(v, sizes) for k, v in target.items()}
+        return [{k: v[i] for k, v in parts_d.items()} for i in range(len(sizes))]
+    return [target] * len(sizes)

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import os
+import warnings
 from dataclasses import replace
 
 import torch
@@ -13,13 +14,14 @@ from torch import nn
 
 from ..errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, MemoryCapError, ScheduleError
 from ..sequential import Sequential
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, one_sample
 from .checkpoint import norms_of
 from .config import PipeConfig
 from .eager import Eager, checkpoint_stop
 from .inplace import INPUT, mutated_roots
 from .memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
-from .microbatch import gather, scatter
+from .losses import Count, Probes, Weigher, reduction_of
+from .microbatch import gather, scatter, split_like
 from .placement import (  # noqa: F401  (names other modules import from here)
     CHECKPOINT,
     STRATEGIES,
@@ -34,8 +36,8 @@ from .placement import (  # noqa: F401  (names other modules import from here)
 from .replay import Replay, run
 from .replayed import GraphWarning, Replayer
 from .schedule import SCHEDULES, Schedule, ahead, make, round_robin, v_shape
-from .scheduled import ScheduledStep, loss_weights, scalar
-from .transfer import Transfer
+from .scheduled import ScheduledStep
+from .transfer import Transfer, refuse_meta
 
 __all__ = ["Pipeline", "pipeline", "resolve_devices", "GraphWarning"]
 
@@ -124,6 +126,8 @@ class Pipeline(nn.Module):
         self._copy_input = INPUT in mutated_roots(list(model._modules.values()))
         #: the PipeConfig seqify.tune chose (chunks="auto") or config= gave; None when chosen by hand
         self.config: PipeConfig | None = None
+        self._probes = Probes()  # how undeclared losses given to step reduce, found once per loss and layout
+        self._said_clamped = False
 
     @property
     def chunks(self) -> int:
@@ -199,10 +203,7 @@ class Pipeline(nn.Module):
             carried = args[0]
         else:
             raise BoundaryError("a plain nn.Sequential pipeline takes one argument: a tensor or a tuple of tensors")
-        carried = self._transfer(carried, self.devices[0])
-        batches = scatter(carried, self.chunks, model.input_names if isinstance(model, Sequential) else None)
-        if self._copy_input:
-            batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
+        batches = self._micro_batches(carried, stacklevel=5)  # under nn.Module.__call__ and _call_impl
         saved = self._save_statistics() if self._statistics else None
         try:
             replay = self._replayer.programs(batches, self.training, stop=self._checkpoint_stop(len(batches)))
@@ -210,11 +211,36 @@ class Pipeline(nn.Module):
                 out = run(replay, [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches])
             else:
                 out = gather(self._run(batches), model.output_spec.names if isinstance(model, Sequential) else None)
-        except BaseException:
+        except BaseException as e:
             if saved:
                 self._restore_statistics(saved)
+            self._refuse_one_sample(e, batches)
             raise
         return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
+
+    def _micro_batches(self, carried: Any, stacklevel: int) -> list[Any]:
+        """The flat input on the first device, split into micro-batches (copies where the model changes its
+        input in place); a meta tensor refused first, and a batch below ``chunks`` said once (a warning
+        ``stacklevel`` frames up: the caller's line)."""
+        model = self.model
+        names = model.input_names if isinstance(model, Sequential) else None
+        refuse_meta(carried, "the pipeline's input", self.devices[0], names() if names is not None else None)
+        batches = scatter(self._transfer(carried, self.devices[0]), self.chunks, names)
+        if len(batches) < self.chunks and not self._said_clamped:
+            self._said_clamped = True
+            warnings.warn(f"chunks={self.chunks} but the batch has {len(batches)} samples: the pipeline runs "
+                          f"{len(batches)} micro-batches of one sample (chunks above the batch size are clamped)",
+                          stacklevel=stacklevel)
+        if self._copy_input:
+            batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
+        return batches
+
+    def _refuse_one_sample(self, error: BaseException, batches: list[Any]) -> None:
+        """Raise a :class:`MicroBatchError` from torch's refusal of a one-sample micro-batch in BatchNorm."""
+        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
+        better = one_sample(error, self.model, self.chunks, sizes)
+        if better is not None:
+            raise better from error
 
     def schedule_for(self, micro_batches: int) -> Schedule:
         """The pipeline's schedule for this many micro-batches (built once per count)."""
@@ -224,49 +250,61 @@ class Pipeline(nn.Module):
         return got
 
     def step(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
-             reduction: str | None = None) -> torch.Tensor:
+             reduction: str | None = None, denominator: Count | None = None) -> torch.Tensor:
         """One training step that owns the loss: forward, ``loss_fn(output, target)`` per micro-batch and
         backward, in the order of the pipeline's schedule. Gradients accumulate in ``.grad`` as
-        ``loss_fn(model(x), target).backward()`` on one device would leave them; returns that loss,
-        detached. ``reduction`` ('mean' or 'sum', default ``loss_fn.reduction`` or 'mean') says how
-        ``loss_fn`` reduces over samples, so micro-batch losses are weighed to add up to the batch's."""
+        ``loss_fn(model(x), target).backward()`` on one device would leave them; returns that loss, detached.
+
+        Each micro-batch's loss is weighed by its share of what ``loss_fn`` divides by over the whole batch,
+        so the weighed losses add up to one device's loss:
+
+        - torch's losses say it themselves: cross entropy and NLL (modules, ``F.cross_entropy``,
+          ``functools.partial`` of it) divide by the class weights of the targets other than
+          ``ignore_index`` (their count without ``weight=``), label smoothing included; the others by
+          samples or elements; ``reduction='sum'`` adds.
+        - ``denominator``: a function of a micro-batch's target returning what ``loss_fn`` divides by on it
+          (a number or a one-element tensor), for a loss whose divisor the data decides, such as a masked
+          mean: ``denominator=lambda t: (t != pad).sum()``. A micro-batch whose denominator is 0 adds
+          nothing (``loss_fn`` is not called on it).
+        - ``reduction`` ('mean' over samples or 'sum'), or a ``.reduction`` attribute, is trusted as said.
+        - Otherwise (a plain function) ``loss_fn`` is probed once per loss and output and target layout, on
+          the first micro-batch's detached output without gradients, the RNG kept: pieces of it paired with
+          the step's targets, put together, must give the sum of their losses or their mean by samples.
+          A loss that is neither (a divisor the data decides, a loss that mixes samples) raises
+          :class:`~seqify.LossError`, which says to pass ``denominator=`` or ``reduction=``.
+        """
         if not (self.training and torch.is_grad_enabled()):
             raise ScheduleError("pipe.step trains: call pipe.train() and run it with gradients enabled (not under "
                                 "torch.no_grad()); for inference call pipe(x)")
-        reduction = reduction or getattr(loss_fn, "reduction", "mean")
+        how = reduction_of(loss_fn, reduction, denominator)
         model = self.model
         if isinstance(model, Sequential):
             carried = model.flatten_inputs(x) if not isinstance(x, tuple) else model.flatten_inputs(*x)
         else:
             carried = x
+        refuse_meta(target, "target", self.devices[-1])
         if self.schedule == "gpipe" and (self.graphs or self._replay_eager):
             out = self(*x) if isinstance(x, tuple) and isinstance(model, Sequential) else self(x)
             loss = loss_fn(out, self._transfer(target, self.devices[-1]))
             loss.backward()
             return loss.detach()
-        carried = self._transfer(carried, self.devices[0])
-        batches = scatter(carried, self.chunks, model.input_names if isinstance(model, Sequential) else None)
-        if self._copy_input:
-            batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
+        batches = self._micro_batches(carried, stacklevel=3)
         sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
-        targets = _split_like(self._transfer(target, self.devices[-1]), sizes)
+        targets = split_like(self._transfer(target, self.devices[-1]), sizes)
         unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
-        weights = loss_weights(sizes, reduction)
+        weigh = Weigher(loss_fn, how, targets, sizes, self._probes, unflatten=unflatten)
         schedule = self.schedule_for(len(batches))
         saved = self._save_statistics() if self._statistics else None
         try:
             replay = self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
             if replay is not None:
-                def loss(out: Any, i: int) -> torch.Tensor:
-                    return scalar(loss_fn(unflatten(out), targets[i]) * weights[i])
-
                 flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
-                return replay.train(flat, targets, loss)
-            return self._stepper(schedule, batches, targets, loss_fn, weights, self._checkpoint_stop(len(batches)),
-                                 unflatten)
-        except BaseException:
+                return replay.train(flat, targets, weigh)
+            return self._stepper(schedule, batches, weigh, self._checkpoint_stop(len(batches)))
+        except BaseException as e:
             if saved:
                 self._restore_statistics(saved)
+            self._refuse_one_sample(e, batches)
             raise
 
     def plan_memory(self, sample: Any, *, schedule: str | Schedule | None = None,
@@ -363,23 +401,6 @@ def _placement(placement: Sequence[int] | None, devices: Sequence[torch.device])
         raise ScheduleError(f"placement {placement}: give each of the {len(devices)} partitions a device number "
                             "0..d-1, every number used")
     return placement
-
-
-def _split_like(target: Any, sizes: list[int]) -> list[Any]:
-    """``target`` cut along the batch dimension into micro-batches of ``sizes`` (tensors, or tuples,
-    lists and dicts of them; anything else is given to every micro-batch whole)."""
-    if isinstance(target, torch.Tensor):
-        if target.dim() == 0 or target.size(0) != sum(sizes):
-            raise BoundaryError(f"target has shape {tuple(target.shape)} but the batch has {sum(sizes)} samples; "
-                                "pipe.step splits the target along its first dimension like the input")
-        return list(target.split(sizes))
-    if isinstance(target, (tuple, list)):
-        parts = [_split_like(t, sizes) for t in target]
-        return [type(target)(p[i] for p in parts) for i in range(len(sizes))]
-    if isinstance(target, dict):
-        parts_d = {k: _split_like(v, sizes) for k, v in target.items()}
-        return [{k: v[i] for k, v in parts_d.items()} for i in range(len(sizes))]
-    return [target] * len(sizes)
 
 
 def pipeline(

@@ -32,29 +32,10 @@ from .schedule import Schedule
 from .stage import Stage
 from .transfer import Transfer
 
-__all__ = ["ScheduledStep", "loss_weights", "scalar"]
+__all__ = ["ScheduledStep"]
 
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-def loss_weights(sizes: Sequence[int], reduction: str) -> list[float]:
-    """What each micro-batch's loss is multiplied by so that their sum is the whole batch's loss: its
-    share of the samples for a mean, 1 for a sum."""
-    if reduction == "mean":
-        total = sum(sizes)
-        return [n / total for n in sizes]
-    if reduction == "sum":
-        return [1.0] * len(sizes)
-    raise ScheduleError(f"reduction={reduction!r}: pipe.step weighs micro-batch losses for 'mean' or 'sum'; pass "
-                        "reduction='mean' or 'sum' matching what loss_fn returns")
-
-
-def scalar(loss: Any) -> torch.Tensor:
-    """``loss`` if it is a scalar tensor, else a :class:`ScheduleError` saying what pipe.step needs."""
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-        raise ScheduleError(f"loss_fn returned {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}; "
-                            "pipe.step needs a scalar loss per micro-batch (a 'mean' or 'sum' reduction)")
-    return loss
+#: micro-batch i's output -> its loss, already weighed (seqify.pipeline.losses.Weigher)
+Loss = Callable[[Any, int], torch.Tensor]
 
 
 @dataclass
@@ -84,10 +65,9 @@ class ScheduledStep:
         # be changed after its maker is done, so skips then wait for everything queued, as in the source order.
         self.skips_ready = not any(st.mutates_input or st.mutated_skips for st in stages)
 
-    def __call__(self, schedule: Schedule, batches: list[Any], targets: list[Any], loss_fn: LossFn,
-                 weights: Sequence[float], stop: int, unflatten: Callable[[Any], Any] = lambda y: y) -> torch.Tensor:
-        """Every action of ``schedule`` on these micro-batches; returns the detached loss. Micro-batches
-        below ``stop`` are checkpointed (recomputed in their backward)."""
+    def __call__(self, schedule: Schedule, batches: list[Any], loss_of: Loss, stop: int) -> torch.Tensor:
+        """Every action of ``schedule`` on these micro-batches, ``loss_of(output, i)`` on each last output;
+        returns the detached loss. Micro-batches below ``stop`` are checkpointed (recomputed in their backward)."""
         n, m = len(self.stages), len(batches)
         if schedule.partitions != n or schedule.microbatches != m:
             raise ScheduleError(
@@ -108,7 +88,7 @@ class ScheduledStep:
                     carried[i] = self._forward(j, i, carried[i], pending[i], work, i < stop)
                     if j == n - 1:
                         w = work[j][i]
-                        w.loss = scalar(loss_fn(unflatten(carried[i]), targets[i]) * weights[i])
+                        w.loss = loss_of(carried[i], i)
                         w.outputs = [w.loss]
                         loss = w.loss.detach()
                         total = loss if total is None else total + loss.to(total.device)

@@ -7,7 +7,27 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["Transfer"]
+from ..errors import DeviceError
+
+__all__ = ["Transfer", "refuse_meta"]
+
+
+def refuse_meta(value: Any, what: str, device: torch.device, names: list[str] | None = None) -> None:
+    """A :class:`DeviceError` for a tensor in ``value`` (called ``what``; a tuple's tensors by ``names`` where
+    given) on the meta device: it has a shape but no data to copy to ``device``, where the pipeline runs it."""
+    for path, t in pytree.tree_flatten_with_path(value)[0]:
+        if not (isinstance(t, torch.Tensor) and t.is_meta):
+            continue
+        where = f"{what}{pytree.keystr(path)}"
+        if names and isinstance(value, torch.Tensor) and len(names) == 1:
+            where = f"{what} {names[0]!r}"
+        elif names and type(value) is tuple and len(names) == len(value):
+            where = f"{what} {names[path[0].idx]!r}"  # type: ignore[attr-defined]
+        raise DeviceError(
+            f"{where} of shape {tuple(t.shape)} is on the meta device: a shape without data, which cannot be "
+            f"copied to {device}, where the pipeline takes it. Pass a tensor holding data (on the CPU or any GPU: "
+            "it is moved); for shapes alone, run a meta copy of the converted model on it "
+            "(copy.deepcopy(seq).to('meta')(x)), not a pipeline")
 
 
 class Transfer:

@@ -169,6 +169,7 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
     mode = False  # values compared without gradients; with them where the source needs them (autograd.grad)
     with kept(source):
         before = state(source) if twice else {}
+        held = _own_buffers(source) if twice else {}
         try:
             expected, want = _leaf_outputs(source, paths, lambda: _run(source, args, kwargs, seed))
         except Exception as e:
@@ -179,6 +180,9 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
         # a call that changed Python state (a counter, a value kept in a dict or list): the next call may differ
         changed = _changed(before, state(source)) if twice else None
         buffers = {n: b.detach().clone() for n, b in source.named_buffers()}  # as the source's call left them
+        # a buffer the forward updates itself: an update the conversion lost may be invisible in a first call
+        # (``avg.mul_(0.9)`` on zeros), never in the second
+        changed = changed or next((f"buffer {n}" for n, b in held.items() if not bit_equal(b, buffers[n])), None)
         again = _run(source, args, kwargs, seed, grad=mode) if changed else None
     with kept(source), _grads_aside(trains if mode else []):
         got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed, grad=mode))
@@ -209,6 +213,14 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
             return f"layer {name!r} (source module {path!r}) computes a different value", path
     last = next(reversed(layers)) if layers else "?"
     return f"the output differs (no layer named after a source module differs before it; last layer {last!r})", None
+
+
+def _own_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the buffers a model's own code may update (normalisation layers' statistics left out: torch
+    updates those inside one module call, which every conversion keeps whole)."""
+    norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+    return {f"{path}.{n}".lstrip("."): b.detach().clone() for path, m in model.named_modules()
+            if not isinstance(m, norms) for n, b in m.named_buffers(recurse=False) if not b.is_meta}
 
 
 def _trainable(source: nn.Module, seq: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -382,6 +394,14 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
             f"the converted {type(source).__name__}{note} crashes on the example inputs where the source runs: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{cause}"
         ) from e
+    if found is not None and found[1] == SECOND and "changed 'buffer " in found[0]:
+        note = f" made by the {frontend} frontend" if frontend else ""
+        raise VerifyError(
+            f"the converted {type(source).__name__}{note} does not compute what the source computes on a second call "
+            f"with the example inputs: {found[0]}. The conversion lost part of the forward's in-place update of that "
+            "buffer; convert with frontend='export' (or 'auto'), which records in-place updates, or keep the module "
+            "that updates it whole (leaf_paths=[...])"
+        )
     if found is not None and found[1] == SECOND:
         note = f" made by the {frontend} frontend" if frontend else ""
         raise VerifyError(

@@ -92,14 +92,7 @@ def reduction_of(loss_fn: LossFn, reduction: str | None = None, denominator: Cou
         return Reduction("mean", denominator)
     known = _known(loss_fn)
     if known is not None:
-        own, count = known
-        if reduction is not None and own in ("mean", "sum") and reduction != own:
-            raise LossError(f"reduction={reduction!r} but {name_of(loss_fn)} reduces by {own!r}: leave reduction= out "
-                            "(torch's losses say how they reduce) or build the loss with the reduction you mean")
-        if reduction is None and own not in ("mean", "sum"):
-            raise ScheduleError(f"{name_of(loss_fn)}: pipe.step weighs micro-batch losses for 'mean' or 'sum'; build "
-                                "the loss with reduction='mean' or 'sum'")
-        return Reduction(reduction or own, count if (reduction or own) == "mean" else None, own=True)
+        return _torch_reduction(loss_fn, reduction, *known)
     declared = reduction or getattr(loss_fn, "reduction", None)
     if declared is None:
         return Reduction("probe")
@@ -107,6 +100,19 @@ def reduction_of(loss_fn: LossFn, reduction: str | None = None, denominator: Cou
         raise ScheduleError(f"reduction={declared!r}: pipe.step weighs micro-batch losses for 'mean' or 'sum'; pass "
                             "reduction='mean' or 'sum' matching what loss_fn returns")
     return Reduction(declared)
+
+
+def _torch_reduction(loss_fn: Any, reduction: str | None, own: str, count: Count | None) -> Reduction:
+    """A torch loss's reduction: its own (``own``, counting by ``count``), which ``reduction`` may only repeat
+    (or name for a loss built with 'none', whose non-scalar output pipe.step then refuses)."""
+    if reduction is not None and own in ("mean", "sum") and reduction != own:
+        raise LossError(f"reduction={reduction!r} but {name_of(loss_fn)} reduces by {own!r}: leave reduction= out "
+                        "(torch's losses say how they reduce) or build the loss with the reduction you mean")
+    kind = reduction or own
+    if kind not in ("mean", "sum"):
+        raise ScheduleError(f"{name_of(loss_fn)}: pipe.step weighs micro-batch losses for 'mean' or 'sum'; build "
+                            "the loss with reduction='mean' or 'sum'")
+    return Reduction(kind, count if kind == "mean" else None, own=True)
 
 
 def _known(loss_fn: Any) -> tuple[str, Count | None] | None:
@@ -184,12 +190,14 @@ def _layout(value: Any) -> tuple[Any, ...]:
 def probe(loss_fn: LossFn, out: Any, n: int, targets: Sequence[Any], sizes: Sequence[int],
           unflatten: Callable[[Any], Any]) -> str:
     """'sum' if ``loss_fn`` over pieces put together equals the sum of its values on the pieces, 'mean' if it
-    equals their mean weighed by samples, else a :class:`LossError`. The pieces pair ``out`` with each
-    micro-batch's target (so every target of the step is seen), or cut a lone micro-batch; detached, without
-    gradients, with the RNG and the loss module's buffers put back: the step sees no trace of it."""
+    equals their mean weighed by samples, else a :class:`LossError`. The pieces pair the first samples of
+    ``out`` with the first of each micro-batch's target (so the step's targets are seen across the batch), or
+    cut a lone micro-batch; detached, without gradients, with the RNG and the loss module's buffers put back:
+    the step sees no trace of it."""
     flat = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-    if len(targets) > 1:
-        pieces = [(_head(flat, min(k, n)), _head(t, min(k, n))) for k, t in zip(sizes, targets)]
+    if len(targets) > 1:  # together about one micro-batch: the probe holds no more than the step does
+        k = max(1, n // len(targets))
+        pieces = [(_head(flat, min(k, size)), _head(t, min(k, size))) for size, t in zip(sizes, targets)]
     elif n > 1:
         cut = [len(c) for c in torch.arange(n).tensor_split(min(n, PIECES))]
         pieces = list(zip(_split(flat, cut), split_like(targets[0], cut)))

@@ -330,7 +330,7 @@ class DistributedStage(nn.Module):
         if weigh is None:
             return None
         total = torch.stack(losses).sum()
-        return total if weigh.report == 1.0 else total * weigh.report
+        return total if weigh.replicas == 1 else total * torch.as_tensor(weigh.report, dtype=torch.float64).to(total)
 
     def _weigher(self, loss_fn: Callable[[Any, Any], torch.Tensor] | None, how: Any, targets: list[Any],
                  sizes: list[int], replicas: int) -> Weigher | None:
@@ -344,13 +344,14 @@ class DistributedStage(nn.Module):
         return Weigher(loss_fn, how, targets, sizes, self._probes, unflatten=unflatten, total=total,
                        replicas=replicas if total is not None else 1)
 
-    def _over_replicas(self, local: float) -> float:
-        """``local`` added over this pipeline rank's data-parallel replicas."""
-        value = torch.tensor([local], dtype=torch.float64, device=self.device)
+    def _over_replicas(self, local: float | torch.Tensor) -> float | torch.Tensor:
+        """``local`` (a number, or a tensor on this rank's device, added there) added over this pipeline rank's
+        data-parallel replicas."""
+        value = torch.as_tensor(local, dtype=torch.float64).to(self.device).reshape(1).clone()
         others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
         with peer(self.me, others, "adding what the loss divides by over data-parallel replicas"):
             dist.all_reduce(value, group=self._dp_group)
-        return float(value)
+        return value.reshape(()) if isinstance(local, torch.Tensor) else float(value)
 
     def _forward_only(self, micro: list[Any], sizes: list[int], link: Link, targets: list[Any],
                       loss_fn: Callable[[Any, Any], torch.Tensor] | None, how: Any = None) -> Any:

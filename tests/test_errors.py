@@ -573,6 +573,8 @@ def test_loss_declarations_that_contradict_the_loss() -> None:
         pipe.step(x, x, nn.MSELoss(), reduction="sum")
     with raises(seqify.LossError, "denominator=", "reduction='sum'", "pass one"):
         pipe.step(x, x, F.mse_loss, reduction="sum", denominator=lambda t: 1)
+    with raises(seqify.LossError, "denominator=4", "pass a function of a micro-batch's target"):
+        pipe.step(x, x, F.mse_loss, denominator=4)
     with raises(seqify.LossError, "denominator returned Tensor (4,)", "one number per micro-batch"):
         pipe.step(x, x, F.mse_loss, denominator=lambda t: torch.ones(4))
     with raises(seqify.LossError, "CTCLoss", "batch second", "ctc(out.transpose(0, 1), *t)"):

@@ -51,6 +51,9 @@ class Reduction:
 
     kind: str
     count: Count | None = None
+    #: whether ``count`` is torch's own loss's, read on the device (no host sync); a user's denominator is read
+    #: to the host, so that a micro-batch dividing by 0 never calls ``loss_fn`` (its gradient would be 0/0)
+    own: bool = False
 
 
 def scalar(loss: Any) -> torch.Tensor:
@@ -89,14 +92,7 @@ def reduction_of(loss_fn: LossFn, reduction: str | None = None, denominator: Cou
         return Reduction("mean", denominator)
     known = _known(loss_fn)
     if known is not None:
-        own, count = known
-        if reduction is not None and own in ("mean", "sum") and reduction != own:
-            raise LossError(f"reduction={reduction!r} but {name_of(loss_fn)} reduces by {own!r}: leave reduction= out "
-                            "(torch's losses say how they reduce) or build the loss with the reduction you mean")
-        if reduction is None and own not in ("mean", "sum"):
-            raise ScheduleError(f"{name_of(loss_fn)}: pipe.step weighs micro-batch losses for 'mean' or 'sum'; build "
-                                "the loss with reduction='mean' or 'sum'")
-        return Reduction(reduction or own, count if (reduction or own) == "mean" else None)
+        return _torch_reduction(loss_fn, reduction, *known)
     declared = reduction or getattr(loss_fn, "reduction", None)
     if declared is None:
         return Reduction("probe")
@@ -104,6 +100,19 @@ def reduction_of(loss_fn: LossFn, reduction: str | None = None, denominator: Cou
         raise ScheduleError(f"reduction={declared!r}: pipe.step weighs micro-batch losses for 'mean' or 'sum'; pass "
                             "reduction='mean' or 'sum' matching what loss_fn returns")
     return Reduction(declared)
+
+
+def _torch_reduction(loss_fn: Any, reduction: str | None, own: str, count: Count | None) -> Reduction:
+    """A torch loss's reduction: its own (``own``, counting by ``count``), which ``reduction`` may only repeat
+    (or name for a loss built with 'none', whose non-scalar output pipe.step then refuses)."""
+    if reduction is not None and own in ("mean", "sum") and reduction != own:
+        raise LossError(f"reduction={reduction!r} but {name_of(loss_fn)} reduces by {own!r}: leave reduction= out "
+                        "(torch's losses say how they reduce) or build the loss with the reduction you mean")
+    kind = reduction or own
+    if kind not in ("mean", "sum"):
+        raise ScheduleError(f"{name_of(loss_fn)}: pipe.step weighs micro-batch losses for 'mean' or 'sum'; build "
+                            "the loss with reduction='mean' or 'sum'")
+    return Reduction(kind, count if kind == "mean" else None, own=True)
 
 
 def _known(loss_fn: Any) -> tuple[str, Count | None] | None:
@@ -181,12 +190,14 @@ def _layout(value: Any) -> tuple[Any, ...]:
 def probe(loss_fn: LossFn, out: Any, n: int, targets: Sequence[Any], sizes: Sequence[int],
           unflatten: Callable[[Any], Any]) -> str:
     """'sum' if ``loss_fn`` over pieces put together equals the sum of its values on the pieces, 'mean' if it
-    equals their mean weighed by samples, else a :class:`LossError`. The pieces pair ``out`` with each
-    micro-batch's target (so every target of the step is seen), or cut a lone micro-batch; detached, without
-    gradients, with the RNG and the loss module's buffers put back: the step sees no trace of it."""
+    equals their mean weighed by samples, else a :class:`LossError`. The pieces pair the first samples of
+    ``out`` with the first of each micro-batch's target (so the step's targets are seen across the batch), or
+    cut a lone micro-batch; detached, without gradients, with the RNG and the loss module's buffers put back:
+    the step sees no trace of it."""
     flat = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-    if len(targets) > 1:
-        pieces = [(_head(flat, min(k, n)), _head(t, min(k, n))) for k, t in zip(sizes, targets)]
+    if len(targets) > 1:  # together about one micro-batch: the probe holds no more than the step does
+        k = max(1, n // len(targets))
+        pieces = [(_head(flat, min(k, size)), _head(t, min(k, size))) for size, t in zip(sizes, targets)]
     elif n > 1:
         cut = [len(c) for c in torch.arange(n).tensor_split(min(n, PIECES))]
         pieces = list(zip(_split(flat, cut), split_like(targets[0], cut)))
@@ -285,27 +296,33 @@ class Weigher:
     weighted losses back into this replica's own loss."""
 
     def __init__(self, loss_fn: LossFn, how: Reduction, targets: list[Any], sizes: list[int], probes: Probes, *,
-                 unflatten: Callable[[Any], Any] = lambda y: y, total: Callable[[float], float] | None = None,
+                 unflatten: Callable[[Any], Any] = lambda y: y, total: Callable[[Any], Any] | None = None,
                  replicas: int = 1) -> None:
         self.loss_fn, self.targets, self.sizes, self.probes, self.unflatten = loss_fn, targets, sizes, probes, unflatten
         self.replicas = replicas
         # One micro-batch of one replica needs no weights: its loss is the batch's, however loss_fn reduces.
         self.kind = "sum" if how.kind == "probe" and len(sizes) == 1 and replicas == 1 else how.kind
-        self.counts = _counts(loss_fn, how, targets, sizes) if self.kind != "sum" else []
-        self.local = sum(self.counts)
+        self.counts: list[float] | torch.Tensor = _counts(how, targets, sizes) if self.kind != "sum" else []
+        self.local = self.counts.sum() if isinstance(self.counts, torch.Tensor) else sum(self.counts)
         self.total = total(self.local) if total is not None and self.kind != "sum" else self.local
 
     @property
-    def report(self) -> float:
+    def report(self) -> Any:
         """What the summed weighted losses are multiplied by to give this replica's own loss (1 for one)."""
         if self.kind == "sum":
             return 1.0 / self.replicas
-        return self.total / (self.replicas * self.local) if self.local else 1.0
+        if isinstance(self.local, torch.Tensor):
+            return self.total / (self.replicas * self.local)
+        if not self.local:  # this replica's own mean is 0/0
+            return 1.0 if not self.total else math.nan
+        return self.total / (self.replicas * self.local)
 
-    def weight(self, i: int) -> float | None:
+    def weight(self, i: int) -> float | torch.Tensor | None:
         """Micro-batch ``i``'s weight; None where it has nothing to divide (it adds nothing, as on one device)."""
         if self.kind == "sum":
             return float(self.replicas)
+        if isinstance(self.counts, torch.Tensor):
+            return self.counts[i] * (self.replicas / self.total)
         if not self.total:  # nothing to divide by in the whole batch: each micro-batch's own mean, as undefined
             return 1.0
         return self.counts[i] / self.total * self.replicas if self.counts[i] else None
@@ -316,25 +333,34 @@ class Weigher:
         w = self.weight(i)
         if w is None:
             return _nothing(out)
-        return scalar(self.loss_fn(self.unflatten(out), self.targets[i])) * w
+        loss = scalar(self.loss_fn(self.unflatten(out), self.targets[i]))
+        if not isinstance(w, torch.Tensor):
+            return loss * w
+        # torch's own count, on the device: a micro-batch that keeps no target (its own mean 0/0) adds nothing
+        assert isinstance(self.counts, torch.Tensor)
+        return torch.where(self.counts[i] > 0, loss * w.to(loss.dtype), _nothing(out).to(loss.dtype))
 
 
-def _counts(loss_fn: LossFn, how: Reduction, targets: list[Any], sizes: list[int]) -> list[float]:
-    """What ``loss_fn`` divides by on each micro-batch (its samples where ``how`` names no count), read to the
-    host in one copy: weights are numbers, and a micro-batch that divides by 0 must not call ``loss_fn``."""
+def _counts(how: Reduction, targets: list[Any], sizes: list[int]) -> list[float] | torch.Tensor:
+    """What ``loss_fn`` divides by on each micro-batch (its samples where ``how`` names no count): torch's own
+    counts as one float64 tensor on the targets' device, a user's denominator read to the host in one copy."""
     if how.count is None:
         return [float(n) for n in sizes]
     got = [how.count(t) for t in targets]
-    tensors = [g for g in got if isinstance(g, torch.Tensor)]
+    if any(g is None for g in got):  # class probabilities: a mean over samples
+        return [float(n) for n in sizes]
     for g in got:
-        if not (g is None or isinstance(g, (int, float)) or (isinstance(g, torch.Tensor) and g.numel() == 1)):
+        if not (isinstance(g, (int, float)) or (isinstance(g, torch.Tensor) and g.numel() == 1)):
             raise LossError(f"denominator returned {type(g).__name__} {tuple(getattr(g, 'shape', ()))}; it must "
                             "return one number per micro-batch: what loss_fn divides by on that target")
-    if tensors:
-        device = tensors[0].device
-        read = iter(torch.stack([g.detach().reshape(()).to(device, torch.float64) for g in tensors]).tolist())
-    values = [float(n) if g is None else (next(read) if isinstance(g, torch.Tensor) else float(g))
-              for g, n in zip(got, sizes)]
+    if not any(isinstance(g, torch.Tensor) for g in got):
+        values = [float(g) for g in got]
+    else:
+        device = next(g.device for g in got if isinstance(g, torch.Tensor))
+        stacked = torch.stack([torch.as_tensor(g).detach().reshape(()).to(device, torch.float64) for g in got])
+        if how.own:
+            return stacked
+        values = stacked.tolist()
     if any(not math.isfinite(v) or v < 0 for v in values):
         raise LossError(f"denominator gave {values} for the micro-batches; what loss_fn divides by must be a finite "
                         "number >= 0 per micro-batch")

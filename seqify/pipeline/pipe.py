@@ -204,6 +204,7 @@ class Pipeline(nn.Module):
         else:
             raise BoundaryError("a plain nn.Sequential pipeline takes one argument: a tensor or a tuple of tensors")
         batches = self._micro_batches(carried, stacklevel=5)  # under nn.Module.__call__ and _call_impl
+        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]  # the executor reuses the list
         saved = self._save_statistics() if self._statistics else None
         try:
             replay = self._replayer.programs(batches, self.training, stop=self._checkpoint_stop(len(batches)))
@@ -214,7 +215,7 @@ class Pipeline(nn.Module):
         except BaseException as e:
             if saved:
                 self._restore_statistics(saved)
-            self._refuse_one_sample(e, batches)
+            self._refuse_one_sample(e, sizes)
             raise
         return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
 
@@ -235,9 +236,8 @@ class Pipeline(nn.Module):
             batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
         return batches
 
-    def _refuse_one_sample(self, error: BaseException, batches: list[Any]) -> None:
+    def _refuse_one_sample(self, error: BaseException, sizes: list[int]) -> None:
         """Raise a :class:`MicroBatchError` from torch's refusal of a one-sample micro-batch in BatchNorm."""
-        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
         better = one_sample(error, self.model, self.chunks, sizes)
         if better is not None:
             raise better from error
@@ -304,7 +304,7 @@ class Pipeline(nn.Module):
         except BaseException as e:
             if saved:
                 self._restore_statistics(saved)
-            self._refuse_one_sample(e, batches)
+            self._refuse_one_sample(e, sizes)
             raise
 
     def plan_memory(self, sample: Any, *, schedule: str | Schedule | None = None,

@@ -177,7 +177,9 @@ def _function_use(cls: type, frame: FrameType | None) -> Use | None:
         found = _site(frame)
         where = found or (f"{cls.__module__}.{cls.__qualname__}", None)
         return Use(FUNCTION, f"applies the custom autograd.Function {cls.__qualname__}", where[0], where[1])
-    if cls.__module__.startswith("seqify."):
+    if cls.__module__.startswith("seqify.") or cls.__module__.startswith("torch._library"):
+        # torch.library makes these for a custom operator's registered autograd: the operator itself is the
+        # graph op both frontends record, and it keeps its backward
         return None
     found = _site(_beyond_torch(frame))
     if found is None:

@@ -41,6 +41,8 @@ REFUSED = {
     # PhiMoE's router applies a custom autograd.Function in train mode; fx cannot trace the decorated root and
     # export keeps the Function's forward ops without its backward: refused rather than trained wrong
     "phimoe": ("train", "AutogradContextError"),
+    # RecurrentGemma's RG-LRU applies a custom autograd.Function (SqrtBoundDerivative): the same refusal
+    "recurrent_gemma": ("convert+eval", "AutogradContextError"),
     # Lumina 2 takes the set and max of its batch's sequence lengths in Python: the conversion holds for the
     # example's batch size (export cannot capture it at all), other batch sizes get SpecializationError
     "lumina2": ("bigger batch", "SpecializationError"),

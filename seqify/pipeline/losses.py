@@ -305,6 +305,9 @@ class Weigher:
         self.counts: list[float] | torch.Tensor = _counts(how, targets, sizes) if self.kind != "sum" else []
         self.local = self.counts.sum() if isinstance(self.counts, torch.Tensor) else sum(self.counts)
         self.total = total(self.local) if total is not None and self.kind != "sum" else self.local
+        # torch's own counts stay on the device: every micro-batch's weight and whether it keeps a target, once
+        self.weights = self.counts * (replicas / self.total) if isinstance(self.counts, torch.Tensor) else None
+        self.kept = self.counts > 0 if isinstance(self.counts, torch.Tensor) else None
 
     @property
     def report(self) -> Any:
@@ -321,8 +324,8 @@ class Weigher:
         """Micro-batch ``i``'s weight; None where it has nothing to divide (it adds nothing, as on one device)."""
         if self.kind == "sum":
             return float(self.replicas)
-        if isinstance(self.counts, torch.Tensor):
-            return self.counts[i] * (self.replicas / self.total)
+        if self.weights is not None:
+            return self.weights[i]
         if not self.total:  # nothing to divide by in the whole batch: each micro-batch's own mean, as undefined
             return 1.0
         return self.counts[i] / self.total * self.replicas if self.counts[i] else None
@@ -334,11 +337,10 @@ class Weigher:
         if w is None:
             return _nothing(out)
         loss = scalar(self.loss_fn(self.unflatten(out), self.targets[i]))
-        if not isinstance(w, torch.Tensor):
+        if self.kept is None:
             return loss * w
         # torch's own count, on the device: a micro-batch that keeps no target (its own mean 0/0) adds nothing
-        assert isinstance(self.counts, torch.Tensor)
-        return torch.where(self.counts[i] > 0, loss * w.to(loss.dtype), _nothing(out).to(loss.dtype))
+        return torch.where(self.kept[i], loss * w.to(loss.dtype), 0.0)
 
 
 def _counts(how: Reduction, targets: list[Any], sizes: list[int]) -> list[float] | torch.Tensor:

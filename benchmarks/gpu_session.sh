@@ -39,7 +39,7 @@ case "${1:-tests}" in
     timeout 480 python3 benchmarks/llama_bench.py --precision bf16 --balance time --chunks 8 16 --loops 1 \
       --schedules gpipe 1f1b zb-h1 --graphs both --steps 3 --warmup 1 --out "$OUT/llama-bf16.json" 2>&1 | tee "$OUT/llama-bf16.log" | tail -30
     ;;
-  llama-side)  # issue 12's Llama targets in one call: one GPU, seqify's ZB-H1 and interleaved (graphs, casts once)
+  llama-side)  # the Llama rows in one call: one GPU, seqify's ZB-H1 and interleaved (graphs, casts once)
     # and torch.distributed.pipelining on hand cuts at decoder-layer boundaries
     timeout 330 python3 benchmarks/llama_bench.py --precision bf16 --balance time --chunks 4 8 --schedules zb-h1 \
       interleaved --graphs graphs --loops 1 2 4 --steps 5 --warmup 2 --out "$OUT/llama.json" > "$OUT/llama.log" 2>&1
@@ -53,7 +53,7 @@ case "${1:-tests}" in
     timeout 560 torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --batch 256 --chunks 4 8 16 \
       --schedules gpipe 1f1b --balance time --graphs on --out "$OUT" 2>&1 | tee "$OUT/dist.log" | grep '^{'
     ;;
-  side-by-side)  # issue 15's comparison in one call: one GPU, in-process 1F1B graphs, seqify.distributed, torch pipelining
+  side-by-side)  # the distributed comparison in one call: one GPU, in-process 1F1B graphs, seqify.distributed, torch pipelining
     p=${2:-fp32}; flag=(); tag=""; [ "$p" = bf16 ] && flag=(--bf16) && tag=-bf16
     timeout 200 python3 benchmarks/pipeline_bench.py --batch 256 --precision "$p" --chunks 4 8 16 --schedule 1f1b \
       --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$OUT" > "$OUT/inproc$tag.log" 2>&1
@@ -64,14 +64,14 @@ case "${1:-tests}" in
     python3 benchmarks/side_by_side.py "$OUT/pipeline_bench_$p.json" "$OUT/distributed$tag.json" "$OUT/torchpp$tag.json" \
       | tee "$OUT/side-by-side$tag.txt"
     ;;
-  dist-gap)  # issue 15's 8-chunk gap: GPU busy, NCCL and idle time per GPU, in-process against seqify.distributed
+  dist-gap)  # the 8-chunk gap: GPU busy, NCCL and idle time per GPU, in-process against seqify.distributed
     timeout 150 python3 benchmarks/probe/dist_gap.py --inprocess --chunks 8 --out "$OUT" 2>&1 | grep '^{'
     timeout 150 torchrun --nproc-per-node 2 benchmarks/probe/dist_gap.py --chunks 8 --out "$OUT" 2>&1 | grep '^{'
     ;;
-  channels-last)  # issue 13's 16-chunk row, NCHW then NHWC: scaling_run.sh's step of that name, here and now
+  channels-last)  # the 16-chunk row, NCHW then NHWC: scaling_run.sh's step of that name, here and now
     STEPS=channels-last bash benchmarks/scaling_run.sh "$OUT"
     ;;
-  busy)  # issue 13: ResNet-101's pipelined step against the ceiling its micro-batch size allows (GPU busy and gaps)
+  busy)  # ResNet-101's pipelined step against the ceiling its micro-batch size allows (GPU busy and gaps)
     timeout "${2:-240}" python3 benchmarks/probe/resnet_pipe_busy.py --chunks 4 8 16 --schedules 1f1b zb-h1 \
       --out "$OUT" 2>&1 | tee "$OUT/resnet-busy.log" | grep -v '^    '
     ;;
@@ -79,7 +79,7 @@ case "${1:-tests}" in
     timeout "${2:-330}" python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests --timeout 240 2>&1 \
       | tee "$OUT/gpu-check.log" | tail -30
     ;;
-  casts)  # weights cast once per step under autocast, over two GPUs: Llama bf16 ZB-H1 (issue 12's targets) with and
+  casts)  # weights cast once per step under autocast, over two GPUs: Llama bf16 ZB-H1 (the Llama rows) with and
     # without, then the GPU tests that check it bit-equal and the tied-module fix
     timeout 70 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests/test_casts.py tests/test_tied.py \
       --timeout 60 2>&1 | tail -3
@@ -87,7 +87,7 @@ case "${1:-tests}" in
       --graphs graphs --loops 1 --cast both --steps 4 --warmup 2 --out "$OUT/llama-cast-once.json" 2>&1 \
       | tee "$OUT/llama-cast-once.log" | tail -8
     ;;
-  families)  # issue 14: every zoo family with the automatic configuration; $2: seconds, then family names
+  families)  # every zoo family with the automatic configuration; $2: seconds, then family names
     # and FAMILY=N batch overrides
     budget=${2:-400}; shift 2; names=(); sizes=()
     for a in "$@"; do case "$a" in *=*) sizes+=(--batch "$a");; *) names+=("$a");; esac; done
@@ -98,7 +98,7 @@ case "${1:-tests}" in
     [ -s /tmp/scaling/pgid ] && kill -TERM -- "-$(cat /tmp/scaling/pgid)" 2>/dev/null; sleep 5
     rm -f /tmp/scaling/pgid; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
     ;;
-  scaling-start)  # issue 16: start benchmarks/scaling_run.sh detached (it outlives this call), then wait as below;
+  scaling-start)  # start benchmarks/scaling_run.sh detached (it outlives this call), then wait as below;
     # refused while one runs (two at once share the GPUs and spoil each other's numbers)
     if [ -s /tmp/scaling/pgid ] && kill -0 -- "-$(cat /tmp/scaling/pgid)" 2>/dev/null; then
       echo "a scaling job is running (process group $(cat /tmp/scaling/pgid)): scaling-wait, or scaling-stop first"; exit 1

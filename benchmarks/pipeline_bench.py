@@ -252,7 +252,7 @@ def main() -> None:
                    help="torch.backends.cudnn.benchmark = True for every row, the one-GPU baseline included")
     p.add_argument("--channels-last", action="store_true",
                    help="weights and input in channels-last (NHWC) memory format for every row, the one-GPU baseline "
-                        "included (cuDNN picks other kernels; issue 13's 16-chunk rows run micro-batches of 16)")
+                        "included (cuDNN picks other kernels; the 16-chunk rows run micro-batches of 16)")
     p.add_argument("--lanes", choices=["off", "on", "both"], default="off",
                    help="schedule rows with graphs: forwards and backwards on two streams per GPU "
                         "(seqify.pipeline(overlap=True)), without, or each both ways ('-lanes' rows)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The scaling benchmark of one machine as one detached job (it outlives a single device call): per model,
 # scaling.py over 1, 2, 4 (and 8) GPUs, then torch pipelining on the same cuts at each count, then the merged
-# table and plot; also the GPU tests, the hand-picked ResNet-101 anchor of issue 14 and a busy probe. Writes to $1.
+# table and plot; also the GPU tests, the hand-picked ResNet-101 anchor and a busy probe. Writes to $1.
 # STEPS orders the steps (below); SCALING_ARGS / TORCHPP_ARGS add arguments (a CPU rehearsal: "--tiny --device cpu" / "--device cpu").
 set -u
 R=${1:-/tmp/scaling}; mkdir -p "$R"
@@ -35,13 +35,13 @@ busy() {  # where ResNet-101's 4-GPU weak-scaling step loses its time: busy and 
   grep -v '^    ' "$R/busy.log" | tail -12
 }
 hand_picked() {
-  echo "== issue 14: hand-picked ResNet-101 on 2 GPUs ($(date -u +%T))"
+  echo "== hand-picked ResNet-101 on 2 GPUs ($(date -u +%T))"
   CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 \
     --schedule zb-h2 --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 --out "$R" > "$R/hand-picked.log" 2>&1
   tail -12 "$R/hand-picked.log"
 }
-families() {  # issue 14: every zoo family with the automatic configuration on 2 GPUs, predicted against measured
-  echo "== issue 14: every family on 2 GPUs ($(date -u +%T))"
+families() {  # every zoo family with the automatic configuration on 2 GPUs, predicted against measured
+  echo "== every family on 2 GPUs ($(date -u +%T))"
   eval "local more=(${FAMILIES_ARGS:-})"  # FAMILIES_ARGS='--budget 600 --batch "Wide ResNet=256"': quoted words kept
   CUDA_VISIBLE_DEVICES=0,1 timeout ${FAMILIES_S:-1000} python3 benchmarks/families_pipeline.py --out "$R/families.jsonl" \
     "${more[@]}" > "$R/families.log" 2>&1
@@ -59,8 +59,8 @@ tune_tests() {
     --timeout 180 > "$R/tune-tests.log" 2>&1
   tail -3 "$R/tune-tests.log"
 }
-channels_last() {  # issue 13's 16-chunk row: ZB-H2 with graphs at 4 and 16 chunks, NCHW then NHWC (baseline too)
-  echo "== issue 13: NCHW against NHWC on 2 GPUs ($(date -u +%T))"
+channels_last() {  # the 16-chunk row: ZB-H2 with graphs at 4 and 16 chunks, NCHW then NHWC (baseline too)
+  echo "== NCHW against NHWC on 2 GPUs ($(date -u +%T))"
   for f in "" --channels-last; do
     CUDA_VISIBLE_DEVICES=0,1 timeout 270 python3 benchmarks/pipeline_bench.py --batch 256 --precision fp32 --chunks 4 16 \
       --schedule zb-h2 --schedule-graphs graphs --skip-seqify --steps 6 --warm 2 $f --out "$R" > "$R/zb-h2${f:+-nhwc}.log" 2>&1

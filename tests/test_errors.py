@@ -857,7 +857,7 @@ def test_verify_error_names_the_layer() -> None:
     with raises(seqify.VerifyError, "layer 'g'", "verify=False"):
         check(model, seq, x)
 
-# -- convert: fx-path rows of issue 12 ----------------------------------------------------------------
+# -- convert: fx-path rows --------------------------------------------------------------------------
 
 
 def _star_decorator(fn):  # type: ignore[no-untyped-def]

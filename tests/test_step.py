@@ -88,7 +88,7 @@ def compare(source: nn.Module, pipe: seqify.Pipeline, loss_fn: nn.Module, steps:
 CASES = [("gpipe", 2, 1), ("gpipe", 4, 2), ("1f1b", 2, 1), ("1f1b", 3, 1), ("1f1b", 4, 1),
          ("interleaved", 4, 2), ("zb-h1", 2, 1), ("zb-h1", 3, 1), ("zb-h1", 4, 1), ("zb-h1", 4, 2),
          ("zb-h2", 2, 1), ("zb-h2", 4, 1),
-         # eight partitions (issue 16's 8-stage plans, on CPU devices): one per device, and two per device
+         # eight partitions (8-stage plans, on CPU devices): one per device, and two per device
          ("1f1b", 8, 1), ("zb-h2", 8, 1), ("interleaved", 8, 2), ("zb-h1", 8, 2)]
 
 
@@ -175,7 +175,7 @@ def test_replayed_step_runs_every_schedule_in_its_own_order(schedule: str, parts
 
 
 @pytest.mark.parametrize("schedule,parts,loops", [("1f1b", 3, 1), ("interleaved", 4, 2), ("zb-h1", 3, 1), ("zb-h2", 4, 1),
-                                                  ("zb-h2", 8, 1), ("interleaved", 8, 2)])  # issue 16's 8-stage plans
+                                                  ("zb-h2", 8, 1), ("interleaved", 8, 2)])  # 8-stage plans
 def test_replayed_step_runs_a_schedule_issued_ahead(schedule: str, parts: int, loops: int) -> None:
     """The order two lanes per GPU replay (each forward a run earlier, :func:`ahead`), given as a Schedule:
     Replay shares buffers and frees them by that order and trains like one device."""

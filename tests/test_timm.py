@@ -1,4 +1,4 @@
-"""timm architectures that broke the fx path (issue 12): each converts exactly, or is refused at convert time."""
+"""timm architectures that broke the fx path: each converts exactly, or is refused at convert time."""
 
 from __future__ import annotations
 

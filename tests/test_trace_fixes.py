@@ -1,4 +1,4 @@
-"""fx-path fixes (issue 12): parameters read in forward, opaque values, shape factories, decorators, state."""
+"""fx-path fixes: parameters read in forward, opaque values, shape factories, decorators, state."""
 
 from __future__ import annotations
 

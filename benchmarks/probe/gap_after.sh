@@ -1,4 +1,4 @@
-# Device call: the 8-chunk timeline (seqify.distributed, balance fixed) and issue 15's side-by-side (fp32).
+# Device call: the 8-chunk timeline (seqify.distributed, balance fixed) and the distributed side-by-side (fp32).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD

@@ -152,13 +152,14 @@ def first_difference(source: nn.Module, seq: nn.Module, example_inputs: Any, see
 
 
 SECOND = "<second call>"  # _difference's path when only a second call differs
+UPDATED = "<buffer update>"  # ... and the first call changed a buffer of the source's own code
 
 
 def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: int,
                 twice: bool = False) -> tuple[str, str | None] | None:
     """:func:`first_difference`'s sentence and the path of the source module it names (None: the output);
     with ``twice``, where a first call changes Python state, a second call of each is compared too (path
-    :data:`SECOND` when only that differs)."""
+    :data:`SECOND` when only that differs; :data:`UPDATED` where the first call updated a buffer)."""
     args, kwargs = split_inputs(example_inputs)
     layers = dict(seq.named_children())
     by_name = {p.replace(".", "_"): p for p, _ in source.named_modules() if p}
@@ -182,7 +183,8 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
         buffers = {n: b.detach().clone() for n, b in source.named_buffers()}  # as the source's call left them
         # a buffer the forward updates itself: an update the conversion lost may be invisible in a first call
         # (``avg.mul_(0.9)`` on zeros), never in the second
-        changed = changed or next((f"buffer {n}" for n, b in held.items() if not bit_equal(b, buffers[n])), None)
+        updated = None if changed else next((n for n, b in held.items() if not bit_equal(b, buffers[n])), None)
+        changed = changed or (f"buffer {updated}" if updated else None)
         again = _run(source, args, kwargs, seed, grad=mode) if changed else None
     with kept(source), _grads_aside(trains if mode else []):
         got, have = _leaf_outputs(seq, watched, lambda: _run(seq, args, kwargs, seed, grad=mode))
@@ -198,7 +200,7 @@ def _difference(source: nn.Module, seq: nn.Module, example_inputs: Any, seed: in
         if changed and not same(again, got_again):
             return (f"the first call is equal, the second is not: the source's first call changed {changed!r}, "
                     "and its second call computes with that (state kept between calls), which the converted "
-                    "model does not carry; it would match a first call only"), SECOND
+                    "model does not carry; it would match a first call only"), UPDATED if updated else SECOND
         return _gradient_pass(source, seq, args, kwargs, seed, trains, same) if trains else None
     for name in layers:
         path = by_name.get(name)
@@ -394,7 +396,7 @@ def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: s
             f"the converted {type(source).__name__}{note} crashes on the example inputs where the source runs: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{cause}"
         ) from e
-    if found is not None and found[1] == SECOND and "changed 'buffer " in found[0]:
+    if found is not None and found[1] == UPDATED:
         note = f" made by the {frontend} frontend" if frontend else ""
         raise VerifyError(
             f"the converted {type(source).__name__}{note} does not compute what the source computes on a second call "

@@ -180,3 +180,28 @@ def test_autograd_grad_in_forward_is_not_blamed_on_the_source() -> None:
         pytest.fail(f"blamed the source: {e}")
     except seqify.SeqifyError:
         pass
+
+
+class RunningMean(nn.Module):
+    """A buffer updated in place by a chain whose first step changes nothing on a zero buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("avg", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.avg.mul_(0.9).add_(0.1 * x.mean().detach())
+        return self.lin(x) + self.avg
+
+
+def test_a_lost_step_of_a_buffer_update_shows_on_the_second_call() -> None:
+    x = torch.randn(3, 3)
+    with pytest.raises(seqify.VerifyError, match=r"second call.*buffer avg.*frontend='export'"):
+        seqify.convert(RunningMean(), example_inputs=(x,), frontend="fx")
+    model = RunningMean()
+    ref = copy.deepcopy(model)
+    seq = seqify.convert(model, example_inputs=(x,))  # auto: export records the whole update
+    for _ in range(3):
+        assert torch.equal(seq(x), ref(x))
+        assert torch.equal(model.avg, ref.avg)

@@ -87,7 +87,7 @@ def _snapshot(x: Any) -> Any:
 def kept(model: nn.Module) -> Iterator[None]:
     """Parameters, buffers (BatchNorm statistics) and attributes restored on exit: a check leaves the model as
     it found it, also where its forward writes its own weights."""
-    from .trace import preserved  # Python attributes too (a step counter the forward bumps)
+    from .preserve import preserved  # Python attributes too (a step counter the forward bumps)
 
     with buffers_kept(model, parameters=True), preserved(model):
         yield

@@ -15,7 +15,8 @@ from ..errors import (
     StatefulForwardError, UnregisteredError, UntraceableError, VerifyError,
 )
 from ..sequential import ExportedInfo, Sequential
-from ..trace import Opaque, Traced, preserved, trace
+from ..preserve import preserved
+from ..trace import Opaque, Traced, trace
 from ..trace_real import buffers_kept
 from ..verify import check, kept, split_inputs
 from .build import RESERVED, build

@@ -46,7 +46,7 @@ def exported_mode_dependent(module: nn.Module, graph: fx.Graph, example_inputs: 
     be captured (LayerDrop's random branch in train mode only), it is: the conversion then runs only in the
     mode it was made in, as the fx frontend does, instead of refusing a model that converts in this one."""
     from ..frontends.export import export_trace
-    from ..trace import preserved
+    from ..preserve import preserved
 
     with preserved(module):
         module.train(not module.training)

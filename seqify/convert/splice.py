@@ -16,7 +16,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..guard import Guard, check_bool, check_equal
-from ..trace import HOOK_DICTS, Opaque, Traced, _caller, preserved
+from ..preserve import preserved
+from ..trace import HOOK_DICTS, Opaque, Traced, _caller
 from ..trace_autograd import GRAD_MODE
 from ..trace_real import record_inputs
 from .modes import exported_mode_dependent

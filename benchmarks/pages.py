@@ -178,20 +178,24 @@ def headline_numbers() -> dict[str, Any]:
     r4 = {r["name"]: r for r in dp4 if r.get("model", "resnet101") == "resnet101" and "tokens_per_s" not in r}
     l4 = {r["name"]: r for r in dp4 if "tokens_per_s" in r}
     return {
-        "resnet2": dict(one=one2, seqify=best["samples_per_s"] / one2, seqify_gib=max(best["peak_allocated_gib"]),
-                        tpp=tpp_row["samples_per_s"] / one2, tpp_label=tpp_label, tpp_gib=max(tpp_row["peak_gib"]),
+        "resnet2": dict(one=one2, seqify=best["samples_per_s"] / one2, seqify_gib=max(best["peak_allocated_gib"]), seqify_res=max(best["peak_gib"]),
+                        tpp=tpp_row["samples_per_s"] / one2, tpp_label=tpp_label, tpp_gib=max(tpp_row["peak_gib"]), tpp_res=max(tpp_row["reserved_gib"]),
                         ddp=ddp2["resnet101-ddp-fp32"]["samples_per_s"] / ddp2["single"]["samples_per_s"],
                         ddp_gib=max(ddp2["resnet101-ddp-fp32"]["peak_gib"]), one_gib=two["single"]["peak_allocated_gib"][0]),
         "resnet4": dict(one=r4["single"]["samples_per_s"], seqify=r4["seqify-auto-4gpu"]["samples_per_s"] / r4["single"]["samples_per_s"],
                         seqify_gib=max(r4["seqify-auto-4gpu"]["peak_gib"]),
+                        seqify_res=max(r4["seqify-auto-4gpu"]["reserved_gib"]),
                         ddp=r4["resnet101-ddp-fp32"]["samples_per_s"] / r4["single"]["samples_per_s"],
-                        ddp_gib=max(r4["resnet101-ddp-fp32"]["peak_gib"]), one_gib=r4["single"]["peak_gib"][0]),
+                        ddp_gib=max(r4["resnet101-ddp-fp32"]["peak_gib"]),
+                        ddp_res=max(r4["resnet101-ddp-fp32"]["reserved_gib"]), one_gib=r4["single"]["peak_gib"][0]),
         "llama4": dict(one=l4["single"]["tokens_per_s"], seqify=l4["seqify-auto-4gpu"]["tokens_per_s"] / l4["single"]["tokens_per_s"],
                        seqify_gib=max(l4["seqify-auto-4gpu"]["peak_gib"]),
+                       seqify_res=max(l4["seqify-auto-4gpu"]["reserved_gib"]),
                        ddp=l4["llama-ddp-bf16"]["tokens_per_s"] / l4["single"]["tokens_per_s"],
-                       ddp_gib=max(l4["llama-ddp-bf16"]["peak_gib"]),
+                       ddp_gib=max(l4["llama-ddp-bf16"]["peak_gib"]), ddp_res=max(l4["llama-ddp-bf16"]["reserved_gib"]),
                        fsdp=l4["llama-fsdp-bf16"]["tokens_per_s"] / l4["single"]["tokens_per_s"],
-                       fsdp_gib=max(l4["llama-fsdp-bf16"]["peak_gib"]), one_gib=l4["single"]["peak_gib"][0]),
+                       fsdp_gib=max(l4["llama-fsdp-bf16"]["peak_gib"]),
+                       fsdp_res=max(l4["llama-fsdp-bf16"]["reserved_gib"]), one_gib=l4["single"]["peak_gib"][0]),
     }
 
 
@@ -200,24 +204,24 @@ def headline(readme: bool = False) -> str:
     n = headline_numbers()
     r2, r4, l4 = n["resnet2"], n["resnet4"], n["llama4"]
 
-    def cell(ratio: float, peak: float, best: bool = False) -> str:
-        text = f"{x(ratio)} ({peak:.1f} GiB)"
+    def cell(ratio: float, peak: float, reserved: float | None, best: bool = False) -> str:
+        text = f"{x(ratio)} ({peak:.1f} / {'–' if reserved is None else f'{reserved:.1f}'} GiB)"
         return f"**{text}**" if best else text
 
     body = [
         ["ResNet-101, batch 256, fp32, 2× H200", f"{r2['one_gib']:.1f} GiB",
-         cell(r2["seqify"], r2["seqify_gib"], r2["seqify"] >= r2["ddp"]), cell(r2["tpp"], r2["tpp_gib"]),
-         cell(r2["ddp"], r2["ddp_gib"], r2["ddp"] > r2["seqify"]), "–"],
-        ["ResNet-101, batch 512, fp32, 4× H200", f"{r4['one_gib']:.1f} GiB", cell(r4["seqify"], r4["seqify_gib"]),
-         "not measured", cell(r4["ddp"], r4["ddp_gib"], True), "–"],
-        ["Llama 0.89 B, 16 × 2048 tokens, bf16, 4× H200", f"{l4['one_gib']:.1f} GiB", cell(l4["seqify"], l4["seqify_gib"]),
-         "not measured", cell(l4["ddp"], l4["ddp_gib"], True), cell(l4["fsdp"], l4["fsdp_gib"])],
+         cell(r2["seqify"], r2["seqify_gib"], r2["seqify_res"], r2["seqify"] >= r2["ddp"]),
+         cell(r2["tpp"], r2["tpp_gib"], r2["tpp_res"]), cell(r2["ddp"], r2["ddp_gib"], None, r2["ddp"] > r2["seqify"]), "–"],
+        ["ResNet-101, batch 512, fp32, 4× H200", f"{r4['one_gib']:.1f} GiB", cell(r4["seqify"], r4["seqify_gib"], r4["seqify_res"]),
+         "not measured", cell(r4["ddp"], r4["ddp_gib"], r4["ddp_res"], True), "–"],
+        ["Llama 0.89 B, 16 × 2048 tokens, bf16, 4× H200", f"{l4['one_gib']:.1f} GiB", cell(l4["seqify"], l4["seqify_gib"], l4["seqify_res"]),
+         "not measured", cell(l4["ddp"], l4["ddp_gib"], l4["ddp_res"], True), cell(l4["fsdp"], l4["fsdp_gib"], l4["fsdp_res"])],
     ]
     return "\n".join([
         table(["training step", "one GPU: peak", "seqify", "torch pipelining (best)", "DDP", "FSDP2"], body),
         "",
         "Speed-up over one GPU training the same batch in the same run; in brackets the largest peak memory allocated "
-        "on one GPU. seqify on 2 GPUs: ZB-H2, 4 micro-batches, CUDA graphs, two streams per GPU (what `seqify.tune` "
+        "/ reserved on one GPU (reserved was not recorded for the two-GPU DDP row). seqify on 2 GPUs: ZB-H2, 4 micro-batches, CUDA graphs, two streams per GPU (what `seqify.tune` "
         "chooses for it on two H100s); on 4 GPUs: what `seqify.tune` chose. torch pipelining: `torch.distributed.pipelining` on hand-cut halves, its fastest "
         f"schedule and chunk count ({r2['tpp_label']}, 4 chunks). DDP and FSDP2 split the batch over the GPUs.",
         "",
@@ -407,21 +411,24 @@ def scaling_page() -> str:
     dp = rows(DP4.files[0])
     r = {d["name"]: d for d in dp if "tokens_per_s" not in d}
     ll = {d["name"]: d for d in dp if "tokens_per_s" in d}
+    def mem(row: dict[str, Any]) -> list[str]:
+        return [gib(row["peak_gib"]), gib(row.get("reserved_gib"))]
+
     dp_body = [
         ["ResNet-101, batch 512, fp32", "one GPU", f"{r['single']['samples_per_s']:.1f} samples/s", "1.00×",
-         gib(r["single"]["peak_gib"])],
+         *mem(r["single"])],
         ["", "seqify (tuned)", f"{r['seqify-auto-4gpu']['samples_per_s']:.1f}",
-         x(r["seqify-auto-4gpu"]["samples_per_s"] / r["single"]["samples_per_s"]), gib(r["seqify-auto-4gpu"]["peak_gib"])],
+         x(r["seqify-auto-4gpu"]["samples_per_s"] / r["single"]["samples_per_s"]), *mem(r["seqify-auto-4gpu"])],
         ["", "DDP", f"{r['resnet101-ddp-fp32']['samples_per_s']:.1f}",
          "**" + x(r["resnet101-ddp-fp32"]["samples_per_s"] / r["single"]["samples_per_s"]) + "**",
-         gib(r["resnet101-ddp-fp32"]["peak_gib"])],
+         *mem(r["resnet101-ddp-fp32"])],
         ["Llama 0.89 B, 16 × 2048 tokens, bf16 autocast", "one GPU", f"{ll['single']['tokens_per_s']:,} tokens/s", "1.00×",
-         gib(ll["single"]["peak_gib"])],
+         *mem(ll["single"])],
     ]
     for name, label in (("seqify-auto-4gpu", "seqify (tuned)"), ("llama-ddp-bf16", "DDP"), ("llama-fsdp-bf16", "FSDP2")):
         ratio = ll[name]["tokens_per_s"] / ll["single"]["tokens_per_s"]
         dp_body.append(["", label, f"{ll[name]['tokens_per_s']:,}", ("**" + x(ratio) + "**") if name == "llama-ddp-bf16"
-                        else x(ratio), gib(ll[name]["peak_gib"])])
+                        else x(ratio), *mem(ll[name])])
     return page(
         "Scaling to four GPUs",
         "## Against torch pipelining on the same cuts",
@@ -444,8 +451,9 @@ def scaling_page() -> str:
         "## Against data parallelism",
         "**Method.** The same machine, four H200s: one GPU at the whole batch; `seqify.pipeline(model, gpus=4, "
         "sample=batch)` (the tuner's choice); DDP and FSDP2 (`fully_shard` per decoder layer and the root) "
-        "splitting the batch over the ranks. Peak allocated GiB per GPU.",
-        table(["model", "runner", "throughput", "× one GPU", "peak allocated per GPU"], dp_body, "llrrl"),
+        "splitting the batch over the ranks. Peak allocated and reserved GiB per GPU.",
+        table(["model", "runner", "throughput", "× one GPU", "peak allocated per GPU", "peak reserved per GPU"],
+              dp_body, "llrrll"),
         DP4.line(),
         "**Where seqify loses.** Here, plainly: when the model and its batch fit one GPU, DDP is faster than a "
         "pure pipeline past two GPUs, by about a quarter on both models; FSDP2 too is ahead on the Llama. A "

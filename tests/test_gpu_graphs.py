@@ -196,3 +196,38 @@ def test_two_lanes_stay_off_where_a_partition_draws_random_numbers() -> None:
                            schedule="1f1b", overlap=True)
     pipe.step(torch.randn(4, 8, device="cuda:0"), torch.randint(0, 2, (4,), device="cuda:0"), torch.nn.CrossEntropyLoss())
     assert pipe.graph_error is None and pipe._graphed is not None and pipe._graphed[1].lanes is None
+
+
+class _TokenModel(torch.nn.Module):
+    """A small language model whose targets are padded: its loss divides by the kept tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.h, self.o = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 50)
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.o(self.h(self.e(i)).tanh()).transpose(1, 2)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_padded_targets_weigh_like_one_device_on_gpus(schedule: str, graphs: bool) -> None:
+    torch.manual_seed(0)
+    source = _TokenModel().cuda()
+    twin = copy.deepcopy(source)
+    i = torch.randint(0, 50, (8, 12), device="cuda")
+    t = torch.randint(0, 50, (8, 12), device="cuda")
+    t[2:, 3:] = -100  # micro-batches keep different numbers of tokens
+    loss_fn = torch.nn.CrossEntropyLoss()
+    expected = loss_fn(source(i), t)
+    expected.backward()
+    gpus = min(torch.cuda.device_count(), 2)
+    pipe = seqify.pipeline(seqify.convert(twin, example_inputs=(i,)), gpus=gpus, chunks=4, schedule=schedule,
+                           graphs=graphs)
+    for _ in range(2 if graphs else 1):  # graphs: the second step replays what the first captured
+        for p in twin.parameters():
+            p.grad = None
+        got = pipe.step(i, t, loss_fn)
+    close(got.reshape(1), expected.detach().reshape(1), "loss")
+    for (name, p), q in zip(source.named_parameters(), twin.parameters()):
+        close(q.grad, p.grad, name)

@@ -3,6 +3,7 @@ and the benchmark pages and the README's results table match benchmarks/results/
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 import sys
@@ -47,3 +48,12 @@ def test_readme_gives_the_two_commands_ci_relies_on(command: str) -> None:
     assert command in (ROOT / "README.md").read_text()
     if "pytest" in command:
         assert command in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("module", ["seqify", "seqify.distributed", "seqify.tuning"])
+def test_every_public_name_has_an_api_reference_entry(module: str) -> None:
+    public = importlib.import_module(module).__all__
+    pages = "\n".join(p.read_text() for p in (ROOT / "docs" / "reference").glob("*.md"))
+    documented = set(re.findall(r"^\.\. auto\w+:: ([\w.]+)", pages, re.M))
+    missing = [n for n in public if n not in documented and f"{module}.{n}" not in documented]
+    assert not missing, f"add an autodoc entry under docs/reference/ for {module}: {missing}"

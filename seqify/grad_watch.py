@@ -18,6 +18,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd import grad_mode
 
+from ._paths import PACKAGE_DIR
+
 __all__ = ["Use", "Watcher", "watching", "REGION", "HOOK", "FLAG", "GRAD", "FUNCTION", "CHECKPOINT", "LEAK",
            "custom_function", "applied", "holds_proxy", "owner", "RUN"]
 
@@ -28,7 +30,7 @@ REGION, HOOK, FLAG, GRAD, FUNCTION, CHECKPOINT, LEAK = (
     "region", "hook", "flag", "grad", "function", "checkpoint", "leak")
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-_SEQIFY = os.path.dirname(os.path.abspath(__file__))
+_SEQIFY = PACKAGE_DIR
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])
 _PACKAGES = tuple({os.path.abspath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")})
 _GRAD_MODE = os.path.abspath(grad_mode.__file__)

@@ -15,9 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._paths import PACKAGE_DIR
+
 __all__ = ["Reseed", "reseeds"]
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = PACKAGE_DIR
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 #: The functions that set a generator's seed or state. ``torch.manual_seed`` and ``torch.seed`` call
 #: ``torch.cuda.manual_seed_all`` inside, so a copy imported before the patch (``from torch import

@@ -12,6 +12,7 @@ from torch import nn
 
 from .errors import HookError, MetaDeviceError, ModeError, SeqifyError, StateDictError
 from .guard import Guard
+from .model.hooks import HOOK_DICTS, recording_hook
 from .signature import InputSpec, OutputSpec
 from .skip.namespace import Namespace
 from .skip.tracker import SkipTracker, use_tracker
@@ -155,7 +156,6 @@ class Sequential(nn.Sequential):
         self.exported: list[ExportedInfo] = []
         # The hook dicts of the source modules conversion flattened (their forwards became layers): a hook
         # registered there after conversion would never run, so calls check that they stay empty.
-        from .trace import HOOK_DICTS
 
         self._flattened = tuple((path or "", type(m).__name__) for path, m in flattened)
         self._hook_dicts = tuple(tuple(getattr(m, h) for h in HOOK_DICTS) for _, m in flattened)
@@ -217,7 +217,6 @@ class Sequential(nn.Sequential):
             error.add_note(f"in layer {name!r} of the converted {self.source} (seqify.Sequential)")
 
     def _hooks_added(self) -> None:
-        from .trace import recording_hook
 
         for (path, kind), dicts in zip(self._flattened, self._hook_dicts):
             if any(not recording_hook(f) for d in dicts for f in d.values()):

@@ -27,6 +27,7 @@ from .errors import (ExampleInputError, HookError, KeywordArgumentsError, Seqify
                      UntraceableError)
 from .grad_watch import GRAD, Use, watching
 from .guard import Guard, check_bool, check_equal
+from .model.hooks import ALL_HOOK_DICTS, HOOK_DICTS
 from .outside import Held, find, generator_error, outside, registered, unregistered_error, what_is
 from .preserve import preserved
 from .reseeds import Reseed, reseeds
@@ -35,6 +36,7 @@ from .trace_factories import recording_shape_ops
 from .trace_checks import attributes, check_decorated, passthrough, writes_since
 from .trace_autograd import AUTOGRAD_CALLS, GRAD_MODE, PROXY_USES, FxAutograd, keep_reason, refusal
 from .trace_real import RealRun, buffers_kept, raises_itself, source_error, tracing, unpatched
+from ._paths import PACKAGE_DIR
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "attribute", "is_cache"]
 
@@ -47,37 +49,8 @@ class _Unknown:
 #: The value of a node whose example value could not be computed (or when there were no example inputs).
 UNKNOWN: Any = _Unknown()
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = PACKAGE_DIR
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-_ALL_HOOK_DICTS = _HOOK_DICTS + (
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
-#: The hook dicts whose hooks a module runs when called (what conversion would drop).
-HOOK_DICTS = _HOOK_DICTS
-
-
-def recording_hook(hook: Any) -> bool:
-    """A hook transformers 5 installs on a model's own modules at its first call that records hidden states
-    (``transformers.utils.output_capturing``): it only appends outputs to a list the decorated forward
-    returns, so torch.export captures what it records as graph outputs, and a converted model, which never
-    runs that forward, has no use for it."""
-    fn = getattr(hook, "__func__", hook)
-    return getattr(fn, "__module__", None) == "transformers.utils.output_capturing"
-
-
-def user_hooks(module: nn.Module) -> list[str]:
-    """The hook dicts of ``module`` that hold a hook a flattening conversion would drop (recording hooks aside)."""
-    return [h for h in HOOK_DICTS if any(not recording_hook(f) for f in getattr(module, h, {}).values())]
-
-
 class Diverged(fx.proxy.TraceError):
     """An op fails on the example values while tracing: the traced code is not the path the source runs."""
 
@@ -487,7 +460,7 @@ class _Tracer(fx.Tracer):
             clone.__dict__["_parameters"] = {k: None if v is None else self._fake(v) for k, v in m._parameters.items()}
             clone.__dict__["_buffers"] = {k: None if v is None else self._fake(v) for k, v in m._buffers.items()}
             clone.__dict__["_modules"] = {k: None if v is None else self._fake_module(v) for k, v in m._modules.items()}
-            for hooks in _ALL_HOOK_DICTS:
+            for hooks in ALL_HOOK_DICTS:
                 if hooks in clone.__dict__:
                     clone.__dict__[hooks] = OrderedDict()
             if isinstance(clone, nn.RNNBase):
@@ -629,7 +602,7 @@ class _Tracer(fx.Tracer):
             kind = getattr(m, "original_name", type(m).__name__)
             self.opaque[path] = Opaque(path, kind, "a TorchScript module (its forward is compiled code), kept whole")
             return True
-        if path and any(getattr(m, h, None) for h in _HOOK_DICTS):
+        if path and any(getattr(m, h, None) for h in HOOK_DICTS):
             self.opaque[path] = Opaque(path, type(m).__name__, "has hooks, kept whole so they still run")
             return True
         if isinstance(m, self.leaf_types) or path in self.leaf_paths:
@@ -830,7 +803,7 @@ def trace(
     on shapes is resolved, and each decision becomes a run-time guard node.
     """
     name = type(model).__name__
-    hooked = [h for h in _HOOK_DICTS if getattr(model, h, None)]
+    hooked = [h for h in HOOK_DICTS if getattr(model, h, None)]
     if hooked:
         raise HookError(
             f"{name} itself has {', '.join(h.strip('_').replace('_', ' ') for h in hooked)}; a converted "

@@ -10,7 +10,7 @@ from .catalog import ENTRIES
 from .plans import HINTS_FILE, versions
 from .table import markdown, rows, write_hints
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "zoo.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "zoo.md"
 
 INTRO = """# seqify.zoo
 

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..guard import Guard, check_bool, check_equal
 from ..preserve import preserved
-from ..trace import HOOK_DICTS, Opaque, Traced, _caller
+from ..model.hooks import HOOK_DICTS
+from ..trace import Opaque, Traced, _caller
 from ..trace_autograd import GRAD_MODE
 from ..trace_real import record_inputs
 from .modes import exported_mode_dependent

@@ -24,7 +24,8 @@ from ..grad_watch import watching
 from ..guard import Guard, check_equal
 from ..signature import EMPTY, InputSpec, Param, bind_examples
 from ..preserve import preserved
-from ..trace import HOOK_DICTS, Traced, _error_site, _first_line, user_hooks
+from ..model.hooks import HOOK_DICTS, user_hooks
+from ..trace import Traced, _error_site, _first_line
 from ..outside import Held, find, generator_error, outside
 from ..reseeds import Reseed, reseeds
 from ..trace_real import raises_itself, source_error

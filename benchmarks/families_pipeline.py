@@ -5,7 +5,7 @@
     python benchmarks/families_pipeline.py --tiny --devices cpu,cpu                     # smoke test (CPU)
 
 For each family one representative at a batch that fills one H200 well (``FAMILIES`` below), converted
-through the same path as ``seqify bench zoo:NAME`` and measured with :func:`seqify.bench.bench`: the
+through the same path as ``seqify bench zoo:NAME`` and measured with :func:`seqify.tools.bench.bench`: the
 one-device baseline, the tuned pipeline (predicted and measured step time) and up to ``--alternatives``
 rejected candidates, each with measured peak allocated / reserved memory per GPU. One JSON line per
 family goes to ``--out`` as soon as it is measured (a timeout keeps the families done); a family that
@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from seqify import convert, spec
-from seqify.bench import Bench, bench
+from seqify import convert
+from seqify.tools import spec
+from seqify.tools.bench import Bench, bench
 
 # family -> (zoo name, batch, input side or sequence length, builder keyword arguments)
 FAMILIES: dict[str, tuple[str, int, int, dict[str, Any]]] = {

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import seqify
-from seqify.pipeline import casts
+from seqify.pipe.executors import casts
 
 
 def config(args: argparse.Namespace) -> Any:

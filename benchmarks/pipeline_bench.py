@@ -37,7 +37,7 @@ import torchvision
 from torch import nn
 
 import seqify
-from seqify.pipeline.schedule import SCHEDULES
+from seqify.schedule.actions import SCHEDULES
 
 ROWS: list[dict[str, Any]] = []
 

@@ -167,7 +167,7 @@ def one_device(seq: nn.Module, x: torch.Tensor, devices: list[torch.device], arg
 def run_one(m: Model, seq: nn.Module, n: int, batch: int, scaling: str, args: argparse.Namespace,
             device_list: list[torch.device]) -> dict[str, Any]:
     devices = device_list[:n]
-    # every row starts from the batch on the first device, as torch pipelining's rank 0 and seqify.bench do:
+    # every row starts from the batch on the first device, as torch pipelining's rank 0 and seqify.tools.bench do:
     # a batch left on the host would be copied over each step, in the pipeline's time and not the baseline's
     x = m.sample(batch).to(devices[0])
     row: dict[str, Any] = dict(model=m.name, scaling=scaling, gpus=n, batch=batch, runner="seqify")

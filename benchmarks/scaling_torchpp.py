@@ -34,8 +34,8 @@ from torch import nn
 
 import scaling
 import seqify
-from seqify.pipeline.config import PipeConfig
-from seqify.pipeline.stage import Stage
+from seqify.pipe.config import PipeConfig
+from seqify.pipe.stage import Stage
 from seqify.skip.layout import routes
 from seqify.skip.namespace import SkipKey
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 import seqify
-from seqify.pipeline import replay
+from seqify.pipe.executors import replay
 
 
 def gpus() -> list[int]:

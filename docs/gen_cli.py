@@ -25,7 +25,7 @@ WIDTH = "100"  # usage lines wrap at this width whatever the terminal
 
 def _parser() -> argparse.ArgumentParser:
     sys.path.insert(0, str(ROOT))
-    from seqify.cli import _parser as parser
+    from seqify.tools.cli import _parser as parser
 
     return parser()
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import StateDictError
-from .sequential import Sequential
+from seqify.errors import StateDictError
+from seqify.model.sequential import Sequential
 
 __all__ = ["save", "load", "load_state_dict", "stage_keys"]
 

@@ -18,9 +18,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .pipeline.checkpoint import is_recomputing
-from .pipeline.stage import Stage
-from .progress import progress
+from seqify.pipe.recompute import is_recomputing
+from seqify.pipe.stage import Stage
+from seqify.progress import progress
 
 __all__ = ["Box", "Timeline", "record", "SweepPoint", "Sweep", "sweep", "train_step"]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import PlotError
+from seqify.errors import PlotError
 
 __all__ = ["PlotError", "available", "save", "plot_plan", "plot_skips", "plot_timeline", "plot_sweep"]
 
@@ -96,7 +96,7 @@ def _swatch(label: str, **style: Any) -> Any:
 def plot_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, title: str | None = None) -> Any:
     """Per-stage cost bars (compute and incoming-transfer share), the bytes crossing each cut, and each
     stage's parameter and activation memory. ``plan`` is a :class:`seqify.PartitionPlan`."""
-    from .partition.plan import UNITS
+    from seqify.partition.plan import UNITS
 
     plt = _plt()
     scale, unit = UNITS.get(plan.by, (1.0, ""))
@@ -174,7 +174,7 @@ def plot_skips(model: Any, plan: Any = None, path: str | os.PathLike[str] | None
     Arcs that cross a cut (skips that travel between devices) are drawn bold."""
     from matplotlib.patches import Arc, Rectangle
 
-    from .skip.layout import routes
+    from seqify.skip.layout import routes
 
     plt = _plt()
     names = list(model._modules)

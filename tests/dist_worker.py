@@ -14,8 +14,8 @@ from torch import nn
 
 import seqify
 import seqify.distributed as sd
-from seqify.dist_link import Link
-from seqify.pipeline.schedule import Action, Schedule, zb_h1
+from seqify.distributed.link import Link
+from seqify.schedule.actions import Action, Schedule, zb_h1
 
 
 class Tiny(nn.Module):

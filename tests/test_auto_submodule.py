@@ -12,7 +12,7 @@ from torch import nn
 
 import seqify
 from exactness import assert_exact
-from seqify.verify import bit_equal
+from seqify.convert.verify import bit_equal
 
 transformers = pytest.importorskip("transformers")
 

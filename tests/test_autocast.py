@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import seqify
-from seqify.verify import bit_equal
+from seqify.convert.verify import bit_equal
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,7 +143,7 @@ def test_autocast_regions_follow_the_device_they_were_made_for() -> None:
     """A region captured as `autocast(<the example's device>, enabled=False)` turns autocast off on the device
     its tensors are on at run time (a model converted on the CPU, run on a GPU); a region naming another
     device type stays as written, as in the source (CUDA autocast off leaves CPU autocast on)."""
-    from seqify.frontends.regions import autocast_region
+    from seqify.frontend.export.regions import autocast_region
 
     a = torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -156,7 +156,7 @@ def test_autocast_regions_follow_the_device_they_were_made_for() -> None:
 def test_a_failing_no_grad_region_leaves_grad_mode_on() -> None:
     """torch's wrap_with_set_grad_enabled left gradients off for the whole process when its region raised
     (one failing call of a converted Llama's rotary embedding, and every later backward failed)."""
-    from seqify.frontends.regions import grad_region
+    from seqify.frontend.export.regions import grad_region
 
     seq = seqify.convert(RotaryNet(), example_inputs={"x": torch.randn(2, 4, 8)}, frontend="export")
     assert "grad_region(" in str(seq)

@@ -1,4 +1,4 @@
-"""Weights cast once per step under autocast (seqify/pipeline/casts.py): which weights, and the same step."""
+"""Weights cast once per step under autocast (seqify/pipe/executors/casts.py): which weights, and the same step."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import seqify
-from seqify.pipeline import casts
+from seqify.pipe.executors import casts
 
 
 class Block(nn.Module):

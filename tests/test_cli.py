@@ -14,7 +14,7 @@ import torch
 import torchvision
 
 import seqify
-from seqify.cli import main
+from seqify.tools.cli import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -200,7 +200,8 @@ def test_demo_small(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{n}.{e}" for n in ("plan", "skips", "timeline", "sweep") for e in ("png", "svg")
     )
-    from seqify import demo, plot
+    from seqify.tools import demo
+    from seqify import plot
 
     monkeypatch.setattr(plot, "available", lambda: False)
     demo._demo_plots(str(tmp_path / "none"), None, None, None, None, "resnet18")
@@ -216,7 +217,7 @@ def test_process_exit_codes() -> None:
 
 
 def test_reference_documents_every_option() -> None:
-    from seqify.cli import _parser
+    from seqify.tools.cli import _parser
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
     commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices

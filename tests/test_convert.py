@@ -16,7 +16,7 @@ from torchvision.models.resnet import Bottleneck, resnet50
 
 import seqify
 from exactness import assert_exact, leaves
-from seqify.layer import Layer
+from seqify.model.layer import Layer
 from seqify.skip import routes
 
 
@@ -54,7 +54,7 @@ def assert_pipeline_ready(seq: seqify.Sequential, *args: object) -> None:
 
 
 def leaves_of(op: object) -> list:
-    from seqify.layer import Ref
+    from seqify.model.layer import Ref
 
     found = []
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import seqify
 from exactness import assert_unchanged, snapshot
-from seqify.outside import outside
+from seqify.frontend.outside import outside
 
 pytestmark = pytest.mark.timeout(120)
 

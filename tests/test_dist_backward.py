@@ -1,4 +1,4 @@
-"""Zero bubble's split backward (seqify.dist_backward): B's input gradients and W's weight gradients add up
+"""Zero bubble's split backward (seqify.pipe.split_backward): B's input gradients and W's weight gradients add up
 to one backward, from B's boundary where it covers every weight, else walking from the outputs again."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from seqify.dist_backward import input_grads, weight_grads, weight_values
+from seqify.pipe.split_backward import input_grads, weight_grads, weight_values
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 import dist_worker as worker
-from seqify.dist_link import SKIP, SKIP_GRAD
-from seqify.pipeline.schedule import Action, Schedule, make, needs
+from seqify.distributed.link import SKIP, SKIP_GRAD
+from seqify.schedule.actions import Action, Schedule, make, needs
 
 pytestmark = pytest.mark.timeout(120)
 BALANCE = [3, 3, 4, 4]  # Skippy's 14 layers: every skip crosses partitions (see dist_worker.Skippy)

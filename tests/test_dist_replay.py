@@ -11,10 +11,10 @@ import torch
 import dist_worker as worker
 import seqify
 import seqify.distributed as sd
-from seqify import dist_replay
-from seqify.dist_replay import RankPrograms
-from seqify.pipeline.replay import Program
-from seqify.pipeline.replay import _partition_order
+from seqify.distributed import replay as dist_replay
+from seqify.distributed.replay import RankPrograms
+from seqify.pipe.executors.replay import Program
+from seqify.pipe.executors.replay import _partition_order
 
 BALANCE = [3, 3, 4, 4]  # Skippy's 14 layers, every skip between two partitions
 

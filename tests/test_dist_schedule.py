@@ -11,7 +11,7 @@ from torch import nn
 import seqify
 import seqify.distributed as sd
 from seqify.errors import ScheduleError
-from seqify.pipeline.schedule import Action, Schedule, make
+from seqify.schedule.actions import Action, Schedule, make
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,7 +23,7 @@ def stages(schedule: str | Schedule, n: int = 3) -> list[sd.DistributedStage]:
 
 def by_hand(order: list[list[tuple[str, int]]], m: int) -> Schedule:
     """A schedule from per-rank lists: issue each rank's next action once what it needs has run."""
-    from seqify.pipeline.schedule import needs
+    from seqify.schedule.actions import needs
 
     todo = [list(work) for work in order]
     done: set[tuple[int, int, str]] = set()
@@ -81,7 +81,7 @@ def one_rank_v() -> tuple[nn.Module, sd.DistributedStage]:
 
 def test_zb_h1_b_sends_input_gradients_before_w_computes_weight_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     import dist_worker as worker
-    from seqify.dist_schedule import RankRun
+    from seqify.distributed.eager import RankRun
 
     model, stage = one_rank_v()
     assert stage.owned == [0, 1] and stage.placement == (0, 0)
@@ -98,7 +98,7 @@ def test_zb_h1_b_sends_input_gradients_before_w_computes_weight_gradients(monkey
 
     monkeypatch.setattr(RankRun, "backward", spy("B", backward))
     monkeypatch.setattr(RankRun, "weights", spy("W", weights))
-    import seqify.dist_schedule as ds
+    import seqify.distributed.eager as ds
 
     from_boundary: list[bool] = []
     real_w = ds.weight_grads
@@ -156,8 +156,8 @@ def test_fixed_programs_hold_one_set_of_programs_per_partition_of_the_rank() -> 
 
 def test_a_checkpointed_partition_drawing_random_numbers_is_not_captured() -> None:
     # a captured recomputation cannot replay dropout's draws: that partition's programs stay eager (warned)
-    from seqify.dist_replay import RankPrograms
-    from seqify.pipeline.replayed import GraphWarning
+    from seqify.distributed.replay import RankPrograms
+    from seqify.pipe.executors.replayed import GraphWarning
 
     seq = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5), nn.Linear(2, 2), nn.Linear(2, 2))
     s = sd.DistributedStage(seq, [2, 2], index=0, device=torch.device("cpu"), graphs=True, checkpoint="always")
@@ -176,7 +176,7 @@ def test_unknown_schedule_names_the_choices() -> None:
 
 def test_a_message_left_unread_at_the_end_of_a_step_says_the_ranks_disagree() -> None:
     # what a rank built with another schedule leaves behind: a message no action of this rank reads
-    from seqify.dist_link import GRAD, Link
+    from seqify.distributed.link import GRAD, Link
 
     link = Link(torch.device("cpu"), "rank 1")
     link.inbox[(0, (GRAD, 2, 3))] = torch.zeros(2)
@@ -189,7 +189,7 @@ def test_each_direction_travels_on_its_own_process_group(monkeypatch: pytest.Mon
     # gradients coming down on one group can each wait behind the other; the link keeps the two apart.
     import torch.distributed as dist
 
-    from seqify.dist_link import ACTIVATION, GRAD, Link
+    from seqify.distributed.link import ACTIVATION, GRAD, Link
 
     used: list[tuple[str, int, str]] = []
 

@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 import dist_worker as worker
 import seqify
 import seqify.distributed as sd
-from seqify.dist_sizes import decode, encode, is_size
+from seqify.distributed.sizes import decode, encode, is_size
 from seqify.skip.layout import routes
-from seqify.skip.sizes import size_skips
+from seqify.model.stash_sizes import size_skips
 from test_dist_loops import free_port
 
 pytest.importorskip("transformers")

@@ -776,7 +776,7 @@ def test_schedule_errors_name_the_schedule_and_the_fix() -> None:
 
     with raises(seqify.ScheduleError, "zb-h2", "one partition per rank", "interleaved"):
         sd.placement_for("zb-h2", 2, 2)
-    from seqify.pipeline.schedule import gpipe
+    from seqify.schedule.actions import gpipe
 
     pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2, schedule=gpipe((0, 1), 3))
     with raises(seqify.ScheduleError, "3 micro-batches", "build it for this pipeline"):
@@ -844,7 +844,7 @@ def test_export_error_names_the_forward() -> None:
 
 
 def test_verify_error_names_the_layer() -> None:
-    from seqify.verify import check
+    from seqify.convert.verify import check
 
     model = Lin().eval()
     x = torch.randn(2, 4)

@@ -11,9 +11,9 @@ import torch
 import torchvision
 
 import seqify
-from seqify import cli
-from seqify.advice import for_cli
-from seqify.cli import main
+from seqify.tools import cli
+from seqify.tools.advice import for_cli
+from seqify.tools.cli import main
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,9 +9,9 @@ import torch
 import torchvision
 
 import seqify
-from seqify.pipeline.replay import Replay
-from seqify.pipeline.schedule import ahead, make
-from seqify.pipeline.replayed import GraphWarning
+from seqify.pipe.executors.replay import Replay
+from seqify.schedule.actions import ahead, make
+from seqify.pipe.executors.replayed import GraphWarning
 from gpu_checks import relative, strict_fp32  # noqa: F401  (strict_fp32: autouse fixture)
 
 pytestmark = [

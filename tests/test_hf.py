@@ -13,7 +13,7 @@ from torch import nn
 
 import seqify
 from exactness import assert_exact, assert_unchanged, snapshot
-from seqify.verify import bit_equal, first_difference
+from seqify.convert.verify import bit_equal, first_difference
 
 transformers = pytest.importorskip("transformers")
 
@@ -328,7 +328,7 @@ def test_llama_benchmark_runs_tiny_on_cpu(tmp_path: Any) -> None:
 
 
 def test_cli_converts_a_transformers_spec(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    from seqify.cli import main
+    from seqify.tools.cli import main
 
     out = tmp_path / "llama.pt"
     code = main(["convert", "transformers:LlamaForCausalLM", "--example", "--arg", "hidden_size=16",
@@ -437,9 +437,9 @@ def test_size_skips_replay_and_data_never_does() -> None:
     from data is never a size."""
     import operator
 
-    from seqify.layer import Layer, Op, Ref
+    from seqify.model.layer import Layer, Op, Ref
     from seqify.skip.namespace import Namespace
-    from seqify.skip.sizes import size_skips
+    from seqify.model.stash_sizes import size_skips
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, use_cache=False)

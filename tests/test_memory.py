@@ -8,8 +8,8 @@ from torch import nn
 
 import seqify
 from seqify.errors import MemoryCapError
-from seqify.pipeline import memory
-from seqify.pipeline.memory import parse_bytes
+from seqify.pipe import memory
+from seqify.pipe.memory import parse_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,7 +90,7 @@ def test_parse_bytes() -> None:
 def test_what_b_keeps_for_w_is_what_the_split_backward_keeps() -> None:
     """The plan's ``kept`` bytes per partition against the gradients the library's own B
     (dist_backward.input_grads) keeps for W on the same micro-batch, for a net with a skip."""
-    from seqify.dist_backward import input_grads
+    from seqify.pipe.split_backward import input_grads
 
     torch.manual_seed(0)
 

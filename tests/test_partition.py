@@ -19,17 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import seqify
 from seqify.errors import SeqifyError
-from seqify.partition import (
-    BalanceError,
-    NoPlanFitsError,
-    PartitionPlan,
-    balance,
-    flop_costs,
-    memory_costs,
-    param_costs,
-    solve,
-    time_costs,
-)
+from seqify.partition import (BalanceError, NoPlanFitsError, PartitionPlan, balance, flop_costs, memory_costs,
+    param_costs, solve, time_costs)
 from seqify.partition.graph import clean_cuts, crossing, dataflow, live_bytes
 from seqify.progress import progress
 from seqify.skip import Namespace, SkipRoute, pop, skippable, stash

@@ -11,7 +11,7 @@ import torchvision
 
 import seqify
 from seqify import measure, plot
-from seqify.pipeline.stage import Stage
+from seqify.pipe.stage import Stage
 
 
 def small_pipe(chunks: int, checkpoint: str = "except_last", partitions: int = 2) -> tuple[seqify.Pipeline, seqify.Sequential]:

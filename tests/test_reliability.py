@@ -21,7 +21,7 @@ from torchvision.models import resnet18
 
 import seqify
 from exactness import assert_unchanged, snapshot
-from seqify.sequential import tied_slots
+from seqify.model.sequential import tied_slots
 
 pytestmark = pytest.mark.timeout(120)
 

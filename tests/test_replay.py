@@ -12,7 +12,7 @@ from torchvision.models import resnet18
 
 import seqify
 from exactness import loss_of
-from seqify.pipeline.replay import order
+from seqify.pipe.executors.replay import order
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -157,9 +157,9 @@ def test_inference_under_no_grad_replays_forward_programs(train_mode: bool) -> N
 
 
 def test_a_split_backward_recomputes_with_the_forward_random_draws() -> None:
-    """A split, checkpointed program recomputes in B (seqify.pipeline.checkpoint.recomputed): dropout
+    """A split, checkpointed program recomputes in B (seqify.pipe.recompute.recomputed): dropout
     draws what the forward drew, BatchNorm statistics are left alone, the caller's generator is untouched."""
-    from seqify.pipeline.checkpoint import is_recomputing, norms_of, recomputed, rng_state
+    from seqify.pipe.recompute import is_recomputing, norms_of, recomputed, rng_state
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).double().train()

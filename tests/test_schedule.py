@@ -7,9 +7,8 @@ import itertools
 import pytest
 
 from seqify.errors import ScheduleError
-from seqify.pipeline.schedule import (
-    Action, Schedule, ahead, gpipe, interleaved, make, merge, one_f_one_b, round_robin, v_shape, zb_h1, zb_h2,
-)
+from seqify.schedule.actions import (Action, Schedule, ahead, gpipe, interleaved, make, merge, one_f_one_b,
+    round_robin, v_shape, zb_h1, zb_h2)
 
 SHAPES = [(2, 1), (2, 4), (3, 5), (4, 8), (4, 3)]  # (devices, micro-batches)
 

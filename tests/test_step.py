@@ -12,8 +12,8 @@ from torch import nn
 
 import seqify
 from seqify.errors import BoundaryError, ScheduleError
-from seqify.pipeline import memory
-from seqify.pipeline.schedule import Schedule, ahead, make
+from seqify.pipe import memory
+from seqify.schedule.actions import Schedule, ahead, make
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,7 +140,7 @@ def test_step_refuses_inference_and_a_bad_target() -> None:
 def test_replay_issues_programs_in_the_gpipe_schedule_order_and_step_trains_through_it() -> None:
     """Replay (CUDA graphs' driver, here with eager programs on the CPU) reads its order from the
     pipeline's gpipe Schedule, looped over two partitions per device; pipe.step through it is exact."""
-    from seqify.pipeline.schedule import gpipe
+    from seqify.schedule.actions import gpipe
 
     source, pipe = setup("gpipe", 4, loops=2)
     pipe._replay_eager = True
@@ -207,7 +207,7 @@ def spy_split(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, bool, set
     """Record each B and W a replayed step runs eagerly: (kind, program, whether the program's input
     gradients exist afterwards, which of its accumulators changed, whether W started from B's boundary,
     whether the program keeps a graph for W afterwards)."""
-    from seqify.pipeline import replay as rp
+    from seqify.pipe.executors import replay as rp
 
     seen: list[tuple[str, Any, bool, set[int], bool, bool]] = []
     boundary: list[bool] = []
@@ -273,7 +273,7 @@ def test_replayed_zero_bubble_runs_b_and_w_apart(monkeypatch: pytest.MonkeyPatch
 def test_replayed_zero_bubble_recomputes_a_checkpointed_program_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checkpointed and split: B recomputes the forward and W walks that same graph (torch's checkpoint
     would recompute again for W's separate backward pass), one recomputation per program."""
-    from seqify.pipeline import checkpoint as ck
+    from seqify.pipe import recompute as ck
 
     source, pipe = setup("zb-h1", 4, 2, checkpoint="always")
     pipe._replay_eager = True
@@ -313,7 +313,7 @@ def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(mo
     graphs=True captures), and replaying them trains like one device."""
     from contextlib import contextmanager, nullcontext
 
-    from seqify.pipeline import replay as rp
+    from seqify.pipe.executors import replay as rp
 
     source, pipe = setup("zb-h1", 4, 2)
     pipe._replay_eager = True
@@ -426,8 +426,8 @@ def test_eager_step_copies_each_value_once_its_maker_is_done(monkeypatch: pytest
     micro-batches' forwards, and the two GPUs took turns (an eager 1F1B step measured about one GPU's). Where a
     stage changes a value in place, skips wait for everything queued, as the source order needs. CPU devices
     record no events: each forward's stand-in event is checked against what its consumers' copies were given."""
-    from seqify.pipeline.scheduled import ScheduledStep
-    from seqify.pipeline.transfer import Transfer
+    from seqify.pipe.executors.scheduled import ScheduledStep
+    from seqify.pipe.transfer import Transfer
 
     counter = iter(range(1 << 30))
     monkeypatch.setattr(Transfer, "mark", staticmethod(lambda device: f"event {next(counter)}"))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
-from seqify.pipeline.losses import Probes, reduction_of
+from seqify.pipe.losses import Probes, reduction_of
 
 pytestmark = pytest.mark.timeout(120)
 

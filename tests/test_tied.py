@@ -10,7 +10,7 @@ from torch import nn
 
 import seqify
 from exactness import by_micro_batch
-from seqify.pipeline import memory
+from seqify.pipe import memory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -174,7 +174,7 @@ def test_the_tuner_proposes_captured_graphs_only_where_a_tied_weight_stays_on_on
     graphs=True fixed by the user where no candidate is left is refused with what to do."""
     from seqify import tuning
     from seqify.errors import TuneError
-    from seqify.pipeline.tied import across, crossing
+    from seqify.pipe.tied import across, crossing
 
     torch.manual_seed(0)
     idx = torch.randint(0, 11, (8, 6))
@@ -195,7 +195,7 @@ def test_the_tuner_proposes_captured_graphs_only_where_a_tied_weight_stays_on_on
 def test_graphs_with_a_tied_weight_are_refused_only_across_devices() -> None:
     """The check placement runs: partitions sharing a weight on two devices cannot be captured; on one device
     (a V placement's first and last partitions) they can."""
-    from seqify.pipeline import tied
+    from seqify.pipe import tied
 
     torch.manual_seed(0)
     idx = torch.randint(0, 11, (4, 6))

@@ -493,7 +493,7 @@ def test_example_values_of_leaves_leave_nn_module_alone(monkeypatch: pytest.Monk
     import torch.fx._symbolic_trace as fx_trace
     from torchvision.models import resnet18
 
-    import seqify.trace_real
+    import seqify.frontend.real
 
     undone = []
     revert = fx_trace._maybe_revert_all_patches
@@ -503,7 +503,7 @@ def test_example_values_of_leaves_leave_nn_module_alone(monkeypatch: pytest.Monk
             undone.append(1)
         return revert()
 
-    monkeypatch.setattr(seqify.trace_real, "_maybe_revert_all_patches", counted)
+    monkeypatch.setattr(seqify.frontend.real, "_maybe_revert_all_patches", counted)
 
     class Block(nn.Module):  # kept whole (leaf_types): its children run inside its plain forward
         def __init__(self) -> None:

@@ -15,9 +15,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import seqify
-from seqify.pipeline.microbatch import scatter
-from seqify.pipeline.config import Trial
-from seqify.predict import Calibration, Candidate, LayerModel, predict
+from seqify.pipe.microbatch import scatter
+from seqify.pipe.config import Trial
+from seqify.tuning.predict import Calibration, Candidate, LayerModel, predict
 
 from exactness import assert_unchanged, loss_of, snapshot
 
@@ -256,7 +256,7 @@ def build(width=16):
 
 def test_bench_spec_on_cpu_shows_baseline_tuned_and_alternatives(tmp_path, capsys) -> None:
     from seqify import plot
-    from seqify.cli import main
+    from seqify.tools.cli import main
 
     (tmp_path / "nets.py").write_text(NETS)
     out = tmp_path / "bench.png"
@@ -278,7 +278,7 @@ def test_bench_spec_on_cpu_shows_baseline_tuned_and_alternatives(tmp_path, capsy
 
 
 def test_inspect_tune_prints_the_choice(tmp_path, capsys) -> None:
-    from seqify.cli import main
+    from seqify.tools.cli import main
 
     (tmp_path / "nets.py").write_text(NETS)
     code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
@@ -347,7 +347,7 @@ def test_tune_times_candidates_from_the_first_gpu(monkeypatch) -> None:
 def test_bench_on_two_gpus_measures_memory_for_every_row() -> None:
     """Every row that ran (the one-GPU baseline, the tuned pipeline, the alternatives) has measured peaks:
     one device for the baseline, two for pipelines, reserved at least allocated."""
-    from seqify.bench import bench
+    from seqify.tools.bench import bench
 
     _, seq, _ = source_and_seq()
     x = torch.randn(64, 6, dtype=torch.float64)
@@ -403,7 +403,7 @@ def test_the_tuner_module_is_importable_under_its_own_name() -> None:
 
 # -- schedules among the candidates ----------------------------------------------------------------------
 
-from seqify.pipeline.schedule import make, round_robin, v_shape  # noqa: E402
+from seqify.schedule.actions import make, round_robin, v_shape  # noqa: E402
 
 
 def layout(schedule: str, loops: int, devices: int = 2) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -522,7 +522,7 @@ def test_replayed_zero_bubble_is_weighed_with_the_replayed_split() -> None:
 
 
 def test_the_best_eager_and_replayed_candidates_are_both_timed() -> None:
-    from seqify.pipeline.config import Trial
+    from seqify.pipe.config import Trial
 
     def trial(ms: float, graphs: bool) -> Trial:
         return Trial(chunks=4, loops=1, by="time", checkpoint="never", graphs=graphs, schedule="1f1b",
@@ -542,7 +542,7 @@ def test_each_schedule_within_the_band_gets_a_timing() -> None:
     (the predictions err more than schedules differ); one per schedule, none past the band, none with top < 2."""
     from dataclasses import replace as rep
 
-    from seqify.pipeline.config import Trial
+    from seqify.pipe.config import Trial
 
     def trial(ms: float, schedule: str, chunks: int = 4) -> Trial:
         return Trial(chunks=chunks, loops=1, by="time", checkpoint="never", graphs=True, schedule=schedule,
@@ -617,7 +617,7 @@ def test_memory_cap_picks_a_leaner_schedule_or_checkpointing_and_names_the_small
 
 
 def test_scheduled_candidates_are_timed_with_pipe_step(monkeypatch) -> None:
-    from seqify.pipeline.pipe import Pipeline
+    from seqify.pipe.pipeline import Pipeline
 
     calls = {"step": 0}
     step = Pipeline.step
@@ -686,7 +686,7 @@ def test_auto_tunes_the_schedule_unless_one_is_given() -> None:
 
 
 def test_bench_reads_each_cuda_devices_peaks_from_an_emptied_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    from seqify import bench
+    from seqify.tools import bench
 
     calls: list[tuple[str, Any]] = []
     peaks = {0: (5, 7), 1: (2, 3)}
@@ -757,7 +757,7 @@ def test_a_bf16_step_is_tuned_and_cached_apart_from_float32(monkeypatch) -> None
 
 
 def test_bench_spec_under_bf16_says_so(tmp_path, capsys) -> None:
-    from seqify.cli import main
+    from seqify.tools.cli import main
 
     (tmp_path / "nets.py").write_text(NETS)
     code = main(["bench", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--steps", "1",
@@ -890,7 +890,7 @@ def test_measured_peaks_survive_a_saved_config(tmp_path, monkeypatch) -> None:
 def test_bench_rows_carry_the_peaks_the_tuner_measured(monkeypatch) -> None:
     """Every row that ran shows peaks per device, the tuner's extra timed candidates included (on two GPUs
     they ran without: a tiny model's pipelines all held more than it on one GPU, so more were timed)."""
-    from seqify.bench import bench
+    from seqify.tools.bench import bench
 
     _, seq, x = source_and_seq()
     fake_gpu_readings(monkeypatch, seq, over={0})
@@ -920,7 +920,7 @@ def test_the_profile_prices_what_b_keeps_for_w_and_zero_bubble_holds_it() -> Non
     tests/test_memory.py checks against the split backward itself): the same bytes for the second
     partition, none for weightless layers; a ZB-H1 prediction holds them from B to W on every partition
     but the first, 1F1B never."""
-    from seqify.pipeline import memory
+    from seqify.pipe import memory
 
     _, seq, x = source_and_seq()
     layers, _ = tuning.layer_model(seq, x, torch.device("cpu"), lo=2, show=False)

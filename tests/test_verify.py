@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import seqify
-from seqify.verify import first_difference
+from seqify.convert.verify import first_difference
 
 
 class Source(nn.Module):

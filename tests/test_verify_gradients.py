@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
-from seqify.verify import check
+from seqify.convert.verify import check
 
 
 class FrozenGate(nn.Module):

@@ -278,7 +278,7 @@ def test_zoo_lists_without_transformers_and_says_how_to_install() -> None:
 def test_cli_inspects_a_token_zoo_model(capsys: pytest.CaptureFixture[str]) -> None:
     """`seqify inspect zoo:gpt2` converts on token ids (the export frontend needs them) and plans stages."""
     pytest.importorskip("transformers")
-    from seqify.cli import main
+    from seqify.tools.cli import main
 
     code = main(["inspect", "zoo:gpt2", "--arg", "n_layer=2", "--arg", "n_embd=16", "--arg", "n_head=2",
                  "--arg", "vocab_size=64", "--size", "8", "--batch", "2", "--stages", "2"])

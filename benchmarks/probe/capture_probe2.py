@@ -2,7 +2,7 @@
 import contextlib, gc, sys, warnings
 import torch, torchvision
 import seqify
-from seqify.pipeline import memory
+from seqify.pipe import memory
 
 variant, arch, batch, chunks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)

@@ -5,7 +5,7 @@
 
 Per model (zoo families, converted as ``seqify bench`` converts them): a 2-partition pipeline with graphs
 (both partitions on cuda:0 when there is one GPU), 1F1B, under bf16 autocast, SGD; the same initial weights
-and batches with ``seqify.pipeline.casts.ENABLED`` off and on. Prints whether the losses and every gradient
+and batches with ``seqify.pipe.executors.casts.ENABLED`` off and on. Prints whether the losses and every gradient
 of the first steps are bit-equal, how many weights each partition casts once, and the step time and peak
 allocated / reserved memory of each. ``--control`` runs the first setting twice: a model whose backward
 kernels are not deterministic on the GPU (attention's atomics) differs from itself after the first step.
@@ -29,8 +29,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from families_pipeline import FAMILIES, _tiny  # noqa: E402
 
 import seqify  # noqa: E402
-from seqify import convert, spec  # noqa: E402
-from seqify.pipeline import casts  # noqa: E402
+from seqify import convert
+from seqify.tools import spec  # noqa: E402
+from seqify.pipe.executors import casts  # noqa: E402
 
 
 def loss_fn(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:

@@ -86,9 +86,9 @@ def timeline(step: Callable[[], None], device: torch.device) -> list[dict[str, o
     """One step with each action of this rank timed: when the host began and finished issuing it (a
     receive waits there for the message's header) and when the GPU began and ended it, in ms from the
     step's start (host and GPU clocks joined at a synchronize just before)."""
-    from seqify import dist_replay
+    from seqify.distributed import replay as dist_replay
 
-    from seqify.pipeline import replay
+    from seqify.pipe.executors import replay
 
     marks: list[tuple[str, int, int, float, float, torch.cuda.Event, torch.cuda.Event]] = []
     saved = {k: getattr(dist_replay.ProgramRun, k) for k in ("forward", "backward", "weights")}

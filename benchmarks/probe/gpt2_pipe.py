@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_pipe_busy import busy, host  # noqa: E402
 
 import seqify  # noqa: E402
-from seqify import spec  # noqa: E402
+from seqify.tools import spec  # noqa: E402
 from seqify.tuning import _loss, _scored, tune  # noqa: E402
 
 CONFIGS = {  # name -> pipeline options (checkpoint never, as the tuner chose)

@@ -32,9 +32,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from families_pipeline import FAMILIES, _tiny  # noqa: E402
 
-from seqify import convert, pipeline, spec  # noqa: E402
+from seqify import convert, pipe as pipeline
+from seqify.tools import spec  # noqa: E402
 from seqify.partition.cost import time_costs  # noqa: E402
-from seqify.predict import Candidate, predict  # noqa: E402
+from seqify.tuning.predict import Candidate, predict  # noqa: E402
 from seqify.tuning import _anchor, _head, _replayed, _plans, calibrate, layer_model, step_seconds  # noqa: E402
 
 

@@ -16,7 +16,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import seqify
-from seqify.skip import sizes, tracker
+from seqify.model import stash_sizes as sizes
+from seqify.skip import tracker
 
 
 def main() -> None:

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from seqify import convert, pipeline, spec
-from seqify.dist_backward import input_grads
-from seqify.pipeline import memory
-from seqify.pipeline.schedule import make, round_robin, v_shape
+from seqify import convert, pipe as pipeline
+from seqify.tools import spec
+from seqify.pipe.split_backward import input_grads
+from seqify.pipe import memory
+from seqify.schedule.actions import make, round_robin, v_shape
 
 GIB = 2**30
 

@@ -1,5 +1,5 @@
 """seqify.compat: the APIs of torchgpipe and torch.distributed.pipelining, backed by seqify."""
 
-from . import pipelining, torchgpipe
+from seqify.compat import pipelining, torchgpipe
 
 __all__ = ["torchgpipe", "pipelining"]

@@ -11,9 +11,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..errors import SplitPointError
-from ..pipeline.microbatch import scatter
-from ..pipeline.pipe import Pipeline, pipeline as make_pipeline
+from seqify.errors import SplitPointError
+from seqify.pipe.microbatch import scatter
+from seqify.pipe.pipeline import Pipeline, pipeline as make_pipeline
 
 __all__ = ["SplitPoint", "split_balance", "pipeline", "ScheduleGPipe", "Schedule1F1B"]
 
@@ -126,7 +126,7 @@ def pipeline(
     if isinstance(module, nn.Sequential):
         model = module
     else:
-        from ..convert import convert
+        from seqify.convert import convert
 
         example = mb_kwargs if mb_kwargs and not mb_args else (tuple(mb_args) if mb_args else None)
         if mb_args and mb_kwargs:

@@ -8,12 +8,12 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from ..errors import BalanceError, CompatDeviceError, CompatError, CompatSkipError, DeviceError, SkipError
-from ..partition import split
-from ..partition.cost import LayerCosts, memory_costs
-from ..partition.walk import layers as walk_layers
-from ..pipeline.pipe import Pipeline, resolve_devices
-from ..skip.layout import verify
+from seqify.errors import BalanceError, CompatDeviceError, CompatError, CompatSkipError, DeviceError, SkipError
+from seqify.partition import split
+from seqify.partition.cost import LayerCosts, memory_costs
+from seqify.partition.walk import layers as walk_layers
+from seqify.pipe.pipeline import Pipeline, resolve_devices
+from seqify.skip.layout import verify
 
 __all__ = ["GPipe", "balance_by_time", "balance_by_size", "verify_skippables"]
 
@@ -31,7 +31,7 @@ def _sequential(module: nn.Module) -> nn.Sequential:
     (torchgpipe refuses it: this is what seqify adds), so ``balance`` counts the converted layers."""
     if isinstance(module, nn.Sequential):
         return module
-    from ..convert import convert
+    from seqify.convert import convert
 
     return convert(module)
 
@@ -125,7 +125,7 @@ def balance_by_time(
         raise CompatError(f"timeout={timeout!r}: give the seconds to spend measuring (> 0)")
     if any(p.grad is not None for p in module.parameters()):
         raise CompatError("some parameter already has gradient; call module.zero_grad(set_to_none=True) first")
-    from ..partition.cost import time_costs
+    from seqify.partition.cost import time_costs
 
     repeats = max(1, round(timeout / 0.33))
     measured = time_costs(module, sample, torch.device(device), repeats=repeats)

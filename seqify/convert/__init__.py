@@ -10,19 +10,17 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..errors import (
-    ConversionError, DecoratedForwardError, OptionError, SeqifyError, SourceRaisesError, SpecializationError,
-    StatefulForwardError, UnregisteredError, UntraceableError, VerifyError,
-)
-from ..sequential import ExportedInfo, Sequential
-from ..preserve import preserved
-from ..trace import Opaque, Traced, trace
-from ..trace_real import buffers_kept
-from ..verify import check, kept, split_inputs
-from .build import RESERVED, build
-from .linearize import Plan, linearize
-from .modes import exported_mode_dependent, mode_differences
-from .splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
+from seqify.errors import (ConversionError, DecoratedForwardError, OptionError, SeqifyError, SourceRaisesError,
+    SpecializationError, StatefulForwardError, UnregisteredError, UntraceableError, VerifyError)
+from seqify.model.sequential import ExportedInfo, Sequential
+from seqify.frontend.preserve import preserved
+from seqify.frontend.fx.trace import Opaque, Traced, trace
+from seqify.frontend.real import buffers_kept
+from seqify.convert.verify import check, kept, split_inputs
+from seqify.convert.build import RESERVED, build
+from seqify.convert.linearize import Plan, linearize
+from seqify.convert.modes import exported_mode_dependent, mode_differences
+from seqify.convert.splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
 
 __all__ = ["convert", "Plan", "linearize", "build"]
 
@@ -296,7 +294,7 @@ def _via_export(model: nn.Module, example_inputs: Any, *, check_modes: bool, ver
 
 
 def _export_layers(model: nn.Module, example_inputs: Any, *, check_modes: bool) -> Sequential:
-    from ..frontends.export import export_trace
+    from seqify.frontend.export.capture import export_trace
 
     traced = export_trace(model, example_inputs)
     mode_dependent = check_modes and exported_mode_dependent(model, traced.graph, example_inputs)

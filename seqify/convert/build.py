@@ -11,15 +11,15 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..layer import Attr, Layer, Op, Ref
-from ..outside import Held, find, outside, registered, unregistered_error
-from ..sequential import OpaqueInfo, Sequential, SkipInfo, _Unused
-from ..signature import OutputSpec
-from ..skip.namespace import Namespace
-from ..trace import Traced, value_of
-from ..trace_autograd import GRAD_MODE
-from .kinds import CONST, TENSOR
-from .linearize import Plan, Step
+from seqify.model.layer import Attr, Layer, Op, Ref
+from seqify.frontend.outside import Held, find, outside, registered, unregistered_error
+from seqify.model.sequential import OpaqueInfo, Sequential, SkipInfo, _Unused
+from seqify.model.signature import OutputSpec
+from seqify.skip.namespace import Namespace
+from seqify.frontend.fx.trace import Traced, value_of
+from seqify.frontend.fx.autograd import GRAD_MODE
+from seqify.convert.kinds import CONST, TENSOR
+from seqify.convert.linearize import Plan, Step
 
 __all__ = ["build", "RESERVED"]
 

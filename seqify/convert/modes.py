@@ -45,8 +45,8 @@ def exported_mode_dependent(module: nn.Module, graph: fx.Graph, example_inputs: 
     captured in the other mode on the same inputs (``module`` is left as it was). Where the other mode cannot
     be captured (LayerDrop's random branch in train mode only), it is: the conversion then runs only in the
     mode it was made in, as the fx frontend does, instead of refusing a model that converts in this one."""
-    from ..frontends.export import export_trace
-    from ..preserve import preserved
+    from seqify.frontend.export.capture import export_trace
+    from seqify.frontend.preserve import preserved
 
     with preserved(module):
         module.train(not module.training)

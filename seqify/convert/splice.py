@@ -15,13 +15,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..guard import Guard, check_bool, check_equal
-from ..preserve import preserved
-from ..model.hooks import HOOK_DICTS
-from ..trace import Opaque, Traced, _caller
-from ..trace_autograd import GRAD_MODE
-from ..trace_real import record_inputs
-from .modes import exported_mode_dependent
+from seqify.model.guard import Guard, check_bool, check_equal
+from seqify.frontend.preserve import preserved
+from seqify.model.hooks import HOOK_DICTS
+from seqify.frontend.fx.trace import Opaque, Traced, _caller
+from seqify.frontend.fx.autograd import GRAD_MODE
+from seqify.frontend.real import record_inputs
+from seqify.convert.modes import exported_mode_dependent
 
 __all__ = ["Spliced", "candidates", "copied", "splice", "opaque_with", "FRONTEND", "EXPORT"]
 
@@ -242,7 +242,7 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
 
     Returns what was spliced, and for each submodule whose call stays opaque a note saying why.
     """
-    from ..frontends.export import export_trace
+    from seqify.frontend.export.capture import export_trace
 
     model = traced.model
     wanted = {(str(n.target), int(n.meta["seqify_call"])) for n in nodes}

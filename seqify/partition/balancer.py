@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..skip.layout import SkipRoute
-from .cost import BY, LayerCosts, costs, default_transfer_cost
-from .errors import BalanceError
-from .graph import clean_cuts, crossing, dataflow, live_bytes
-from .plan import PartitionPlan, Stage
-from .profile import device_of
-from .solve import solve
-from .walk import layers
+from seqify.skip.layout import SkipRoute
+from seqify.partition.cost import BY, LayerCosts, costs, default_transfer_cost
+from seqify.partition.errors import BalanceError
+from seqify.partition.graph import clean_cuts, crossing, dataflow, live_bytes
+from seqify.partition.plan import PartitionPlan, Stage
+from seqify.partition.profile import device_of
+from seqify.partition.solve import solve
+from seqify.partition.walk import layers
 
 __all__ = ["balance", "split"]
 
@@ -76,8 +76,8 @@ def balance(
     if memory_cap is not None and not memory_cap >= 0:
         raise BalanceError(f"memory_cap={memory_cap}: give the bytes a stage may hold (>= 0), or None for no cap")
     if by != "params":
-        from ..errors import MetaDeviceError
-        from ..sequential import meta_tensor
+        from seqify.errors import MetaDeviceError
+        from seqify.model.sequential import meta_tensor
 
         meta = meta_tensor(model)
         if meta is not None:

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..skip.namespace import SkipKey
-from .errors import BalanceError
-from .profile import profile
-from .shapes import propagate
-from .walk import Layers, first_input, layers, owned
+from seqify.skip.namespace import SkipKey
+from seqify.partition.errors import BalanceError
+from seqify.partition.profile import profile
+from seqify.partition.shapes import propagate
+from seqify.partition.walk import Layers, first_input, layers, owned
 
 __all__ = [
     "BY",

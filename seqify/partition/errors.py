@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import BalanceError
+from seqify.errors import BalanceError
 
 __all__ = ["BalanceError", "NoPlanFitsError"]
 

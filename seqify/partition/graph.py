@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
-from ..skip.layout import SkipRoute
-from ..skip.namespace import SkipKey
+from seqify.skip.layout import SkipRoute
+from seqify.skip.namespace import SkipKey
 
 __all__ = ["dataflow", "live_bytes", "crossing", "clean_cuts"]
 

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import SeqifyError
-from ..progress import progress as bar
-from ..skip.namespace import SkipKey
-from ..skip.tracker import SkipTracker, use_tracker
-from .errors import BalanceError
-from .walk import Layers, Skips, apply, fresh, nbytes, roots, saved_bytes
+from seqify.errors import SeqifyError
+from seqify.progress import progress as bar
+from seqify.skip.namespace import SkipKey
+from seqify.skip.tracker import SkipTracker, use_tracker
+from seqify.partition.errors import BalanceError
+from seqify.partition.walk import Layers, Skips, apply, fresh, nbytes, roots, saved_bytes
 
 __all__ = ["Profile", "profile", "device_of"]
 

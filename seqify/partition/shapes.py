@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import SeqifyError
-from ..progress import progress as bar
-from ..skip.namespace import SkipKey
-from ..skip.tracker import use_tracker
-from .errors import BalanceError
-from .walk import Layers, Skips, apply, fresh, nbytes, saved_bytes
+from seqify.errors import SeqifyError
+from seqify.progress import progress as bar
+from seqify.skip.namespace import SkipKey
+from seqify.skip.tracker import use_tracker
+from seqify.partition.errors import BalanceError
+from seqify.partition.walk import Layers, Skips, apply, fresh, nbytes, saved_bytes
 
 __all__ = ["Shapes", "propagate"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import BalanceError, NoPlanFitsError
+from seqify.partition.errors import BalanceError, NoPlanFitsError
 
 __all__ = ["Solution", "solve", "stage_cost"]
 

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..sequential import Sequential
-from ..skip.layout import SkipRoute, routes
-from ..skip.namespace import SkipKey
-from ..skip.skippable import pop_keys
-from ..skip.tracker import SkipTracker
-from .errors import BalanceError
+from seqify.model.sequential import Sequential
+from seqify.skip.layout import SkipRoute, routes
+from seqify.skip.namespace import SkipKey
+from seqify.skip.skippable import pop_keys
+from seqify.skip.tracker import SkipTracker
+from seqify.partition.errors import BalanceError
 
 __all__ = ["Layers", "Skips", "layers", "first_input", "apply", "tensors", "nbytes", "storage", "saved_bytes", "fresh",
            "roots", "owned"]

@@ -1,9 +1,9 @@
 """Skip connections between non-adjacent layers: stash, pop, Namespace, tracker and layout."""
 
-from .layout import SkipRoute, routes, verify
-from .namespace import Namespace, SkipKey
-from .skippable import Skippable, pop, pop_keys, skippable, stash, stash_keys
-from .tracker import SkipTracker, current_tracker, use_tracker
+from seqify.skip.layout import SkipRoute, routes, verify
+from seqify.skip.namespace import Namespace, SkipKey
+from seqify.skip.skippable import Skippable, pop, pop_keys, skippable, stash, stash_keys
+from seqify.skip.tracker import SkipTracker, current_tracker, use_tracker
 
 __all__ = [
     "Namespace",

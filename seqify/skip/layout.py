@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..errors import SkipError
-from .namespace import SkipKey
-from .skippable import pop_keys, stash_keys
+from seqify.errors import SkipError
+from seqify.skip.namespace import SkipKey
+from seqify.skip.skippable import pop_keys, stash_keys
 
 __all__ = ["SkipRoute", "verify", "routes"]
 

@@ -8,9 +8,9 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from ..errors import SkipError
-from .namespace import DEFAULT, Namespace, SkipKey
-from .tracker import current_tracker
+from seqify.errors import SkipError
+from seqify.skip.namespace import DEFAULT, Namespace, SkipKey
+from seqify.skip.tracker import current_tracker
 
 __all__ = ["Skippable", "skippable", "stash", "pop", "stash_keys", "pop_keys"]
 

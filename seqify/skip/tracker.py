@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import SkipError
-from .namespace import SkipKey
+from seqify.errors import SkipError
+from seqify.skip.namespace import SkipKey
 
 __all__ = ["SkipTracker", "current_tracker", "use_tracker"]
 

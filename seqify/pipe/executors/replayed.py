@@ -1,0 +1,121 @@
+"""Replay executor: builds a training step's programs (CUDA graphs on GPUs), keeps them per input signature, falls back to eager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import traceback
+import warnings
+
+import torch
+
+from seqify.errors import SeqifyError
+from seqify.pipe import tied
+from seqify.pipe.executors.replay import Replay, Unreplayable, build, slots
+from seqify.schedule.actions import Schedule, gpipe
+from seqify.pipe.stage import Stage
+from seqify.pipe.transfer import Transfer
+
+__all__ = ["GraphWarning", "Replayer"]
+
+
+class GraphWarning(UserWarning):
+    """CUDA graphs were asked for but could not be captured; the pipeline runs eagerly."""
+
+
+class Replayer:
+    """The replay side of a pipeline: whether it replays (``graphs`` on CUDA, ``eager`` to drive the
+    step as graphs would with eager programs on any device), the programs built for the last input
+    signature (``built``), and why capturing failed (``error``)."""
+
+    def __init__(self, stages: Sequence[Stage], devices: Sequence[torch.device], transfer: Transfer,
+                 parameters: Callable[[], Any], graphs: bool, placement: Sequence[int] | None = None,
+                 overlap: bool = False) -> None:
+        self.stages = stages
+        self.devices = devices
+        self.transfer = transfer
+        self.parameters = parameters
+        self.graphs = graphs
+        self.overlap = overlap  # pipe.step's graphs on two lanes per GPU (see .lanes)
+        self.placement = tuple(placement) if placement is not None else slots(devices)
+        self.eager = False
+        self.built: tuple[Any, Replay] | None = None
+        self.error: str | None = None
+
+    def wanted(self, training: bool) -> bool:
+        """Whether a forward now replays (graphs, or eager replay, on): a training step with gradients,
+        or inference under ``torch.no_grad()`` (train or eval mode; forward programs only)."""
+        if not (self.graphs or self.eager):
+            return False
+        return not torch.is_grad_enabled() or training
+
+    def _key(self, batches: list[Any], autocast: bool, dtype: torch.dtype | None) -> tuple[Any, ...]:
+        return (
+            tuple(
+                tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in ((v,) if isinstance(v, torch.Tensor) else v))
+                for v in batches
+            ),
+            autocast,
+            dtype,
+            # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them
+            tuple(p.data_ptr() for p in self.parameters()),
+            # which inputs are one tensor (one buffer behind two slots)
+            tuple(tuple(map(id, v)).index(id(t)) for v in batches if not isinstance(v, torch.Tensor) for t in v),
+        )
+
+    def programs(self, batches: list[Any], training: bool, schedule: Schedule | None = None,
+                 stop: int = 0) -> Replay | None:
+        """The step's programs for these micro-batches (built, and captured as CUDA graphs, on first
+        use), or None when this forward runs eagerly. ``schedule`` (default fill-drain) is the order the
+        step will issue them in: graphs are captured in that order, so programs are kept per schedule.
+        Micro-batches below ``stop`` are checkpointed (recomputed inside their backward programs)."""
+        if not self.wanted(training):
+            return None
+        autocast = torch.is_autocast_enabled("cuda")
+        dtype = torch.get_autocast_dtype("cuda") if autocast else None
+        schedule = schedule or gpipe(self.placement, len(batches))
+        stop = stop if torch.is_grad_enabled() else 0  # inference keeps no activations to recompute
+        key = (self._key(batches, autocast, dtype), torch.is_grad_enabled(), schedule.name, schedule.placement,
+               schedule.microbatches, stop)
+        if self.built is None or self.built[0] != key:
+            self.built = None  # let the old graphs' memory go first
+            carried = None if isinstance(batches[0], torch.Tensor) else len(batches[0])
+            flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
+            try:
+                if tied.in_use(self.stages):
+                    raise Unreplayable("weights tied across partitions on different devices are copied per call; "
+                                       "the step runs eagerly")
+                with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
+                    replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule, stop=stop,
+                                   overlap=self.overlap)
+            except SeqifyError:
+                raise
+            except Exception as e:
+                if not (self.graphs or isinstance(e, Unreplayable)):
+                    raise
+                self.fall_back(e)
+                return None
+            if self.graphs:  # what building held eagerly (every micro-batch's activations) goes back
+                torch.cuda.empty_cache()
+            self.built = (key, replay)
+        return self.built[1]
+
+    def fall_back(self, error: Exception) -> None:
+        """Run eagerly from now on: some layers cannot be captured (host syncs, CPU tensors,
+        data-dependent shapes) or the step cannot be fixed programs (non-tensor outputs, aliasing
+        values changed in place). With graphs=True say so, once."""
+        self.error = traceback.format_exc()
+        if self.graphs:
+            self.graphs = False
+            warnings.warn(
+                f"seqify.pipeline(graphs=True): capturing CUDA graphs failed ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); running eagerly instead (pipe.graph_error has "
+                "the trace)",
+                GraphWarning,
+                stacklevel=4,
+            )
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+        self.eager = False
+

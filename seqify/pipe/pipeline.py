@@ -1,0 +1,586 @@
+"""Pipeline: a Sequential's partitions on their devices, run over micro-batches by the executor a schedule needs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import os
+import warnings
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from seqify.errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, MemoryCapError, ScheduleError
+from seqify.model.sequential import Sequential
+from seqify.pipe.batchnorm import DeferredBatchNorm, one_sample
+from seqify.pipe.recompute import norms_of
+from seqify.pipe.config import PipeConfig
+from seqify.pipe.executors.eager import Eager, checkpoint_stop
+from seqify.pipe.inplace import INPUT, mutated_roots
+from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
+from seqify.pipe.losses import Count, Probes, Weigher, reduction_of
+from seqify.pipe.microbatch import gather, scatter, split_like
+from seqify.pipe.placement import (CHECKPOINT, STRATEGIES, _check_balance, _check_chunks, _check_meta, _counts,
+    _place, place, resolve_devices)
+from seqify.pipe.executors.replay import Replay, run
+from seqify.pipe.executors.replayed import GraphWarning, Replayer
+from seqify.schedule.actions import SCHEDULES, Schedule, ahead, make, round_robin, v_shape
+from seqify.pipe.executors.scheduled import ScheduledStep
+from seqify.pipe.transfer import Transfer, refuse_meta
+
+__all__ = ["Pipeline", "pipeline", "resolve_devices", "GraphWarning"]
+
+
+class Pipeline(nn.Module):
+    """A model split into partitions on devices, run as a GPipe pipeline over micro-batches.
+
+    Call it like the model: inputs go to the first device (moved there if needed), outputs come back
+    on the last device with the structure the source model returns. Training uses autograd as usual:
+    ``loss = f(pipe(x)); loss.backward()`` (fill-drain), or lets the pipeline own the loss and follow
+    its schedule (1F1B, interleaved, zero bubble): ``loss = pipe.step(x, target, f)``.
+
+    Behind it: :func:`~.placement.place` (partitions on devices, skip routes), the eager executor
+    (:class:`~.eager.Eager`), the replay executor (:class:`~.replayed.Replayer`, CUDA graphs) and the
+    scheduled step (:class:`~.scheduled.ScheduledStep`), all reading one
+    :class:`~.schedule.Schedule`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: Sequence[int],
+        devices: Sequence[torch.device],
+        *,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+        graphs: bool = False,
+        plan: Any = None,
+        schedule: str | Schedule = "gpipe",
+        placement: Sequence[int] | None = None,
+        overlap: bool = False,
+    ) -> None:
+        super().__init__()
+        if checkpoint not in CHECKPOINT:
+            raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
+        if graphs and deferred_batch_norm:
+            raise BalanceError(
+                "graphs=True replays captured CUDA graphs, which run no Python per micro-batch, and deferred "
+                "BatchNorm folds statistics in Python after the last micro-batch: use deferred_batch_norm=False"
+            )
+        if graphs and any(torch.device(d).type != "cuda" for d in devices):
+            raise DeviceError("graphs=True needs every partition on a CUDA device")
+        if overlap and not graphs:
+            raise BalanceError("overlap=True replays a step's captured CUDA graphs on two streams per GPU: pass "
+                               "graphs=True with it (or leave overlap off)")
+        chunks = _check_chunks(chunks)
+        placed = place(model, balance, devices, chunks=chunks, deferred_batch_norm=deferred_batch_norm, graphs=graphs)
+        parts = placed.partitions
+        self.skip_partitions = placed.skip_partitions
+        self.partitions = nn.ModuleList(parts)
+        object.__setattr__(self, "model", model)
+        self.devices = list(devices)
+        self.balance = placed.balance
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.plan = plan
+        self.stages = placed.stages
+        self.ties = placed.ties
+        self._norms = [norms_of(p) for p in parts]
+        self._snapshot: tuple[tuple[int, ...], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
+        # Modules whose running statistics a training forward updates: restored when a step raises.
+        self._statistics = list({
+            id(m): m for p in parts for m in p.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        }.values())
+        self._deferred = [m for p in parts for m in p.modules() if isinstance(m, DeferredBatchNorm)]
+        self._transfer = Transfer()
+        self.on_transfer: Callable[[str, str, int, int, int], None] | None = None
+        self._eager = Eager(self.stages, self._transfer, self.skip_partitions, self._norms, self._deferred)
+        self.placement = _placement(placement, self.devices)
+        self._replayer = Replayer(self.stages, self.devices, self._transfer, self.partitions.parameters, graphs,
+                                  self.placement, overlap)
+        self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
+        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+            raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a Schedule")
+        if isinstance(schedule, str):
+            make(schedule, self.placement, 1)  # refuse a layout the schedule cannot run now, not at the first step
+        self.schedule = schedule
+        self._schedules: dict[int, Schedule] = {}
+        self._memory: tuple[Any, list[PartitionMemory]] | None = None
+        self.training = model.training
+        # A model that may modify its input in place gets micro-batches that are copies: views of one
+        # tensor share autograd's version counter, so one micro-batch's change would invalidate what
+        # another saved for backward (and the caller's tensor stays as it was).
+        self._copy_input = INPUT in mutated_roots(list(model._modules.values()))
+        #: the PipeConfig seqify.tune chose (chunks="auto") or config= gave; None when chosen by hand
+        self.config: PipeConfig | None = None
+        self._probes = Probes()  # how undeclared losses given to step reduce, found once per loss and layout
+        self._said_clamped = False
+
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per mini-batch."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: int) -> None:
+        self._chunks = _check_chunks(value)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether ``pipe.step``'s captured graphs run forwards and backwards on two streams per GPU."""
+        return self._replayer.overlap
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.devices[0]
+
+    @property
+    def output_device(self) -> torch.device:
+        return self.devices[-1]
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{b} on {d}" for b, d in zip(self.balance, self.devices))
+        schedule = self.schedule if isinstance(self.schedule, str) else self.schedule.name
+        more = "" if schedule == "gpipe" else f", schedule={schedule!r} (pipe.step)"
+        more += ", graphs=True" + (", overlap=True" if self.overlap else "") if self.graphs else ""
+        text = f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r}{more})"
+        config = getattr(self, "config", None)
+        return text if config is None else f"{text}\ntuned: {config}"
+
+    def train(self, mode: bool = True) -> Pipeline:
+        super().train(mode)
+        self.model.train(mode)
+        return self
+
+    # The replay executor's state, under the names it has always had.
+    @property
+    def graphs(self) -> bool:
+        """Whether training steps replay captured CUDA graphs (False once capturing failed)."""
+        return self._replayer.graphs
+
+    @graphs.setter
+    def graphs(self, value: bool) -> None:
+        self._replayer.graphs = value
+
+    @property
+    def graph_error(self) -> str | None:
+        """Why capturing CUDA graphs failed (a traceback), or None."""
+        return self._replayer.error
+
+    @property
+    def _replay_eager(self) -> bool:  # tests: drive the step as graphs would, with eager programs (any device)
+        return self._replayer.eager
+
+    @_replay_eager.setter
+    def _replay_eager(self, value: bool) -> None:
+        self._replayer.eager = value
+
+    @property
+    def _graphed(self) -> tuple[Any, Replay] | None:
+        return self._replayer.built
+
+    def _checkpoint_stop(self, micro_batches: int) -> int:
+        return checkpoint_stop(self.checkpoint, micro_batches)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        if isinstance(model, Sequential):
+            carried = model.flatten_inputs(*args, **kwargs)
+        elif len(args) == 1 and not kwargs:
+            carried = args[0]
+        else:
+            raise BoundaryError("a plain nn.Sequential pipeline takes one argument: a tensor or a tuple of tensors")
+        batches = self._micro_batches(carried, stacklevel=5)  # under nn.Module.__call__ and _call_impl
+        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]  # the executor reuses the list
+        saved = self._save_statistics() if self._statistics else None
+        try:
+            replay = self._replayer.programs(batches, self.training, stop=self._checkpoint_stop(len(batches)))
+            if replay is not None:
+                out = run(replay, [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches])
+            else:
+                out = gather(self._run(batches), model.output_spec.names if isinstance(model, Sequential) else None)
+        except BaseException as e:
+            if saved:
+                self._restore_statistics(saved)
+            self._refuse_one_sample(e, sizes)
+            raise
+        return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
+
+    def _micro_batches(self, carried: Any, stacklevel: int) -> list[Any]:
+        """The flat input on the first device, split into micro-batches (copies where the model changes its
+        input in place); a meta tensor refused first, and a batch below ``chunks`` said once (a warning
+        ``stacklevel`` frames up: the caller's line)."""
+        model = self.model
+        names = model.input_names if isinstance(model, Sequential) else None
+        refuse_meta(carried, "the pipeline's input", self.devices[0], names() if names is not None else None)
+        batches = scatter(self._transfer(carried, self.devices[0]), self.chunks, names)
+        if len(batches) < self.chunks and not self._said_clamped:
+            self._said_clamped = True
+            warnings.warn(f"chunks={self.chunks} but the batch has {len(batches)} samples: the pipeline runs "
+                          f"{len(batches)} micro-batches of one sample (chunks above the batch size are clamped)",
+                          stacklevel=stacklevel)
+        if self._copy_input:
+            batches = [b.clone() if isinstance(b, torch.Tensor) else tuple(t.clone() for t in b) for b in batches]
+        return batches
+
+    def _refuse_one_sample(self, error: BaseException, sizes: list[int]) -> None:
+        """Raise a :class:`MicroBatchError` from torch's refusal of a one-sample micro-batch in BatchNorm."""
+        better = one_sample(error, self.model, self.chunks, sizes)
+        if better is not None:
+            raise better from error
+
+    def schedule_for(self, micro_batches: int) -> Schedule:
+        """The pipeline's schedule for this many micro-batches (built once per count)."""
+        got = self._schedules.get(micro_batches)
+        if got is None:
+            got = self._schedules[micro_batches] = make(self.schedule, self.placement, micro_batches)
+        return got
+
+    def step(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+             reduction: str | None = None, denominator: Count | None = None) -> torch.Tensor:
+        """One training step that owns the loss: forward, ``loss_fn(output, target)`` per micro-batch and
+        backward, in the order of the pipeline's schedule. Gradients accumulate in ``.grad`` as
+        ``loss_fn(model(x), target).backward()`` on one device would leave them; returns that loss, detached.
+
+        Each micro-batch's loss is weighed by its share of what ``loss_fn`` divides by over the whole batch,
+        so the weighed losses add up to one device's loss:
+
+        - torch's losses say it themselves: cross entropy and NLL (modules, ``F.cross_entropy``,
+          ``functools.partial`` of it) divide by the class weights of the targets other than
+          ``ignore_index`` (their count without ``weight=``), label smoothing included; the others by
+          samples or elements; ``reduction='sum'`` adds.
+        - ``denominator``: a function of a micro-batch's target returning what ``loss_fn`` divides by on it
+          (a number or a one-element tensor), for a loss whose divisor the data decides, such as a masked
+          mean: ``denominator=lambda t: (t != pad).sum()``. A micro-batch whose denominator is 0 adds
+          nothing (``loss_fn`` is not called on it).
+        - ``reduction`` ('mean' over samples or 'sum'), or a ``.reduction`` attribute, is trusted as said.
+        - Otherwise (a plain function) ``loss_fn`` is probed once per loss and output and target layout, on
+          the first micro-batch's detached output without gradients, the RNG kept: pieces of it paired with
+          the step's targets, put together, must give the sum of their losses or their mean by samples.
+          A loss that is neither (a divisor the data decides, a loss that mixes samples) raises
+          :class:`~seqify.LossError`, which says to pass ``denominator=`` or ``reduction=``.
+        """
+        if not (self.training and torch.is_grad_enabled()):
+            raise ScheduleError("pipe.step trains: call pipe.train() and run it with gradients enabled (not under "
+                                "torch.no_grad()); for inference call pipe(x)")
+        how = reduction_of(loss_fn, reduction, denominator)
+        model = self.model
+        if isinstance(model, Sequential):
+            carried = model.flatten_inputs(x) if not isinstance(x, tuple) else model.flatten_inputs(*x)
+        else:
+            carried = x
+        refuse_meta(target, "target", self.devices[-1])
+        if self.schedule == "gpipe" and (self.graphs or self._replay_eager):
+            out = self(*x) if isinstance(x, tuple) and isinstance(model, Sequential) else self(x)
+            loss = loss_fn(out, self._transfer(target, self.devices[-1]))
+            loss.backward()
+            return loss.detach()
+        batches = self._micro_batches(carried, stacklevel=3)
+        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
+        targets = split_like(self._transfer(target, self.devices[-1]), sizes)
+        unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
+        weigh = Weigher(loss_fn, how, targets, sizes, self._probes, unflatten=unflatten)
+        schedule = self.schedule_for(len(batches))
+        saved = self._save_statistics() if self._statistics else None
+        try:
+            replay = self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
+            if replay is not None:
+                flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
+                return replay.train(flat, targets, weigh)
+            return self._stepper(schedule, batches, weigh, self._checkpoint_stop(len(batches)))
+        except BaseException as e:
+            if saved:
+                self._restore_statistics(saved)
+            self._refuse_one_sample(e, sizes)
+            raise
+
+    def plan_memory(self, sample: Any, *, schedule: str | Schedule | None = None,
+                    checkpoint: str | None = None) -> MemoryPlan:
+        """Predicted peak bytes per device (the schedule's device numbers) for training on the mini-batch
+        ``sample`` with ``schedule`` and ``checkpoint`` (default: the pipeline's own), from the bytes
+        one micro-batch keeps for backward in each partition (measured once, running statistics left as
+        they were) times what the schedule keeps in flight. Optimizer state is not included."""
+        checkpoint = checkpoint or self.checkpoint
+        if checkpoint not in CHECKPOINT:
+            raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
+        model = self.model
+        carried = model.flatten_inputs(*sample) if isinstance(model, Sequential) and isinstance(sample, tuple) else (
+            model.flatten_inputs(sample) if isinstance(model, Sequential) else sample)
+        batches = scatter(self._transfer(carried, self.devices[0]), self.chunks,
+                          model.input_names if isinstance(model, Sequential) else None)
+        key = tuple((tuple(t.shape), t.dtype) for t in ((batches[0],) if isinstance(batches[0], torch.Tensor)
+                                                          else batches[0]))
+        if self._memory is None or self._memory[0] != key:
+            self._memory = (key, measure(self.stages, batches[0]))
+        built = make(schedule if schedule is not None else self.schedule, self.placement, len(batches))
+        if self.overlap and self.graphs:  # two lanes issue each forward a run earlier (one more in flight)
+            built = ahead(built)
+        return predict(self._memory[1], built, checkpoint)
+
+    def fit_memory(self, cap: int | float | str, sample: Any) -> MemoryPlan:
+        """Pick the fastest schedule and checkpointing whose predicted peak fits ``cap`` on every device
+        and switch to them; raise :class:`MemoryCapError` naming the smallest cap any choice fits."""
+        limit = parse_bytes(cap)
+        loops = len(self.placement) // (max(self.placement) + 1)
+        if self.placement == v_shape(max(self.placement) + 1) and loops == 2:
+            names = ["zb-h1"]
+        elif loops > 1:
+            names = ["interleaved", "gpipe"]
+        else:
+            names = ["zb-h2", "zb-h1", "1f1b", "gpipe"]
+        if isinstance(self.schedule, Schedule) or self.schedule in names:  # the caller's choice first
+            names = [self.schedule] + [n for n in names if n != self.schedule]  # type: ignore[list-item]
+        plans = [self.plan_memory(sample, schedule=n, checkpoint=c)
+                 for c in ("never", "except_last", "always") for n in names]
+        for plan, name in zip(plans, names * 3):
+            if plan.peak <= limit:
+                self.schedule, self.checkpoint = name, plan.checkpoint
+                self._schedules.clear()
+                return plan
+        best = min(plans, key=lambda p: p.peak)
+        raise MemoryCapError(
+            f"memory_cap={cap!r} ({limit} bytes) is below every predicted peak; the smallest cap that works is "
+            f"{best.peak} bytes ({best}). Raise memory_cap to at least that, add devices or use more chunks "
+            "(optimizer state is not counted)"
+        )
+
+    def _save_statistics(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
+        """Copy the running statistics this forward may update, once per mini-batch (not per micro-batch),
+        into copies kept from step to step: one fused copy per device and dtype."""
+        live = [t for m in self._statistics if m.training for t in m._buffers.values() if t is not None]
+        if not live:
+            return None
+        key = tuple(map(id, live))
+        if self._snapshot is None or self._snapshot[0] != key:
+            groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for t in live:
+                group = groups.setdefault((t.device, t.dtype), ([], []))
+                group[0].append(t)
+                group[1].append(torch.empty_like(t))
+            self._snapshot = (key, list(groups.values()))
+        with torch.no_grad():
+            for tensors, copies in self._snapshot[1]:
+                torch._foreach_copy_(copies, tensors)
+        return self._snapshot[1]
+
+    @staticmethod
+    def _restore_statistics(saved: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """A step that raised leaves running statistics as they were before it (partitions that already ran
+        some micro-batches had updated theirs)."""
+        with torch.no_grad():
+            for tensors, copies in saved:
+                torch._foreach_copy_(tensors, copies)
+
+    def _fall_back(self, error: Exception) -> None:
+        """Run eagerly from now on (see :meth:`Replayer.fall_back`)."""
+        self._replayer.fall_back(error)
+
+    def _run(self, values: list[Any]) -> list[Any]:
+        return self._eager.forward(values, self._checkpoint_stop(len(values)), self.on_transfer)
+
+
+def _placement(placement: Sequence[int] | None, devices: Sequence[torch.device]) -> tuple[int, ...]:
+    """Which pipeline device (0..d-1) each partition runs on: given, or one partition per device."""
+    if placement is None:
+        return tuple(range(len(devices)))
+    placement = tuple(placement)
+    if len(placement) != len(devices) or set(placement) != set(range(max(placement, default=-1) + 1)):
+        raise ScheduleError(f"placement {placement}: give each of the {len(devices)} partitions a device number "
+                            "0..d-1, every number used")
+    return placement
+
+
+def pipeline(
+    model: nn.Module,
+    *,
+    gpus: int | None = None,
+    devices: Sequence[Any] | None = None,
+    chunks: int | str | None = None,
+    balance: Sequence[int] | str | None = None,
+    checkpoint: str = "except_last",
+    deferred_batch_norm: bool = False,
+    graphs: bool = False,
+    loops: int = 1,
+    example_inputs: Any = None,
+    sample: Any = None,
+    schedule: str | Schedule | None = None,
+    memory_cap: int | float | str | None = None,
+    config: PipeConfig | str | os.PathLike[str] | None = None,
+    overlap: bool | None = None,
+    **convert_options: Any,
+) -> Pipeline:
+    """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
+
+    Args:
+        model: a seqify.Sequential, any nn.Sequential (hand-written skippable layers included), or any
+            other module, which is converted first (``example_inputs`` and ``convert_options`` are passed
+            to :func:`seqify.convert`).
+        gpus / devices: ``gpus=N`` takes cuda:0..N-1; ``devices=[...]`` names one device per partition
+            (CUDA or CPU; repeat a device to put several partitions on it). Default: every GPU, else
+            one CPU device per partition of a ``balance`` list.
+        chunks: micro-batches per mini-batch. A batch that does not divide evenly gets micro-batches
+            whose sizes differ by one; more chunks than samples are clamped to the batch size.
+            ``'auto'`` runs :func:`seqify.tune` on ``sample`` (or ``example_inputs``) and builds what it
+            picks: chunks, loops, balance, checkpointing, graphs and schedule (a ``balance``, a
+            ``schedule``, or a non-default ``checkpoint``, ``graphs`` or ``loops``, stays fixed);
+            ``pipe.config`` reports the choice.
+            Not given: ``'auto'`` when ``gpus`` or ``devices`` and a sample are given and ``balance`` is
+            not, else 1.
+        balance: layers per partition, or a strategy: 'time', 'memory', 'flops' or 'params' (see
+            :func:`seqify.balance`). Default 'params'.
+        checkpoint: 'except_last' (default), 'always' or 'never': which micro-batches recompute their
+            activations in backward instead of keeping them. Only while gradients are enabled.
+        deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from all of its
+            micro-batches, as training on one device would.
+        graphs: on CUDA, capture each stage's forward and backward per micro-batch as CUDA graphs on the
+            first training step of a given input shape, then replay them: no per-op launch overhead.
+            Needs checkpoint='never'; inference and eval mode run eagerly. The whole step is then driven
+            as fixed programs (no autograd per micro-batch); gradients reach ``.grad`` (not
+            ``torch.autograd.grad``), and each forward's backward must come before the next forward.
+        loops: partitions per device, placed round-robin: ``gpus=2, loops=2`` puts four partitions on
+            cuda:0, cuda:1, cuda:0, cuda:1. With ``graphs=True`` each device runs all micro-batches of its
+            first partition, then of its second (breadth-first), which shrinks the pipeline's idle time
+            from one of ``chunks + 1`` slots to one of ``loops * chunks + 1``, at the cost of more
+            transfers. A ``balance`` list then has ``loops`` entries per device.
+        sample: an input batch (or micro-batch) for the 'time', 'memory' and 'flops' strategies;
+            defaults to ``example_inputs``. With ``chunks='auto'``, the training mini-batch to tune for.
+        schedule: the order of forward and backward work in :meth:`Pipeline.step`: 'gpipe'
+            (fill-drain), '1f1b', 'interleaved' (several partitions per device: ``loops > 1``), 'zb-h1'
+            (zero bubble: backward split into input and weight gradients; with ``loops=2`` the partitions
+            are placed in a V: cuda:0, cuda:1, cuda:1, cuda:0), or a
+            :class:`~seqify.schedule.actions.Schedule`. ``pipe(x)`` followed by ``loss.backward()``
+            always runs fill-drain. Default: 'gpipe', or with ``chunks='auto'`` the tuner's choice.
+        memory_cap: bytes (or a size such as '40GiB') every device may use: the pipeline switches to the
+            fastest schedule and checkpointing whose predicted peak (parameters + gradients + the
+            activations the schedule keeps in flight, measured on ``sample`` or ``example_inputs``)
+            fits, or raises :class:`~seqify.MemoryCapError` naming the smallest cap that works.
+            ``pipe.plan_memory(sample)`` gives the prediction per device.
+        config: a :class:`PipeConfig` (``seqify.tune(...)`` or ``pipe.config``) or the path of one saved
+            with ``cfg.save(path)``: builds exactly that pipeline (its devices unless ``gpus``/``devices``
+            are given).
+        overlap: with ``graphs=True``, :meth:`Pipeline.step` replays each GPU's forwards on one CUDA stream
+            and its backwards on another, issuing each forward before the backwards it would follow, so
+            one micro-batch's forward runs beside another's backward. It pays where one micro-batch's
+            kernels do not fill a GPU (many chunks, small layers) and costs memory: one more
+            micro-batch's activations per GPU (``plan_memory`` counts it) and backward memory kept apart
+            from forward memory. Partitions that draw random numbers (dropout) keep one stream.
+            Default: off, except with ``chunks='auto'``, where the tuner times its best candidate both
+            ways and keeps the faster, and with ``config``, which says (``True`` or ``False`` fixes it).
+
+    Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
+    the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
+    """
+    if not isinstance(model, nn.Sequential):
+        from seqify.convert import convert
+
+        model = convert(model, example_inputs, **convert_options)
+    elif convert_options:
+        raise BalanceError(f"options {sorted(convert_options)} apply to conversion, but the model is already a Sequential")
+    layers = len(model)
+    if layers == 0:
+        raise EmptyModelError(f"the {type(model).__name__} has no layers; there is nothing to pipeline")
+    _check_meta([model])
+    probe = sample if sample is not None else example_inputs
+    if config is not None:
+        return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule, overlap)
+    fixed_schedule = schedule
+    schedule = "gpipe" if schedule is None else schedule
+    if chunks is None:
+        auto = (gpus is not None or devices is not None) and balance is None and probe is not None
+        chunks = "auto" if auto else 1
+    if chunks == "auto":
+        from seqify.tuning import tune  # the tuner builds on pipelines: imported on use
+
+        cfg = tune(model, probe, gpus=gpus, devices=devices, balance=balance,
+                   checkpoint=None if checkpoint == "except_last" else checkpoint, graphs=True if graphs else None,
+                   overlap=overlap,
+                   loops=None if loops == 1 else loops,
+                   schedule=fixed_schedule if isinstance(fixed_schedule, str) else None,
+                   memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)))
+        return _from_config(model, cfg, None, None, deferred_batch_norm,
+                            fixed_schedule if isinstance(fixed_schedule, Schedule) else None)
+    chunks = _check_chunks(chunks)
+    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+        raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
+    if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+        raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a seqify.schedule.actions.Schedule")
+    v = schedule == "zb-h1" and loops == 2
+
+    def lay(devs: list[torch.device]) -> tuple[list[torch.device], tuple[int, ...]]:
+        if v:
+            return devs + devs[::-1], v_shape(len(devs))
+        return devs * loops, round_robin(len(devs), loops)
+    if isinstance(balance, str) or balance is None:
+        strategy = balance or "params"
+        if strategy not in STRATEGIES:
+            raise BalanceError(f"balance={strategy!r}: use a list of layer counts or one of {STRATEGIES}")
+        placed, slots = lay(resolve_devices(gpus, devices, None))
+        if len(placed) > layers:
+            raise BalanceError(f"{len(placed)} partitions but the model has only {layers} layers; use fewer devices")
+        from seqify.partition import balance as make_plan
+
+        plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
+        pipe = Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
+                        deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
+                        placement=slots, overlap=bool(overlap))
+        return _capped(pipe, memory_cap, probe)
+    counts = _counts(balance, layers)
+    if len(counts) > layers:
+        raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
+    if len(counts) % loops:
+        raise BalanceError(
+            f"balance has {len(counts)} partitions, not a multiple of loops={loops}: give loops partitions per device"
+        )
+    placed, slots = lay(resolve_devices(gpus, devices, len(counts) // loops))
+    pipe = Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
+                    deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots,
+                    overlap=bool(overlap))
+    return _capped(pipe, memory_cap, sample if sample is not None else example_inputs)
+
+
+def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipeline:
+    """``pipe`` switched to a schedule and checkpointing that fit ``cap`` (unchanged without a cap)."""
+    if cap is None:
+        return pipe
+    parse_bytes(cap)
+    if sample is None:
+        raise MemoryCapError("memory_cap needs a sample mini-batch to measure activations: pass sample=x (or "
+                             "example_inputs=x) shaped like a training batch")
+    pipe.fit_memory(cap, sample)
+    return pipe
+
+
+def _from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str], gpus: int | None,
+                 devices: Sequence[Any] | None, deferred_batch_norm: bool,
+                 schedule: str | Schedule | None = None, overlap: bool | None = None) -> Pipeline:
+    """The pipeline a tuned configuration describes, checked against the model and the devices: its
+    schedule (``pipe.step`` runs it), or ``schedule`` when given (a :class:`Schedule` built for the same
+    placement, or a name that applies to it); two lanes per GPU as it says, or as ``overlap`` when given."""
+    from seqify.errors import TuneError
+
+    cfg = config if isinstance(config, PipeConfig) else PipeConfig.load(config)
+    if overlap is not None and overlap != cfg.overlap:
+        cfg = replace(cfg, overlap=overlap)
+    if sum(cfg.balance) != len(model):
+        raise TuneError(
+            f"the configuration's balance {list(cfg.balance)} covers {sum(cfg.balance)} layers but this model has "
+            f"{len(model)}; it was tuned for another model (or another conversion): tune this one with "
+            "seqify.tune(model, sample, ...)"
+        )
+    placed = cfg.partitions
+    if gpus is not None or devices is not None:
+        mine = resolve_devices(gpus, devices, None)
+        if len(mine) != len(cfg.devices):
+            raise TuneError(f"the configuration is for {len(cfg.devices)} devices ({', '.join(cfg.devices)}) but "
+                            f"{len(mine)} were given; give {len(cfg.devices)}, or tune for these")
+        placed = [str(mine[d]) for d in cfg.placement]
+    pipe = Pipeline(model, list(cfg.balance), resolve_devices(None, placed, None), chunks=cfg.chunks,
+                    checkpoint=cfg.checkpoint, deferred_batch_norm=deferred_batch_norm, graphs=cfg.graphs,
+                    schedule=schedule if schedule is not None else (cfg.schedule or "gpipe"), placement=cfg.placement,
+                    overlap=cfg.overlap)
+    pipe.config = cfg
+    return pipe

@@ -11,7 +11,8 @@ from seqify.errors import __all__ as _errors
 from seqify.model.guard import Guard
 from seqify.model.layer import Layer
 from seqify.partition import NoPlanFitsError, PartitionPlan, balance
-from seqify.pipe import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomputing, pipeline
+from seqify.api import pipeline
+from seqify.pipe import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomputing
 from seqify.model.sequential import OpaqueInfo, Sequential, SkipInfo
 from seqify.pipe.config import PipeConfig
 from seqify.tuning import tune

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from families_pipeline import FAMILIES, _tiny  # noqa: E402
 
-from seqify import convert, pipe as pipeline
+from seqify import convert, pipeline
 from seqify.tools import spec  # noqa: E402
 from seqify.partition.cost import time_costs  # noqa: E402
 from seqify.tuning.predict import Candidate, predict  # noqa: E402

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from seqify import convert, pipe as pipeline
+from seqify import convert, pipeline
 from seqify.tools import spec
 from seqify.pipe.split_backward import input_grads
 from seqify.pipe import memory

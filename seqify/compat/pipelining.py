@@ -13,7 +13,8 @@ from torch import nn
 
 from seqify.errors import SplitPointError
 from seqify.pipe.microbatch import scatter
-from seqify.pipe.pipeline import Pipeline, pipeline as make_pipeline
+from seqify.api import pipeline as make_pipeline
+from seqify.pipe.pipeline import Pipeline
 
 __all__ = ["SplitPoint", "split_balance", "pipeline", "ScheduleGPipe", "Schedule1F1B"]
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from seqify.distributed.rank import RankStage
 from seqify.errors import StateDictError
 
-if TYPE_CHECKING:
-    from seqify.distributed import DistributedStage
 
 __all__ = ["save", "load", "merge", "stage_file"]
 
@@ -25,7 +24,7 @@ def stage_file(path: str | os.PathLike[str], index: int) -> str:
     return os.path.join(os.fspath(path), f"stage{index}.pt")
 
 
-def _places(stage: DistributedStage) -> OrderedDict[str, list[torch.Tensor]]:
+def _places(stage: RankStage) -> OrderedDict[str, list[torch.Tensor]]:
     """Source key -> the tensors of that key this stage holds (a read-only buffer may sit in several stages)."""
     model, part = stage.model, stage.partition
     state_map = getattr(model, "_state_map", None)
@@ -84,7 +83,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], key
 
 
 def save(
-    stage: DistributedStage,
+    stage: RankStage,
     path: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
@@ -126,7 +125,7 @@ def _read(path: str | os.PathLike[str], index: int) -> dict[str, Any]:
 
 
 def load(
-    stage: DistributedStage,
+    stage: RankStage,
     path: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer | None = None,
 ) -> Any:

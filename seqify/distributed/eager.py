@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from seqify.distributed.rank import RankStage
 from seqify.pipe.split_backward import Later, accumulate, input_grads, weight_grads
 from seqify.distributed.link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Key, Link, grads_for, leaves, like_grads
 from seqify.distributed.sizes import is_size
@@ -15,8 +16,6 @@ from seqify.errors import ScheduleError
 from seqify.pipe.recompute import checkpointed
 from seqify.schedule.actions import Action
 
-if TYPE_CHECKING:
-    from seqify.distributed import DistributedStage
 
 __all__ = ["RankRun"]
 
@@ -61,7 +60,7 @@ class RankRun:
     the gradients of its leaves and sends them on at once; W later adds the weights' gradients
     (:mod:`seqify.pipe.split_backward`). Unsplit, B does both in one ``torch.autograd.backward``."""
 
-    def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], sizes: list[int], loss: Loss | None,
+    def __init__(self, stage: RankStage, link: Link, micro: list[Any], sizes: list[int], loss: Loss | None,
                  stop: int, split: bool) -> None:
         self.s = stage
         self.link = link

@@ -6,10 +6,11 @@ import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from seqify.distributed.rank import RankStage
 from seqify.distributed.link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
 from seqify.distributed.eager import RankRun
 from seqify.errors import GraphError
@@ -21,8 +22,6 @@ from seqify.pipe.executors.replayed import GraphWarning
 from seqify.pipe.stage import Stage
 from seqify.skip.namespace import SkipKey
 
-if TYPE_CHECKING:
-    from seqify.distributed import DistributedStage
 
 __all__ = ["RankPrograms", "ProgramRun", "program_step"]
 
@@ -249,7 +248,7 @@ class ProgramRun(RankRun):
     cross the :class:`~seqify.distributed.link.Link`. Under a split schedule a program's backward is B, whose
     input gradients are sent on at once, and its W runs when the schedule says."""
 
-    def __init__(self, stage: DistributedStage, link: Link, micro: list[Any], sizes: list[int],
+    def __init__(self, stage: RankStage, link: Link, micro: list[Any], sizes: list[int],
                  loss: Callable[[Any, int], torch.Tensor] | None, stop: int, split: bool = False) -> None:
         super().__init__(stage, link, micro, sizes, loss, stop, split)
         self.fixed: dict[tuple[int, int], _Fixed] = {}
@@ -302,7 +301,7 @@ class ProgramRun(RankRun):
         self.s._programs[p].weights(i)
 
 
-def program_step(stage: DistributedStage, link: Link, micro: list[Any], sizes: list[int],
+def program_step(stage: RankStage, link: Link, micro: list[Any], sizes: list[int],
                  loss: Callable[[Any, int], torch.Tensor] | None, stop: int = 0) -> list[torch.Tensor]:
     """One training step of ``stage``'s partitions as fixed programs, in its schedule's order, checkpointing
     micro-batches below ``stop``; the micro-batch losses on the rank holding the last partition."""

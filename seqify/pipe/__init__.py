@@ -2,7 +2,7 @@
 
 from seqify.pipe.batchnorm import DeferredBatchNorm
 from seqify.pipe.recompute import is_checkpointing, is_recomputing
-from seqify.pipe.pipeline import Pipeline, pipeline
+from seqify.pipe.pipeline import Pipeline
 from seqify.pipe.stage import Stage
 
-__all__ = ["Pipeline", "pipeline", "Stage", "DeferredBatchNorm", "is_checkpointing", "is_recomputing"]
+__all__ = ["Pipeline", "Stage", "DeferredBatchNorm", "is_checkpointing", "is_recomputing"]

@@ -30,7 +30,7 @@ from seqify.schedule.actions import SCHEDULES, Schedule, ahead, make, round_robi
 from seqify.pipe.executors.scheduled import ScheduledStep
 from seqify.pipe.transfer import Transfer, refuse_meta
 
-__all__ = ["Pipeline", "pipeline", "resolve_devices", "GraphWarning"]
+__all__ = ["Pipeline", "build", "capped", "from_config", "resolve_devices", "GraphWarning"]
 
 
 class Pipeline(nn.Module):
@@ -394,115 +394,28 @@ def _placement(placement: Sequence[int] | None, devices: Sequence[torch.device])
     return placement
 
 
-def pipeline(
-    model: nn.Module,
+def build(
+    model: nn.Sequential,
     *,
     gpus: int | None = None,
     devices: Sequence[Any] | None = None,
-    chunks: int | str | None = None,
+    chunks: int = 1,
     balance: Sequence[int] | str | None = None,
     checkpoint: str = "except_last",
     deferred_batch_norm: bool = False,
     graphs: bool = False,
     loops: int = 1,
-    example_inputs: Any = None,
     sample: Any = None,
     schedule: str | Schedule | None = None,
     memory_cap: int | float | str | None = None,
-    config: PipeConfig | str | os.PathLike[str] | None = None,
     overlap: bool | None = None,
-    **convert_options: Any,
 ) -> Pipeline:
-    """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
-
-    Args:
-        model: a seqify.Sequential, any nn.Sequential (hand-written skippable layers included), or any
-            other module, which is converted first (``example_inputs`` and ``convert_options`` are passed
-            to :func:`seqify.convert`).
-        gpus / devices: ``gpus=N`` takes cuda:0..N-1; ``devices=[...]`` names one device per partition
-            (CUDA or CPU; repeat a device to put several partitions on it). Default: every GPU, else
-            one CPU device per partition of a ``balance`` list.
-        chunks: micro-batches per mini-batch. A batch that does not divide evenly gets micro-batches
-            whose sizes differ by one; more chunks than samples are clamped to the batch size.
-            ``'auto'`` runs :func:`seqify.tune` on ``sample`` (or ``example_inputs``) and builds what it
-            picks: chunks, loops, balance, checkpointing, graphs and schedule (a ``balance``, a
-            ``schedule``, or a non-default ``checkpoint``, ``graphs`` or ``loops``, stays fixed);
-            ``pipe.config`` reports the choice.
-            Not given: ``'auto'`` when ``gpus`` or ``devices`` and a sample are given and ``balance`` is
-            not, else 1.
-        balance: layers per partition, or a strategy: 'time', 'memory', 'flops' or 'params' (see
-            :func:`seqify.balance`). Default 'params'.
-        checkpoint: 'except_last' (default), 'always' or 'never': which micro-batches recompute their
-            activations in backward instead of keeping them. Only while gradients are enabled.
-        deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from all of its
-            micro-batches, as training on one device would.
-        graphs: on CUDA, capture each stage's forward and backward per micro-batch as CUDA graphs on the
-            first training step of a given input shape, then replay them: no per-op launch overhead.
-            Needs checkpoint='never'; inference and eval mode run eagerly. The whole step is then driven
-            as fixed programs (no autograd per micro-batch); gradients reach ``.grad`` (not
-            ``torch.autograd.grad``), and each forward's backward must come before the next forward.
-        loops: partitions per device, placed round-robin: ``gpus=2, loops=2`` puts four partitions on
-            cuda:0, cuda:1, cuda:0, cuda:1. With ``graphs=True`` each device runs all micro-batches of its
-            first partition, then of its second (breadth-first), which shrinks the pipeline's idle time
-            from one of ``chunks + 1`` slots to one of ``loops * chunks + 1``, at the cost of more
-            transfers. A ``balance`` list then has ``loops`` entries per device.
-        sample: an input batch (or micro-batch) for the 'time', 'memory' and 'flops' strategies;
-            defaults to ``example_inputs``. With ``chunks='auto'``, the training mini-batch to tune for.
-        schedule: the order of forward and backward work in :meth:`Pipeline.step`: 'gpipe'
-            (fill-drain), '1f1b', 'interleaved' (several partitions per device: ``loops > 1``), 'zb-h1'
-            (zero bubble: backward split into input and weight gradients; with ``loops=2`` the partitions
-            are placed in a V: cuda:0, cuda:1, cuda:1, cuda:0), or a
-            :class:`~seqify.schedule.actions.Schedule`. ``pipe(x)`` followed by ``loss.backward()``
-            always runs fill-drain. Default: 'gpipe', or with ``chunks='auto'`` the tuner's choice.
-        memory_cap: bytes (or a size such as '40GiB') every device may use: the pipeline switches to the
-            fastest schedule and checkpointing whose predicted peak (parameters + gradients + the
-            activations the schedule keeps in flight, measured on ``sample`` or ``example_inputs``)
-            fits, or raises :class:`~seqify.MemoryCapError` naming the smallest cap that works.
-            ``pipe.plan_memory(sample)`` gives the prediction per device.
-        config: a :class:`PipeConfig` (``seqify.tune(...)`` or ``pipe.config``) or the path of one saved
-            with ``cfg.save(path)``: builds exactly that pipeline (its devices unless ``gpus``/``devices``
-            are given).
-        overlap: with ``graphs=True``, :meth:`Pipeline.step` replays each GPU's forwards on one CUDA stream
-            and its backwards on another, issuing each forward before the backwards it would follow, so
-            one micro-batch's forward runs beside another's backward. It pays where one micro-batch's
-            kernels do not fill a GPU (many chunks, small layers) and costs memory: one more
-            micro-batch's activations per GPU (``plan_memory`` counts it) and backward memory kept apart
-            from forward memory. Partitions that draw random numbers (dropout) keep one stream.
-            Default: off, except with ``chunks='auto'``, where the tuner times its best candidate both
-            ways and keeps the faster, and with ``config``, which says (``True`` or ``False`` fixes it).
-
-    Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
-    the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
-    """
-    if not isinstance(model, nn.Sequential):
-        from seqify.convert import convert
-
-        model = convert(model, example_inputs, **convert_options)
-    elif convert_options:
-        raise BalanceError(f"options {sorted(convert_options)} apply to conversion, but the model is already a Sequential")
-    layers = len(model)
-    if layers == 0:
-        raise EmptyModelError(f"the {type(model).__name__} has no layers; there is nothing to pipeline")
-    _check_meta([model])
-    probe = sample if sample is not None else example_inputs
-    if config is not None:
-        return _from_config(model, config, gpus, devices, deferred_batch_norm, schedule, overlap)
-    fixed_schedule = schedule
+    """A pipeline of ``model`` with a fixed number of ``chunks``: what :func:`seqify.pipeline` builds when it
+    tunes nothing (the arguments mean what they mean there; ``sample`` measures a 'time', 'memory' or
+    'flops' balance and a ``memory_cap``)."""
     schedule = "gpipe" if schedule is None else schedule
-    if chunks is None:
-        auto = (gpus is not None or devices is not None) and balance is None and probe is not None
-        chunks = "auto" if auto else 1
-    if chunks == "auto":
-        from seqify.tuning import tune  # the tuner builds on pipelines: imported on use
-
-        cfg = tune(model, probe, gpus=gpus, devices=devices, balance=balance,
-                   checkpoint=None if checkpoint == "except_last" else checkpoint, graphs=True if graphs else None,
-                   overlap=overlap,
-                   loops=None if loops == 1 else loops,
-                   schedule=fixed_schedule if isinstance(fixed_schedule, str) else None,
-                   memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)))
-        return _from_config(model, cfg, None, None, deferred_batch_norm,
-                            fixed_schedule if isinstance(fixed_schedule, Schedule) else None)
+    layers = len(model)
+    probe = sample
     chunks = _check_chunks(chunks)
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
         raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
@@ -527,7 +440,7 @@ def pipeline(
         pipe = Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
                         deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
                         placement=slots, overlap=bool(overlap))
-        return _capped(pipe, memory_cap, probe)
+        return capped(pipe, memory_cap, probe)
     counts = _counts(balance, layers)
     if len(counts) > layers:
         raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
@@ -539,10 +452,12 @@ def pipeline(
     pipe = Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
                     deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots,
                     overlap=bool(overlap))
-    return _capped(pipe, memory_cap, sample if sample is not None else example_inputs)
+    return capped(pipe, memory_cap, sample)
 
 
-def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipeline:
+
+
+def capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipeline:
     """``pipe`` switched to a schedule and checkpointing that fit ``cap`` (unchanged without a cap)."""
     if cap is None:
         return pipe
@@ -554,7 +469,7 @@ def _capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipel
     return pipe
 
 
-def _from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str], gpus: int | None,
+def from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str], gpus: int | None,
                  devices: Sequence[Any] | None, deferred_batch_norm: bool,
                  schedule: str | Schedule | None = None, overlap: bool | None = None) -> Pipeline:
     """The pipeline a tuned configuration describes, checked against the model and the devices: its

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from seqify.pipe.config import PipeConfig, Trial, megabytes
-from seqify.pipe.pipeline import pipeline
+from seqify.api import pipeline
 from seqify.progress import progress
 
 __all__ = ["Row", "Bench", "bench", "plot_bench"]

@@ -137,7 +137,7 @@ def demo(args: argparse.Namespace) -> int:
 
     from seqify import measure
     from seqify.partition import balance
-    from seqify.pipe import pipeline
+    from seqify.api import pipeline
 
     devices = _demo_devices(args)
     on_gpu = devices[0].type == "cuda"

@@ -88,7 +88,7 @@ class Config:
 
     def build(self) -> Any:
         """The model the spec names, converted and pipelined as described: a :class:`seqify.Pipeline`."""
-        from seqify.pipe import pipeline
+        from seqify.api import pipeline
         from seqify.tools.spec import load as load_spec, random_input
 
         built = load_spec(self.model, self.model_args)

@@ -41,7 +41,7 @@ from seqify.pipe import tied
 from seqify.pipe.config import PipeConfig, Trial
 from seqify.pipe.memory import weighted
 from seqify.pipe.microbatch import split_like
-from seqify.pipe.pipeline import CHECKPOINT, Pipeline, pipeline, resolve_devices
+from seqify.pipe.pipeline import CHECKPOINT, Pipeline, build, resolve_devices
 from seqify.schedule.actions import SCHEDULES, SPLIT, round_robin, v_shape
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 from seqify.progress import progress
@@ -345,7 +345,7 @@ def _replayed(model: nn.Module, sample: Any, device: torch.device, *, steps: int
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a model that cannot be captured falls back: no anchor, no warning
-            pipe = pipeline(model, devices=[device], balance=[len(model)], chunks=1, checkpoint="never",
+            pipe = build(model, devices=[device], balance=[len(model)], chunks=1, checkpoint="never",
                             graphs=True).train()
             seconds = step_seconds(pipe, sample, [device], steps=steps, warm=warm + 1)
             if pipe.graph_error is not None:
@@ -759,7 +759,7 @@ def _confirm(model: nn.Module, sample: Any, placed: list[torch.device], timed: l
         pipe = None
         try:
             with _peaks(placed) as got:
-                pipe = pipeline(model, **_options(t, placed)).train()
+                pipe = build(model, **_options(t, placed)).train()
                 seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
         except torch.OutOfMemoryError:  # predicted to fit but did not: the next candidate
             continue

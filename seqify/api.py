@@ -1,0 +1,130 @@
+"""The public entry point that builds on every layer: seqify.pipeline converts, tunes and builds a pipeline."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from seqify.convert import convert
+from seqify.errors import BalanceError, EmptyModelError
+from seqify.pipe.config import PipeConfig
+from seqify.pipe.memory import parse_bytes
+from seqify.pipe.pipeline import Pipeline, build, from_config
+from seqify.pipe.placement import _check_meta
+from seqify.schedule.actions import Schedule
+from seqify.tuning import tune
+
+__all__ = ["pipeline"]
+
+
+def pipeline(
+    model: nn.Module,
+    *,
+    gpus: int | None = None,
+    devices: Sequence[Any] | None = None,
+    chunks: int | str | None = None,
+    balance: Sequence[int] | str | None = None,
+    checkpoint: str = "except_last",
+    deferred_batch_norm: bool = False,
+    graphs: bool = False,
+    loops: int = 1,
+    example_inputs: Any = None,
+    sample: Any = None,
+    schedule: str | Schedule | None = None,
+    memory_cap: int | float | str | None = None,
+    config: PipeConfig | str | os.PathLike[str] | None = None,
+    overlap: bool | None = None,
+    **convert_options: Any,
+) -> Pipeline:
+    """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
+
+    Args:
+        model: a seqify.Sequential, any nn.Sequential (hand-written skippable layers included), or any
+            other module, which is converted first (``example_inputs`` and ``convert_options`` are passed
+            to :func:`seqify.convert`).
+        gpus / devices: ``gpus=N`` takes cuda:0..N-1; ``devices=[...]`` names one device per partition
+            (CUDA or CPU; repeat a device to put several partitions on it). Default: every GPU, else
+            one CPU device per partition of a ``balance`` list.
+        chunks: micro-batches per mini-batch. A batch that does not divide evenly gets micro-batches
+            whose sizes differ by one; more chunks than samples are clamped to the batch size.
+            ``'auto'`` runs :func:`seqify.tune` on ``sample`` (or ``example_inputs``) and builds what it
+            picks: chunks, loops, balance, checkpointing, graphs and schedule (a ``balance``, a
+            ``schedule``, or a non-default ``checkpoint``, ``graphs`` or ``loops``, stays fixed);
+            ``pipe.config`` reports the choice.
+            Not given: ``'auto'`` when ``gpus`` or ``devices`` and a sample are given and ``balance`` is
+            not, else 1.
+        balance: layers per partition, or a strategy: 'time', 'memory', 'flops' or 'params' (see
+            :func:`seqify.balance`). Default 'params'.
+        checkpoint: 'except_last' (default), 'always' or 'never': which micro-batches recompute their
+            activations in backward instead of keeping them. Only while gradients are enabled.
+        deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from all of its
+            micro-batches, as training on one device would.
+        graphs: on CUDA, capture each stage's forward and backward per micro-batch as CUDA graphs on the
+            first training step of a given input shape, then replay them: no per-op launch overhead.
+            Needs checkpoint='never'; inference and eval mode run eagerly. The whole step is then driven
+            as fixed programs (no autograd per micro-batch); gradients reach ``.grad`` (not
+            ``torch.autograd.grad``), and each forward's backward must come before the next forward.
+        loops: partitions per device, placed round-robin: ``gpus=2, loops=2`` puts four partitions on
+            cuda:0, cuda:1, cuda:0, cuda:1. With ``graphs=True`` each device runs all micro-batches of its
+            first partition, then of its second (breadth-first), which shrinks the pipeline's idle time
+            from one of ``chunks + 1`` slots to one of ``loops * chunks + 1``, at the cost of more
+            transfers. A ``balance`` list then has ``loops`` entries per device.
+        sample: an input batch (or micro-batch) for the 'time', 'memory' and 'flops' strategies;
+            defaults to ``example_inputs``. With ``chunks='auto'``, the training mini-batch to tune for.
+        schedule: the order of forward and backward work in :meth:`Pipeline.step`: 'gpipe'
+            (fill-drain), '1f1b', 'interleaved' (several partitions per device: ``loops > 1``), 'zb-h1'
+            (zero bubble: backward split into input and weight gradients; with ``loops=2`` the partitions
+            are placed in a V: cuda:0, cuda:1, cuda:1, cuda:0), or a
+            :class:`~seqify.schedule.actions.Schedule`. ``pipe(x)`` followed by ``loss.backward()``
+            always runs fill-drain. Default: 'gpipe', or with ``chunks='auto'`` the tuner's choice.
+        memory_cap: bytes (or a size such as '40GiB') every device may use: the pipeline switches to the
+            fastest schedule and checkpointing whose predicted peak (parameters + gradients + the
+            activations the schedule keeps in flight, measured on ``sample`` or ``example_inputs``)
+            fits, or raises :class:`~seqify.MemoryCapError` naming the smallest cap that works.
+            ``pipe.plan_memory(sample)`` gives the prediction per device.
+        config: a :class:`PipeConfig` (``seqify.tune(...)`` or ``pipe.config``) or the path of one saved
+            with ``cfg.save(path)``: builds exactly that pipeline (its devices unless ``gpus``/``devices``
+            are given).
+        overlap: with ``graphs=True``, :meth:`Pipeline.step` replays each GPU's forwards on one CUDA stream
+            and its backwards on another, issuing each forward before the backwards it would follow, so
+            one micro-batch's forward runs beside another's backward. It pays where one micro-batch's
+            kernels do not fill a GPU (many chunks, small layers) and costs memory: one more
+            micro-batch's activations per GPU (``plan_memory`` counts it) and backward memory kept apart
+            from forward memory. Partitions that draw random numbers (dropout) keep one stream.
+            Default: off, except with ``chunks='auto'``, where the tuner times its best candidate both
+            ways and keeps the faster, and with ``config``, which says (``True`` or ``False`` fixes it).
+
+    Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
+    the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
+    """
+    if not isinstance(model, nn.Sequential):
+        model = convert(model, example_inputs, **convert_options)
+    elif convert_options:
+        raise BalanceError(f"options {sorted(convert_options)} apply to conversion, but the model is already a Sequential")
+    layers = len(model)
+    if layers == 0:
+        raise EmptyModelError(f"the {type(model).__name__} has no layers; there is nothing to pipeline")
+    _check_meta([model])
+    probe = sample if sample is not None else example_inputs
+    if config is not None:
+        return from_config(model, config, gpus, devices, deferred_batch_norm, schedule, overlap)
+    fixed_schedule = schedule
+    schedule = "gpipe" if schedule is None else schedule
+    if chunks is None:
+        auto = (gpus is not None or devices is not None) and balance is None and probe is not None
+        chunks = "auto" if auto else 1
+    if chunks == "auto":
+        cfg = tune(model, probe, gpus=gpus, devices=devices, balance=balance,
+                   checkpoint=None if checkpoint == "except_last" else checkpoint, graphs=True if graphs else None,
+                   overlap=overlap,
+                   loops=None if loops == 1 else loops,
+                   schedule=fixed_schedule if isinstance(fixed_schedule, str) else None,
+                   memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)))
+        return from_config(model, cfg, None, None, deferred_batch_norm,
+                            fixed_schedule if isinstance(fixed_schedule, Schedule) else None)
+    return build(model, gpus=gpus, devices=devices, chunks=chunks, balance=balance, checkpoint=checkpoint,
+                 deferred_batch_norm=deferred_batch_norm, graphs=graphs, loops=loops,
+                 sample=probe, schedule=schedule, memory_cap=memory_cap, overlap=overlap)

@@ -1,0 +1,60 @@
+"""What a rank's step, replay and checkpoint code read from the stage a rank holds: routes and a protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from seqify.pipe.stage import Stage
+from seqify.schedule.actions import Schedule
+from seqify.skip.namespace import SkipKey
+
+__all__ = ["Route", "RankStage"]
+
+
+@dataclass(frozen=True)
+class Route:
+    """A skip that crosses partitions: its index among the model's routes, its name, and both ends."""
+
+    index: int
+    name: str
+    src: int  # partition that stashes
+    dst: int  # partition that pops
+
+
+class RankStage(Protocol):
+    """The partitions one rank holds (:class:`seqify.distributed.DistributedStage`), as its executors see them."""
+
+    model: nn.Module
+    partition: nn.Sequential
+    balance: list[int]
+    index: int
+    stages: int
+    partitions: int
+    replica: int
+    device: torch.device
+    routes: list[Route]
+    runners: dict[int, Stage]
+    norms: dict[int, list[Any]]
+    params: dict[int, list[nn.Parameter]]
+    _programs: dict[int, Any]  # partition -> its RankPrograms (graphs=True)
+
+    @property
+    def is_first(self) -> bool: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def me(self) -> str: ...
+
+    def rank_of_partition(self, partition: int) -> int: ...
+
+    def skip_key(self, route: Route) -> SkipKey: ...
+
+    def plan(self, m: int) -> Schedule: ...
+
+    def parameters(self, recurse: bool = True) -> Any: ...

@@ -1,0 +1,460 @@
+"""DistributedStage: the partitions one torchrun rank holds of a pipeline, and stage() that builds it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from seqify.distributed.checkpoint import load, merge, save
+from seqify.distributed.rank import Route
+from seqify.distributed.link import Books, Link, directions, leaves, peer
+from seqify.distributed.replay import RankPrograms, program_step
+from seqify.distributed.eager import RankRun
+from seqify.errors import BalanceError, BoundaryError, DeviceError, ScheduleError
+from seqify.pipe.recompute import norms_of
+from seqify.pipe.losses import Count, Probes, Weigher, reduction_of
+from seqify.pipe.microbatch import gather, scatter
+from seqify.pipe.pipeline import CHECKPOINT, _check_balance, _place
+from seqify.schedule.actions import SCHEDULES, Action, Schedule, gpipe, make, round_robin, v_shape
+from seqify.pipe.stage import Stage
+from seqify.pipe.transfer import refuse_meta
+from seqify.pipe import tied
+from seqify.model.sequential import Sequential
+from seqify.skip.layout import routes
+from seqify.skip.namespace import SkipKey
+from seqify.model.stash_sizes import size_skips
+
+__all__ = ["DistributedStage", "stage", "init", "save", "load", "merge", "SCHEDULES", "placement_for"]
+
+_peer = peer  # the name dist_checkpoint and older code import
+
+
+def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
+    """``init_process_group`` from torchrun's environment: NCCL when CUDA is here, else gloo.
+
+    The timeout bounds how long a rank waits for a peer that died, so no job hangs forever.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def placement_for(schedule: str | Schedule, ranks: int, loops: int) -> tuple[int, ...]:
+    """Which rank (of one pipeline) holds each partition: a ``Schedule``'s own placement; one partition
+    per rank for ``loops=1``; a V (``v_shape``) for 'zb-h1' with ``loops=2``; else round-robin."""
+    if isinstance(schedule, Schedule):
+        return tuple(schedule.placement)
+    if loops == 1:
+        return tuple(range(ranks))
+    if schedule == "zb-h1":
+        if loops != 2:
+            raise ScheduleError(f"zb-h1 with loops={loops}: it runs one partition per rank, or two placed in a V "
+                                "(loops=2); use schedule='interleaved' for more")
+        return v_shape(ranks)
+    if schedule in ("1f1b", "zb-h2"):
+        raise ScheduleError(f"{schedule} runs one partition per rank; with loops > 1 use schedule='interleaved' (or "
+                            "'gpipe', or 'zb-h1' with loops=2)")
+    return round_robin(ranks, loops)
+
+
+class DistributedStage(nn.Module):
+    """This process's partitions of a pipeline that spans processes.
+
+    The pipeline's partitions are placed on its ranks by ``placement`` (one per rank by default;
+    ``loops`` per rank round-robin, or in a V for 'zb-h1'). ``step(inputs, target, loss_fn)`` runs one
+    mini-batch as this rank's share of a shared schedule (``seqify.schedule.actions``: 'gpipe', every
+    forward then every backward; '1f1b', a backward after each forward once the pipeline is full, which
+    bounds the activations kept; 'interleaved', 1F1B over several partitions per rank; 'zb-h1', backward
+    split into input gradients, sent on at once, and weight gradients, run later in the bubbles; or a
+    ``Schedule``). Values between partitions of one rank are handed over directly; between ranks they
+    go point-to-point, skips straight from the stashing partition's rank to the popping one's. It
+    returns the mini-batch loss on the rank holding the last partition and ``None`` elsewhere;
+    gradients are left in this rank's parameters (and averaged over data-parallel replicas), ready for
+    ``optimizer.step()``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: Sequence[int],
+        *,
+        index: int,
+        replica: int = 0,
+        replicas: int = 1,
+        device: torch.device,
+        chunks: int = 1,
+        checkpoint: str = "never",
+        schedule: str | Schedule = "gpipe",
+        graphs: bool = False,
+        loops: int = 1,
+    ) -> None:
+        super().__init__()
+        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+            raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
+                                "seqify.schedule.actions.Schedule")
+        if checkpoint not in CHECKPOINT:
+            raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
+        if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+            raise BalanceError(f"loops={loops!r}: give the number of partitions per rank, a whole number >= 1")
+        names = list(model._modules)
+        balance = _check_balance(balance, len(names))
+        if isinstance(schedule, Schedule):
+            placement = placement_for(schedule, 0, 0)
+        else:
+            if len(balance) % loops:
+                raise BalanceError(f"balance has {len(balance)} partitions, not a multiple of loops={loops}: give "
+                                   "loops entries per rank")
+            placement = placement_for(schedule, len(balance) // loops, loops)
+        if len(placement) != len(balance):
+            raise ScheduleError(f"schedule {getattr(schedule, 'name', schedule)!r} places {len(placement)} "
+                                f"partitions, but balance has {len(balance)}: build it for this balance")
+        ranks = max(placement) + 1
+        if sorted(set(placement)) != list(range(ranks)):
+            raise ScheduleError(f"placement {placement} leaves a rank without partitions; number ranks 0..n-1")
+        if not 0 <= index < ranks:
+            raise DeviceError(f"index={index}: this pipeline has ranks 0..{ranks - 1}")
+        tied.refuse_across_processes(model, balance, placement)
+        starts = [sum(balance[:j]) for j in range(len(balance))]
+        part_of = [j for j, count in enumerate(balance) for _ in range(count)]
+        layers = list(model._modules.values())
+        self.placement = placement
+        self.owned = [p for p, r in enumerate(placement) if r == index]
+        parts = {p: nn.Sequential(OrderedDict(zip(names[starts[p]:starts[p] + balance[p]],
+                                                  layers[starts[p]:starts[p] + balance[p]])))
+                 for p in self.owned}
+        # like .to(device), keeping tensors layers share; a weight this rank's partitions share (a V's first
+        # and last: GPT-2's embedding and head) stays one parameter, used by both as the source uses it
+        ties = tied.find(list(parts.values()))
+        with tied.unplugged(ties):
+            _place(list(parts.values()), [device] * len(parts))
+        tied.home(ties, [device] * len(parts))
+        # every layer of this rank, in model order: parameters(), state_dict() and checkpoints read it
+        mine = sorted((starts[p] + k, names[starts[p] + k]) for p in self.owned for k in range(balance[p]))
+        self.partition = nn.Sequential(OrderedDict((n, layers[k]) for k, n in mine))
+        found = routes(model)
+        self.routes = [
+            Route(i, r.key[1], part_of[r.stash], part_of[r.pop])
+            for i, r in enumerate(found)
+            if part_of[r.stash] != part_of[r.pop]
+        ]
+        self._key: dict[int, SkipKey] = {rt.index: found[rt.index].key for rt in self.routes}
+        # skips whose values are sizes (ints made from shapes): fixed programs hold them per micro-batch
+        self.sized = frozenset(size_skips(layers))
+        object.__setattr__(self, "model", model)
+        self.balance = list(balance)
+        self.index = index
+        self.stages = ranks
+        self.partitions = len(balance)
+        self.loops = len(self.owned) if isinstance(schedule, Schedule) else loops
+        self.replica = replica
+        self.replicas = replicas
+        self.device = device
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.schedule = schedule
+        self.runners: dict[int, Stage] = {}
+        self.norms: dict[int, list[Any]] = {}
+        self.params: dict[int, list[nn.Parameter]] = {}
+        for p, part in parts.items():
+            pops = tuple(self._key[r.index] for r in self.routes if r.dst == p)
+            stashes = tuple(self._key[r.index] for r in self.routes if r.src == p)
+            self.runners[p] = Stage(p, part, device, pops, stashes)
+            self.norms[p] = list(norms_of(part))
+            self.params[p] = [w for w in part.parameters() if w.requires_grad]
+        self._dp_group: Any = None
+        # one process group per message direction (seqify.distributed.link.directions); None: the default group
+        self._directions: tuple[Any, Any] | None = None
+        self._plans: dict[int, Schedule] = {}  # per micro-batch count: built once
+        self._books = Books()  # the last training step's messages: a steady step's receivers need not wait for headers
+        self.graphs = graphs
+        self.runner = self.runners[self.owned[0]]
+        # graphs=True: each partition's micro-batches as fixed programs (dist_replay), one set per partition
+        self._programs: dict[int, RankPrograms] = (
+            {p: RankPrograms(r, device, graphs, sized=self.sized) for p, r in self.runners.items()} if graphs else {})
+        self._probes = Probes()  # how undeclared losses reduce, found once per loss and layout
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the first partition (it takes the inputs)."""
+        return self.placement[0] == self.index
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last partition (it takes the target and returns the loss)."""
+        return self.placement[-1] == self.index
+
+    def rank_of(self, stage_index: int) -> int:
+        """The global rank of this replica's pipeline rank ``stage_index``."""
+        return self.replica * self.stages + stage_index
+
+    def rank_of_partition(self, partition: int) -> int:
+        return self.rank_of(self.placement[partition])
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank_of(self.index)
+
+    def skip_key(self, route: Route) -> SkipKey:
+        return self._key[route.index]
+
+    @property
+    def me(self) -> str:
+        rank = dist.get_rank() if dist.is_initialized() else self.global_rank
+        held = f"partitions {self.owned}" if len(self.owned) > 1 else f"partition {self.owned[0]}"
+        return (f"rank {rank} (stage {self.index + 1}/{self.stages}, {held} of {self.partitions}, "
+                f"replica {self.replica + 1}/{self.replicas})")
+
+    def __repr__(self) -> str:
+        return (f"DistributedStage({self.index + 1}/{self.stages}, partitions {self.owned} of {self.partitions}, "
+                f"replica {self.replica + 1}/{self.replicas}, {len(self.partition)} layers on {self.device}, "
+                f"chunks={self.chunks})")
+
+    def _micro_inputs(self, inputs: Any) -> list[Any]:
+        model = self.model
+        if isinstance(inputs, tuple) and isinstance(model, Sequential):
+            carried = model.flatten_inputs(*inputs)
+        elif isinstance(model, Sequential) and not isinstance(inputs, tuple):
+            carried = model.flatten_inputs(inputs)
+        else:
+            carried = inputs
+        refuse_meta(carried, "the pipeline's input", self.device,
+                    model.input_names() if isinstance(model, Sequential) else None)
+        if isinstance(carried, torch.Tensor):
+            carried = carried.to(self.device)
+        else:
+            carried = tuple(t.to(self.device) for t in carried)
+        return scatter(carried, self.chunks, model.input_names if isinstance(model, Sequential) else None)
+
+    def _sizes(self, micro: list[Any]) -> list[int]:
+        """Every rank learns the micro-batch sizes the first partition's rank made (for loss weights and
+        the schedule)."""
+        source = self.rank_of(self.placement[0])
+        count = torch.tensor([len(micro)], dtype=torch.int64, device=self.device)
+        if self.stages > 1 and not self.is_first:
+            with peer(self.me, source, "receiving the micro-batch sizes"):
+                dist.recv(count, source)
+        sizes = torch.tensor(
+            [leaves(v)[0].size(0) for v in micro] if self.is_first else [0] * int(count[0]),
+            dtype=torch.int64, device=self.device,
+        )
+        if self.stages > 1:
+            if self.is_first:
+                for j in range(self.stages):
+                    if self.rank_of(j) != source:
+                        with peer(self.me, self.rank_of(j), "sending the micro-batch sizes"):
+                            dist.send(count, self.rank_of(j))
+                            dist.send(sizes, self.rank_of(j))
+            else:
+                with peer(self.me, source, "receiving the micro-batch sizes"):
+                    dist.recv(sizes, source)
+        return [int(v) for v in sizes.tolist()]
+
+    def plan(self, m: int) -> Schedule:
+        """The shared schedule for ``m`` micro-batches (built once per count; every rank builds the same)."""
+        if m not in self._plans:
+            self._plans[m] = make(self.schedule, self.placement, m)
+        return self._plans[m]
+
+    def actions(self, m: int) -> list[Action]:
+        """This rank's actions for ``m`` micro-batches, in the order the shared schedule gives them."""
+        return self.plan(m).per_device()[self.index]
+
+    def order(self, m: int) -> list[tuple[str, int]]:
+        """This rank's ('F', i) forwards and ('B', i) backwards, of all its partitions (a split schedule's
+        W steps left out)."""
+        return [(a.kind, a.microbatch) for a in self.actions(m) if a.kind != "W"]
+
+    def step(
+        self,
+        inputs: Any = None,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        *,
+        reduction: str | None = None,
+        denominator: Count | None = None,
+    ) -> torch.Tensor | None:
+        """Forward and backward of one mini-batch. ``inputs`` on the rank holding the first partition,
+        ``target`` and ``loss_fn(output, target)`` on the one holding the last, whose micro-batch losses
+        are weighed as :meth:`seqify.Pipeline.step` weighs them (``reduction`` and ``denominator`` as there).
+        Over data-parallel replicas the weights are shares of the global batch (what the loss divides by
+        added over the replicas), so the averaged gradients are one device's on every replica's samples; the
+        loss returned is this replica's own."""
+        if self.is_last and loss_fn is None:
+            raise BoundaryError("the rank holding the last partition needs loss_fn(output, target) to run backward")
+        how = reduction_of(loss_fn, reduction, denominator) if self.is_last and loss_fn is not None else None
+        if self.is_last and target is not None:
+            refuse_meta(target, "target", self.device)
+        micro = self._micro_inputs(inputs) if self.is_first else []
+        sizes = self._sizes(micro)
+        m = len(sizes)
+        targets = scatter(target.to(self.device), m) if self.is_last and target is not None else [None] * m
+        grad = torch.is_grad_enabled()
+        if not grad:
+            return self._forward_only(micro, sizes, Link(self.device, self.me, self._directions), targets, loss_fn, how)
+        weigh = self._weigher(loss_fn, how, targets, sizes, replicas=self.replicas)
+        # fixed programs send the same messages every step of the same sizes: after the first, receivers need not wait for headers
+        link = Link(self.device, self.me, self._directions, self._books if self._programs else None)
+        stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        try:
+            if self._programs:
+                losses = program_step(self, link, micro, sizes, weigh, stop)
+            else:
+                plan = self.plan(m)
+                run = RankRun(self, link, micro, sizes, weigh, stop, plan.split)
+                run.run(plan.per_device()[self.index])
+                losses = run.losses
+            self._all_reduce_grads()
+            link.flush()
+        except BaseException:
+            self._books.clear()  # what this step sent is not a book its peers hold
+            raise
+        if weigh is None:
+            return None
+        total = torch.stack(losses).sum()
+        return total if weigh.replicas == 1 else total * torch.as_tensor(weigh.report, dtype=torch.float64).to(total)
+
+    def _weigher(self, loss_fn: Callable[[Any, Any], torch.Tensor] | None, how: Any, targets: list[Any],
+                 sizes: list[int], replicas: int) -> Weigher | None:
+        """The last partition's rank's micro-batch losses (None elsewhere); over ``replicas`` > 1, what the
+        loss divides by is added over the replicas' last ranks (one all-reduce of a number)."""
+        if loss_fn is None or how is None:
+            return None
+        model = self.model
+        unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
+        total = self._over_replicas if replicas > 1 and self._dp_group is not None else None
+        return Weigher(loss_fn, how, targets, sizes, self._probes, unflatten=unflatten, total=total,
+                       replicas=replicas if total is not None else 1)
+
+    def _over_replicas(self, local: float | torch.Tensor) -> float | torch.Tensor:
+        """``local`` (a number, or a tensor on this rank's device, added there) added over this pipeline rank's
+        data-parallel replicas."""
+        value = torch.as_tensor(local, dtype=torch.float64).to(self.device).reshape(1).clone()
+        others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
+        with peer(self.me, others, "adding what the loss divides by over data-parallel replicas"):
+            dist.all_reduce(value, group=self._dp_group)
+        return value.reshape(()) if isinstance(local, torch.Tensor) else float(value)
+
+    def _forward_only(self, micro: list[Any], sizes: list[int], link: Link, targets: list[Any],
+                      loss_fn: Callable[[Any, Any], torch.Tensor] | None, how: Any = None) -> Any:
+        """Every forward, in fill-drain order, without autograd: the loss (with ``loss_fn``: this replica's)
+        or the outputs by micro-batch on the last partition's rank."""
+        order = [a for a in gpipe(self.placement, len(sizes)).per_device()[self.index] if a.kind == "F"]
+        weigh = self._weigher(loss_fn, how, targets, sizes, replicas=1)
+        run = RankRun(self, link, micro, sizes, weigh, 0, False)
+        run.run(order)
+        link.flush()
+        if loss_fn is not None:
+            return torch.stack(run.losses).sum() if self.is_last else None
+        return [run.outputs[i] for i in range(len(sizes))] if self.is_last else None
+
+    def _all_reduce_grads(self) -> None:
+        if self.replicas == 1 or self._dp_group is None:
+            return
+        grads = [p.grad for p in self.partition.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
+        with peer(self.me, others, "averaging gradients over data-parallel replicas"):
+            dist.all_reduce(flat, group=self._dp_group)
+        flat /= self.replicas
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+    @torch.no_grad()
+    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+        """Inference over the pipeline: the output (source structure) on the last partition's rank, None elsewhere."""
+        micro = self._micro_inputs(inputs if len(inputs) != 1 else inputs[0]) if self.is_first else []
+        sizes = self._sizes(micro)
+        outs = self._forward_only(micro, sizes, Link(self.device, self.me, self._directions), [None] * len(sizes), None)
+        if not self.is_last:
+            return None
+        model = self.model
+        out = gather(outs, model.output_spec.names if isinstance(model, Sequential) else None)
+        return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
+
+
+def stage(
+    model: nn.Module,
+    *,
+    balance: Sequence[int] | str | None = None,
+    chunks: int = 1,
+    checkpoint: str = "never",
+    schedule: str | Schedule = "gpipe",
+    loops: int = 1,
+    graphs: bool = False,
+    device: torch.device | str | None = None,
+    sample: Any = None,
+    example_inputs: Any = None,
+) -> DistributedStage:
+    """This process's partitions of a pipeline over all processes of the job (call under torchrun).
+
+    With ``world_size = ranks * replicas``, rank ``r`` is pipeline rank ``r % ranks`` of replica
+    ``r // ranks``. Each pipeline rank holds ``loops`` partitions (round-robin, or in a V for
+    'zb-h1' with ``loops=2``; a ``Schedule`` brings its own placement): ``balance`` lists the layers of
+    every partition (``ranks * loops`` entries), or a strategy name ('params', 'flops', 'time',
+    'memory') splits the model into ``world_size * loops`` partitions. Rank 0 decides the balance and
+    broadcasts it, so every rank agrees. Every rank must build the same model (seed it).
+    ``graphs=True`` runs each partition's forward and backward of each micro-batch as fixed programs,
+    captured as CUDA graphs after the first step in the order the schedule issues them (eager programs
+    on the CPU); the sends and receives stay between them, and checkpointed micro-batches recompute
+    inside their backward programs.
+    """
+    if not dist.is_initialized():
+        init()
+    if not isinstance(model, nn.Sequential):
+        from seqify.convert import convert
+
+        model = convert(model, example_inputs)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if device is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    per_rank = len(schedule.placement) // (max(schedule.placement) + 1) if isinstance(schedule, Schedule) else loops
+    if isinstance(balance, str) or balance is None:
+        shared: list[Any] = [None]
+        if rank == 0:
+            from seqify.partition import balance as make_plan
+
+            probe = sample if sample is not None else example_inputs
+            parts = len(schedule.placement) if isinstance(schedule, Schedule) else world * per_rank
+            # 'time' and 'memory' are measured where the partitions run (rank 0's device): timed on the CPU a
+            # GPU job was balanced for the CPU, and slowly (torchrun gives each process one thread)
+            shared[0] = make_plan(model, parts, sample=probe, by=balance or "params", device=device,
+                                  progress=False).balance
+        dist.broadcast_object_list(shared, src=0)
+        counts = list(shared[0])
+    else:
+        counts = list(balance)
+    if isinstance(schedule, Schedule):
+        ranks = max(schedule.placement) + 1
+    elif len(counts) % loops:
+        raise BalanceError(f"balance has {len(counts)} partitions, not a multiple of loops={loops}: give loops "
+                           "entries per rank")
+    else:
+        ranks = len(counts) // loops
+    if world % ranks:
+        raise DeviceError(f"world size {world} is not a multiple of the {ranks} pipeline ranks; launch "
+                          "ranks x replicas processes")
+    replicas = world // ranks
+    result = DistributedStage(model, counts, index=rank % ranks, replica=rank // ranks, replicas=replicas,
+                              device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                              graphs=graphs, loops=loops)
+    result._directions = directions()
+    if replicas > 1:
+        for s in range(ranks):
+            group = dist.new_group([d * ranks + s for d in range(replicas)])
+            if s == rank % ranks:
+                result._dp_group = group
+    return result

@@ -353,7 +353,7 @@ def sweep(
     a terminal, or with ``SEQIFY_PROGRESS=1``) if ``show``. ``graphs`` runs the pipelines with CUDA graphs
     (``checkpoint='never'``; the first warm-up step captures them).
     """
-    import seqify
+    from seqify.api import pipeline
 
     loss_fn = loss_fn or nn.functional.cross_entropy
     placed = [torch.device(d) for d in devices]
@@ -370,7 +370,7 @@ def sweep(
                             optimizer, report)
                 result.baseline = SweepPoint(0, x.shape[0], sec, steps)
                 continue
-            pipe = seqify.pipeline(model, devices=placed, balance=list(balance), chunks=c, checkpoint=checkpoint,
+            pipe = pipeline(model, devices=placed, balance=list(balance), chunks=c, checkpoint=checkpoint,
                                    graphs=graphs)
             pipe.train()
             sec = _time(pipe, x.to(placed[0]), _to(target, placed[-1]), loss_fn, placed, steps, warm, optimizer, report)

@@ -49,7 +49,7 @@ def _device_names(devices: Sequence[torch.device]) -> list[str]:
 
 def key(model: nn.Module, sample: Any, devices: Sequence[torch.device], options: dict[str, Any]) -> str:
     """The cache key of a tuning: model, input shapes and dtypes, devices, options, versions and search space."""
-    from seqify import __version__
+    from seqify._version import __version__
 
     text = json.dumps([fingerprint(model), _describe(sample), _device_names(devices), options, __version__,
                        torch.__version__, SPACE, _precision(devices)], sort_keys=True, default=str)

@@ -272,7 +272,7 @@ def get(
             ``depth=5, blocks=2, channels=64`` (U-Net), ``layers=18, filters=256`` (AmoebaNet-D),
             ``preset='0.89b'`` or config fields such as ``num_hidden_layers=8`` (Llama, GPT-2).
     """
-    import seqify
+    from seqify.convert import convert
 
     e = entry(name)
     enum = _weights_enum(name, weights) if weights is not None and e.torchvision else None
@@ -281,7 +281,7 @@ def get(
     source = build(name, **kwargs).train(train)
     if e.tokens and example_inputs is None:
         example_inputs = {"input_ids": _example_ids(e, **kwargs)}
-    seq = seqify.convert(source, example_inputs, frontend=e.frontend)
+    seq = convert(source, example_inputs, frontend=e.frontend)
     if weights is not None:
         load_weights(seq, weights, enum)
     return (seq, source) if return_source else seq

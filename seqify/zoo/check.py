@@ -36,7 +36,7 @@ class Check:
 
 def check(name: str) -> Check:
     """Build ``name`` in its small configuration, convert it and check it (eval mode, no gradients)."""
-    import seqify
+    from seqify.api import pipeline
 
     start = time.perf_counter()
     e = entry(name)
@@ -50,7 +50,7 @@ def check(name: str) -> Check:
     with torch.no_grad():
         expected = source(x)
         exact = _bit_equal(seq(x), expected)
-        pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance="params", chunks=2)
+        pipe = pipeline(seq, devices=["cpu", "cpu"], balance="params", chunks=2)
         per_batch = [source(x[:1]), source(x[1:])]
         joined = pytree.tree_map(lambda a, b: torch.cat([a, b]), per_batch[0], per_batch[1])
         pipelined = _bit_equal(pipe(x), joined)

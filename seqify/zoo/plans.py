@@ -93,7 +93,7 @@ def _converted(
 ) -> tuple[torch.nn.Module, Any]:
     """The source (meta or uninitialised) and its conversion; token models on ids of ``length`` (default:
     the entry's), since export fixes the sequence length."""
-    import seqify
+    from seqify.convert import convert
 
     if meta:
         source = _skeleton(name, dict(key))
@@ -102,11 +102,11 @@ def _converted(
             source = build(name, **dict(key))
     e = entry(name)
     if not e.tokens:
-        return source, seqify.convert(source)
+        return source, convert(source)
     # Token models convert through torch.export, which needs example ids (fake on meta: no compute).
     device = next(iter(source.parameters())).device
     ids = sample(name, 2, length, device=device, **dict(key))
-    return source, seqify.convert(source, {"input_ids": ids}, frontend=e.frontend, verify=False, check_modes=False)
+    return source, convert(source, {"input_ids": ids}, frontend=e.frontend, verify=False, check_modes=False)
 
 
 def _signature(seq: Any) -> str:

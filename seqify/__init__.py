@@ -4,17 +4,17 @@ from typing import Any
 
 from seqify import skip
 from seqify._version import __version__
-from seqify.tools.run_file import Config, pipeline_from_config
+from seqify.api import pipeline
 from seqify.convert import convert
 from seqify.errors import *  # noqa: F403
 from seqify.errors import __all__ as _errors
 from seqify.model.guard import Guard
 from seqify.model.layer import Layer
-from seqify.partition import NoPlanFitsError, PartitionPlan, balance
-from seqify.api import pipeline
-from seqify.pipe import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomputing
 from seqify.model.sequential import OpaqueInfo, Sequential, SkipInfo
+from seqify.partition import NoPlanFitsError, PartitionPlan, balance
+from seqify.pipe import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomputing
 from seqify.pipe.config import PipeConfig
+from seqify.tools.run_file import Config, pipeline_from_config
 from seqify.tuning import tune
 
 __all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", "measure", "plot", "tune", "PipeConfig", "Config", "pipeline_from_config", "checkpoint", "compat", *_errors]

@@ -11,9 +11,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from seqify.api import pipeline as make_pipeline
 from seqify.errors import SplitPointError
 from seqify.pipe.microbatch import scatter
-from seqify.api import pipeline as make_pipeline
 from seqify.pipe.pipeline import Pipeline
 
 __all__ = ["SplitPoint", "split_balance", "pipeline", "ScheduleGPipe", "Schedule1F1B"]

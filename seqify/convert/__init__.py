@@ -10,17 +10,27 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from seqify.errors import (ConversionError, DecoratedForwardError, OptionError, SeqifyError, SourceRaisesError,
-    SpecializationError, StatefulForwardError, UnregisteredError, UntraceableError, VerifyError)
-from seqify.model.sequential import ExportedInfo, Sequential
-from seqify.frontend.preserve import preserved
-from seqify.frontend.fx.trace import Opaque, Traced, trace
-from seqify.frontend.real import buffers_kept
-from seqify.convert.verify import check, kept, split_inputs
 from seqify.convert.build import RESERVED, build
 from seqify.convert.linearize import Plan, linearize
 from seqify.convert.modes import exported_mode_dependent, mode_differences
 from seqify.convert.splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
+from seqify.convert.verify import check, kept, split_inputs
+from seqify.errors import (
+    ConversionError,
+    DecoratedForwardError,
+    OptionError,
+    SeqifyError,
+    SourceRaisesError,
+    SpecializationError,
+    StatefulForwardError,
+    UnregisteredError,
+    UntraceableError,
+    VerifyError,
+)
+from seqify.frontend.fx.trace import Opaque, Traced, trace
+from seqify.frontend.preserve import preserved
+from seqify.frontend.real import buffers_kept
+from seqify.model.sequential import ExportedInfo, Sequential
 
 __all__ = ["convert", "Plan", "linearize", "build"]
 

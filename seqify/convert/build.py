@@ -11,15 +11,15 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from seqify.model.layer import Attr, Layer, Op, Ref
+from seqify.convert.kinds import CONST, TENSOR
+from seqify.convert.linearize import Plan, Step
+from seqify.frontend.fx.autograd import GRAD_MODE
+from seqify.frontend.fx.trace import Traced, value_of
 from seqify.frontend.outside import Held, find, outside, registered, unregistered_error
+from seqify.model.layer import Attr, Layer, Op, Ref
 from seqify.model.sequential import OpaqueInfo, Sequential, SkipInfo, _Unused
 from seqify.model.signature import OutputSpec
 from seqify.skip.namespace import Namespace
-from seqify.frontend.fx.trace import Traced, value_of
-from seqify.frontend.fx.autograd import GRAD_MODE
-from seqify.convert.kinds import CONST, TENSOR
-from seqify.convert.linearize import Plan, Step
 
 __all__ = ["build", "RESERVED"]
 

@@ -23,9 +23,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from seqify.convert.kinds import AUX, CONST, CONTAINER, TENSOR, classify, is_projection
 from seqify.errors import ConversionError, EmptyModelError
 from seqify.frontend.fx.trace import UNKNOWN, Traced, is_cache, value_of
-from seqify.convert.kinds import AUX, CONST, CONTAINER, TENSOR, classify, is_projection
 
 __all__ = ["Step", "Plan", "linearize"]
 

@@ -15,13 +15,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from seqify.model.guard import Guard, check_bool, check_equal
-from seqify.frontend.preserve import preserved
-from seqify.model.hooks import HOOK_DICTS
-from seqify.frontend.fx.trace import Opaque, Traced, _caller
-from seqify.frontend.fx.autograd import GRAD_MODE
-from seqify.frontend.real import record_inputs
 from seqify.convert.modes import exported_mode_dependent
+from seqify.frontend.fx.autograd import GRAD_MODE
+from seqify.frontend.fx.trace import Opaque, Traced, _caller
+from seqify.frontend.preserve import preserved
+from seqify.frontend.real import record_inputs
+from seqify.model.guard import Guard, check_bool, check_equal
+from seqify.model.hooks import HOOK_DICTS
 
 __all__ = ["Spliced", "candidates", "copied", "splice", "opaque_with", "FRONTEND", "EXPORT"]
 

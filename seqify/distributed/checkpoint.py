@@ -13,7 +13,6 @@ from torch import nn
 from seqify.distributed.rank import RankStage
 from seqify.errors import StateDictError
 
-
 __all__ = ["save", "load", "merge", "stage_file"]
 
 FORMAT = "seqify.distributed/1"

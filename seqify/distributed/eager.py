@@ -8,14 +8,13 @@ from typing import Any
 
 import torch
 
-from seqify.distributed.rank import RankStage
-from seqify.pipe.split_backward import Later, accumulate, input_grads, weight_grads
 from seqify.distributed.link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Key, Link, grads_for, leaves, like_grads
+from seqify.distributed.rank import RankStage
 from seqify.distributed.sizes import is_size
 from seqify.errors import ScheduleError
 from seqify.pipe.recompute import checkpointed
+from seqify.pipe.split_backward import Later, accumulate, input_grads, weight_grads
 from seqify.schedule.actions import Action
-
 
 __all__ = ["RankRun"]
 

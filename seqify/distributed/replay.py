@@ -10,18 +10,26 @@ from typing import Any
 
 import torch
 
-from seqify.distributed.rank import RankStage
-from seqify.distributed.link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
 from seqify.distributed.eager import RankRun
+from seqify.distributed.link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
+from seqify.distributed.rank import RankStage
 from seqify.errors import GraphError
 from seqify.pipe.executors.buffers import Buffers, places
 from seqify.pipe.executors.casts import Casts, find, lowered
-from seqify.pipe.executors.replay import (Program, Unreplayable, _buffers, _capture_in_order, _checkpoint, _Flat,
-    _hand_over, _partition_order, _warm)
+from seqify.pipe.executors.replay import (
+    Program,
+    Unreplayable,
+    _buffers,
+    _capture_in_order,
+    _checkpoint,
+    _Flat,
+    _hand_over,
+    _partition_order,
+    _warm,
+)
 from seqify.pipe.executors.replayed import GraphWarning
 from seqify.pipe.stage import Stage
 from seqify.skip.namespace import SkipKey
-
 
 __all__ = ["RankPrograms", "ProgramRun", "program_step"]
 

@@ -13,23 +13,23 @@ import torch.distributed as dist
 from torch import nn
 
 from seqify.distributed.checkpoint import load, merge, save
-from seqify.distributed.rank import Route
-from seqify.distributed.link import Books, Link, directions, leaves, peer
-from seqify.distributed.replay import RankPrograms, program_step
 from seqify.distributed.eager import RankRun
+from seqify.distributed.link import Books, Link, directions, leaves, peer
+from seqify.distributed.rank import Route
+from seqify.distributed.replay import RankPrograms, program_step
 from seqify.errors import BalanceError, BoundaryError, DeviceError, ScheduleError
-from seqify.pipe.recompute import norms_of
+from seqify.model.sequential import Sequential
+from seqify.model.stash_sizes import size_skips
+from seqify.pipe import tied
 from seqify.pipe.losses import Count, Probes, Weigher, reduction_of
 from seqify.pipe.microbatch import gather, scatter
-from seqify.pipe.pipeline import CHECKPOINT, _check_balance, _place
-from seqify.schedule.actions import SCHEDULES, Action, Schedule, gpipe, make, round_robin, v_shape
+from seqify.pipe.placement import CHECKPOINT, _check_balance, _place
+from seqify.pipe.recompute import norms_of
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import refuse_meta
-from seqify.pipe import tied
-from seqify.model.sequential import Sequential
+from seqify.schedule.actions import SCHEDULES, Action, Schedule, gpipe, make, round_robin, v_shape
 from seqify.skip.layout import routes
 from seqify.skip.namespace import SkipKey
-from seqify.model.stash_sizes import size_skips
 
 __all__ = ["DistributedStage", "stage", "init", "save", "load", "merge", "SCHEDULES", "placement_for"]
 

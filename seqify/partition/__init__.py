@@ -1,8 +1,18 @@
 """seqify.partition: balance a model's layers into pipeline stages by time, memory, FLOPs or parameters."""
 
 from seqify.partition.balancer import balance, split
-from seqify.partition.cost import (BY, FLOPS_PER_BYTE, LINK_BANDWIDTH, LayerCosts, costs, default_transfer_cost,
-    flop_costs, memory_costs, param_costs, time_costs)
+from seqify.partition.cost import (
+    BY,
+    FLOPS_PER_BYTE,
+    LINK_BANDWIDTH,
+    LayerCosts,
+    costs,
+    default_transfer_cost,
+    flop_costs,
+    memory_costs,
+    param_costs,
+    time_costs,
+)
 from seqify.partition.errors import BalanceError, NoPlanFitsError
 from seqify.partition.plan import PartitionPlan, Stage
 from seqify.partition.solve import Solution, solve

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqify.skip.layout import SkipRoute
 from seqify.partition.cost import BY, LayerCosts, costs, default_transfer_cost
 from seqify.partition.errors import BalanceError
 from seqify.partition.graph import clean_cuts, crossing, dataflow, live_bytes
@@ -18,6 +17,7 @@ from seqify.partition.plan import PartitionPlan, Stage
 from seqify.partition.profile import device_of
 from seqify.partition.solve import solve
 from seqify.partition.walk import layers
+from seqify.skip.layout import SkipRoute
 
 __all__ = ["balance", "split"]
 

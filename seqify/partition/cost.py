@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,11 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqify.skip.namespace import SkipKey
 from seqify.partition.errors import BalanceError
 from seqify.partition.profile import profile
 from seqify.partition.shapes import propagate
 from seqify.partition.walk import Layers, first_input, layers, owned
+from seqify.skip.namespace import SkipKey
 
 __all__ = [
     "BY",

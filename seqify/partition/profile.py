@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from seqify.errors import SeqifyError
+from seqify.partition.errors import BalanceError
+from seqify.partition.walk import Layers, Skips, apply, fresh, nbytes, roots, saved_bytes
 from seqify.progress import progress as bar
 from seqify.skip.namespace import SkipKey
 from seqify.skip.tracker import SkipTracker, use_tracker
-from seqify.partition.errors import BalanceError
-from seqify.partition.walk import Layers, Skips, apply, fresh, nbytes, roots, saved_bytes
 
 __all__ = ["Profile", "profile", "device_of"]
 

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from seqify.errors import SeqifyError
+from seqify.partition.errors import BalanceError
+from seqify.partition.walk import Layers, Skips, apply, fresh, nbytes, saved_bytes
 from seqify.progress import progress as bar
 from seqify.skip.namespace import SkipKey
 from seqify.skip.tracker import use_tracker
-from seqify.partition.errors import BalanceError
-from seqify.partition.walk import Layers, Skips, apply, fresh, nbytes, saved_bytes
 
 __all__ = ["Shapes", "propagate"]
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from seqify.model.sequential import Sequential
+from seqify.partition.errors import BalanceError
 from seqify.skip.layout import SkipRoute, routes
 from seqify.skip.namespace import SkipKey
 from seqify.skip.skippable import pop_keys
 from seqify.skip.tracker import SkipTracker
-from seqify.partition.errors import BalanceError
 
 __all__ = ["Layers", "Skips", "layers", "first_input", "apply", "tensors", "nbytes", "storage", "saved_bytes", "fresh",
            "roots", "owned"]

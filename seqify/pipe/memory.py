@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from seqify.errors import MemoryCapError
-from seqify.skip.namespace import SkipKey
-from seqify.schedule.actions import Schedule
 from seqify.pipe.stage import Stage
+from seqify.schedule.actions import Schedule
+from seqify.skip.namespace import SkipKey
 
 __all__ = ["MemoryPlan", "PartitionMemory", "measure", "parse_bytes", "predict", "weighted"]
 

@@ -2,33 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
 
-from seqify.errors import BalanceError, BoundaryError, DeviceError, EmptyModelError, MemoryCapError, ScheduleError
+from seqify.errors import BalanceError, BoundaryError, DeviceError, MemoryCapError, ScheduleError
 from seqify.model.sequential import Sequential
 from seqify.pipe.batchnorm import DeferredBatchNorm, one_sample
-from seqify.pipe.recompute import norms_of
 from seqify.pipe.config import PipeConfig
 from seqify.pipe.executors.eager import Eager, checkpoint_stop
-from seqify.pipe.inplace import INPUT, mutated_roots
-from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
-from seqify.pipe.losses import Count, Probes, Weigher, reduction_of
-from seqify.pipe.microbatch import gather, scatter, split_like
-from seqify.pipe.placement import (CHECKPOINT, STRATEGIES, _check_balance, _check_chunks, _check_meta, _counts,
-    _place, place, resolve_devices)
 from seqify.pipe.executors.replay import Replay, run
 from seqify.pipe.executors.replayed import GraphWarning, Replayer
-from seqify.schedule.actions import SCHEDULES, Schedule, ahead, make, round_robin, v_shape
 from seqify.pipe.executors.scheduled import ScheduledStep
+from seqify.pipe.inplace import INPUT, mutated_roots
+from seqify.pipe.losses import Count, Probes, Weigher, reduction_of
+from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
+from seqify.pipe.microbatch import gather, scatter, split_like
+from seqify.pipe.placement import (
+    CHECKPOINT,
+    STRATEGIES,
+    _check_chunks,
+    _counts,
+    place,
+    resolve_devices,
+)
+from seqify.pipe.recompute import norms_of
 from seqify.pipe.transfer import Transfer, refuse_meta
+from seqify.schedule.actions import SCHEDULES, Schedule, ahead, make, round_robin, v_shape
 
 __all__ = ["Pipeline", "build", "capped", "from_config", "resolve_devices", "GraphWarning"]
 

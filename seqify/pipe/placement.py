@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import operator
 
 import torch
 from torch import nn
 
 from seqify.errors import BalanceError, DeviceError, MetaDeviceError, SharedParameterError
 from seqify.model.sequential import meta_tensor
-from seqify.skip.layout import routes
-from seqify.skip.namespace import SkipKey
+from seqify.pipe import tied
 from seqify.pipe.batchnorm import defer_batch_norm
 from seqify.pipe.inplace import written_tensors
-from seqify.pipe import tied
 from seqify.pipe.stage import Stage
+from seqify.skip.layout import routes
+from seqify.skip.namespace import SkipKey
 
 __all__ = ["CHECKPOINT", "STRATEGIES", "Placement", "place", "resolve_devices"]
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqify.pipe.config import PipeConfig, Trial, megabytes
 from seqify.api import pipeline
+from seqify.pipe.config import PipeConfig, Trial, megabytes
 from seqify.progress import progress
 
 __all__ = ["Row", "Bench", "bench", "plot_bench"]

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from seqify.tools.advice import DATA_DEPENDENT, costs_depend_on_data, data_dependent_advice, for_cli
 from seqify.convert import convert
-from seqify.tools.demo import NOT_EXACT, OK, _bit_equal, _gpus, _section, demo
 from seqify.errors import BalanceError, SampleError, SeqifyError, SpecError, UntraceableError
 from seqify.partition.cost import BY
 from seqify.schedule.actions import SCHEDULES
+from seqify.tools.advice import DATA_DEPENDENT, costs_depend_on_data, data_dependent_advice, for_cli
+from seqify.tools.demo import NOT_EXACT, OK, _bit_equal, _gpus, _section, demo
 
 __all__ = ["main"]
 
@@ -237,7 +237,8 @@ def _cap(args: argparse.Namespace) -> float | None:
 
 def _bench_spec(args: argparse.Namespace) -> int:
     from seqify import plot
-    from seqify.tools.bench import bench as run_bench, plot_bench
+    from seqify.tools.bench import bench as run_bench
+    from seqify.tools.bench import plot_bench
 
     args.size = args.size if args.size_given else None  # the model's own input side unless --size is given
     model, x = _load(args)

@@ -136,8 +136,8 @@ def demo(args: argparse.Namespace) -> int:
     import torchvision
 
     from seqify import measure
-    from seqify.partition import balance
     from seqify.api import pipeline
+    from seqify.partition import balance
 
     devices = _demo_devices(args)
     on_gpu = devices[0].type == "cuda"

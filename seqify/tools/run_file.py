@@ -89,7 +89,8 @@ class Config:
     def build(self) -> Any:
         """The model the spec names, converted and pipelined as described: a :class:`seqify.Pipeline`."""
         from seqify.api import pipeline
-        from seqify.tools.spec import load as load_spec, random_input
+        from seqify.tools.spec import load as load_spec
+        from seqify.tools.spec import random_input
 
         built = load_spec(self.model, self.model_args)
         sample = random_input(tuple(self.sample_shape)) if self.sample_shape else None

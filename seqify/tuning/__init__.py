@@ -30,8 +30,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from seqify.tuning import cache as tune_cache
-from seqify.pipe.split_backward import input_grads, weight_values
 from seqify.errors import MemoryCapError, ScheduleError, SeqifyError, TuneError
 from seqify.partition.balancer import split
 from seqify.partition.cost import LayerCosts, default_transfer_cost, flop_costs, param_costs, time_costs
@@ -42,10 +40,12 @@ from seqify.pipe.config import PipeConfig, Trial
 from seqify.pipe.memory import weighted
 from seqify.pipe.microbatch import split_like
 from seqify.pipe.pipeline import CHECKPOINT, Pipeline, build, resolve_devices
-from seqify.schedule.actions import SCHEDULES, SPLIT, round_robin, v_shape
-from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
+from seqify.pipe.split_backward import input_grads, weight_values
 from seqify.progress import progress
+from seqify.schedule.actions import SCHEDULES, SPLIT, round_robin, v_shape
+from seqify.tuning import cache as tune_cache
 from seqify.tuning.cache import cache_path, fingerprint
+from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds",
            "fit_host"]

@@ -19,6 +19,7 @@ the language models pipelines train most, built from a transformers config witho
 
 from __future__ import annotations
 
+import builtins
 from typing import List
 
 from seqify.zoo.amoebanet import AmoebaNetD, amoebanet
@@ -52,7 +53,7 @@ __all__ = [
 ]
 
 
-def list(family: str | None = None) -> List[str]:  # noqa: A001 - seqify.zoo.list() reads best
+def list(family: str | None = None) -> builtins.list[str]:  # noqa: A001 - seqify.zoo.list() reads best
     """Every zoo name, or those of one ``family`` (``'ResNet'``, ``'ViT'``, ``'U-Net'``, ...)."""
     return names(family)
 

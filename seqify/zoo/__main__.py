@@ -66,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     names = args.names or list(ENTRIES)
     from seqify.errors import ZooError
-
     from seqify.zoo import entry
 
     try:

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from seqify.errors import ZooError
-
 from seqify.zoo.amoebanet import amoebanet
 from seqify.zoo.hf import gpt2, llama, vocab_size
 from seqify.zoo.unet import unet

@@ -11,7 +11,6 @@ import torch.utils._pytree as pytree
 
 from seqify.convert.verify import bit_equal as _bit_equal
 from seqify.progress import progress
-
 from seqify.zoo.catalog import ENTRIES, entry, get, sample
 
 __all__ = ["Check", "check", "check_all"]

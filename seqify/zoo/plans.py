@@ -27,7 +27,6 @@ from seqify.errors import MetaDeviceError
 from seqify.partition import BalanceError, PartitionPlan, costs, default_transfer_cost, split
 from seqify.partition.cost import LayerCosts
 from seqify.partition.walk import layers
-
 from seqify.zoo.catalog import build, entry, sample
 
 __all__ = ["Facts", "facts", "plan", "hints", "block_cuts", "signature", "HINTS_FILE", "GPUS", "cached_table", "versions"]

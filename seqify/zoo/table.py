@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from seqify.progress import progress
-
 from seqify.zoo.catalog import ENTRIES
 from seqify.zoo.plans import GPUS, HINTS_FILE, facts, plan, versions
 

@@ -17,20 +17,20 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from seqify.errors import (ConversionError, ExampleInputError, ExportError, HookError, SeqifyError,
-    StatefulForwardError)
-from seqify.frontend.grad_watch import watching
-from seqify.model.guard import Guard, check_equal
-from seqify.model.signature import EMPTY, InputSpec, Param, bind_examples
-from seqify.frontend.preserve import preserved
-from seqify.model.hooks import HOOK_DICTS, user_hooks
-from seqify.frontend.fx.trace import Traced, _error_site, _first_line
-from seqify.frontend.outside import Held, find, generator_error, outside
-from seqify.frontend.reseeds import Reseed, reseeds
-from seqify.frontend.real import raises_itself, source_error
+from seqify.errors import ConversionError, ExampleInputError, ExportError, HookError, SeqifyError, StatefulForwardError
 from seqify.frontend.export.autograd import Watch, refuse_autograd
 from seqify.frontend.export.hf_masks import causal_skip
-from seqify.frontend.export.regions import graphs as regions, neutral_autocast, prepare_regions
+from seqify.frontend.export.regions import graphs as regions
+from seqify.frontend.export.regions import neutral_autocast, prepare_regions
+from seqify.frontend.fx.trace import Traced, _error_site, _first_line
+from seqify.frontend.grad_watch import watching
+from seqify.frontend.outside import Held, find, generator_error, outside
+from seqify.frontend.preserve import preserved
+from seqify.frontend.real import raises_itself, source_error
+from seqify.frontend.reseeds import Reseed, reseeds
+from seqify.model.guard import Guard, check_equal
+from seqify.model.hooks import HOOK_DICTS, user_hooks
+from seqify.model.signature import EMPTY, InputSpec, Param, bind_examples
 
 __all__ = ["export_trace"]
 

@@ -10,8 +10,19 @@ import torch.utils._pytree as pytree
 from torch.autograd import grad_mode
 
 from seqify.errors import AutogradContextError
-from seqify.frontend.grad_watch import (CHECKPOINT, FLAG, FUNCTION, GRAD, HOOK, LEAK, RUN, Use, Watcher, applied,
-    holds_proxy)
+from seqify.frontend.grad_watch import (
+    CHECKPOINT,
+    FLAG,
+    FUNCTION,
+    GRAD,
+    HOOK,
+    LEAK,
+    RUN,
+    Use,
+    Watcher,
+    applied,
+    holds_proxy,
+)
 
 __all__ = ["GRAD_MODE", "FxAutograd", "Refused", "refusal", "keep_reason", "AUTOGRAD_CALLS", "PROXY_USES"]
 

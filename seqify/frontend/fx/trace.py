@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import copy
 import inspect
-import re
 import linecache
 import math
 import operator
 import os
+import re
 import traceback
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -23,20 +23,26 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._symbolic_trace import PH
 from torch.fx.proxy import Scope, ScopeContextManager
 
-from seqify.errors import (ExampleInputError, HookError, KeywordArgumentsError, SeqifyError, StatefulForwardError,
-    UntraceableError)
+from seqify._paths import PACKAGE_DIR
+from seqify.errors import (
+    ExampleInputError,
+    HookError,
+    KeywordArgumentsError,
+    SeqifyError,
+    StatefulForwardError,
+    UntraceableError,
+)
+from seqify.frontend.fx.autograd import AUTOGRAD_CALLS, GRAD_MODE, PROXY_USES, FxAutograd, keep_reason, refusal
+from seqify.frontend.fx.checks import attributes, check_decorated, passthrough, writes_since
+from seqify.frontend.fx.factories import recording_shape_ops
 from seqify.frontend.grad_watch import GRAD, Use, watching
-from seqify.model.guard import Guard, check_bool, check_equal
-from seqify.model.hooks import ALL_HOOK_DICTS, HOOK_DICTS
 from seqify.frontend.outside import Held, find, generator_error, outside, registered, unregistered_error, what_is
 from seqify.frontend.preserve import preserved
-from seqify.frontend.reseeds import Reseed, reseeds
-from seqify.model.signature import EMPTY, InputSpec, Param, bind_examples
-from seqify.frontend.fx.factories import recording_shape_ops
-from seqify.frontend.fx.checks import attributes, check_decorated, passthrough, writes_since
-from seqify.frontend.fx.autograd import AUTOGRAD_CALLS, GRAD_MODE, PROXY_USES, FxAutograd, keep_reason, refusal
 from seqify.frontend.real import RealRun, buffers_kept, raises_itself, source_error, tracing, unpatched
-from seqify._paths import PACKAGE_DIR
+from seqify.frontend.reseeds import Reseed, reseeds
+from seqify.model.guard import Guard, check_bool, check_equal
+from seqify.model.hooks import ALL_HOOK_DICTS, HOOK_DICTS
+from seqify.model.signature import EMPTY, InputSpec, Param, bind_examples
 
 __all__ = ["Opaque", "Traced", "trace", "UNKNOWN", "value_of", "attribute", "is_cache"]
 

@@ -10,13 +10,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from seqify.errors import BoundaryError
-from seqify.skip.namespace import SkipKey
 from seqify.pipe.batchnorm import DeferredBatchNorm
-from seqify.pipe.recompute import checkpointed
 from seqify.pipe.microbatch import is_tensors
-from seqify.schedule.actions import clock_cycles
+from seqify.pipe.recompute import checkpointed
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
+from seqify.schedule.actions import clock_cycles
+from seqify.skip.namespace import SkipKey
 
 __all__ = ["Eager", "checkpoint_stop"]
 

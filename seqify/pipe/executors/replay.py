@@ -10,18 +10,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqify.pipe.split_backward import Later, input_grads, weight_values
 from seqify.errors import BoundaryError, GraphError
-from seqify.skip.namespace import SkipKey
 from seqify.model.stash_sizes import size_skips
 from seqify.pipe.executors.buffers import Buffers, places
 from seqify.pipe.executors.casts import Casts, find, lowered
-from seqify.pipe.recompute import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
 from seqify.pipe.executors.lanes import Lanes
 from seqify.pipe.microbatch import is_tensors
-from seqify.schedule.actions import Schedule, ahead, gpipe
+from seqify.pipe.recompute import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
+from seqify.pipe.split_backward import Later, input_grads, weight_values
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
+from seqify.schedule.actions import Schedule, ahead, gpipe
+from seqify.skip.namespace import SkipKey
 
 __all__ = ["Program", "Replay", "Unreplayable", "build", "order", "run", "slots"]
 

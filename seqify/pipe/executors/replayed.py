@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from seqify.errors import SeqifyError
 from seqify.pipe import tied
 from seqify.pipe.executors.replay import Replay, Unreplayable, build, slots
-from seqify.schedule.actions import Schedule, gpipe
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
+from seqify.schedule.actions import Schedule, gpipe
 
 __all__ = ["GraphWarning", "Replayer"]
 

@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from seqify.errors import BoundaryError, ScheduleError
-from seqify.skip.namespace import SkipKey
 from seqify.pipe.batchnorm import DeferredBatchNorm
-from seqify.pipe.recompute import checkpointed
 from seqify.pipe.microbatch import is_tensors
-from seqify.schedule.actions import Schedule
+from seqify.pipe.recompute import checkpointed
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
+from seqify.schedule.actions import Schedule
+from seqify.skip.namespace import SkipKey
 
 __all__ = ["ScheduledStep"]
 

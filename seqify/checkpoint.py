@@ -30,8 +30,8 @@ def stage_keys(pipe: Any) -> list[list[str]]:
     stage_of = {name: j for j, count in enumerate(pipe.balance) for name in _names(pipe, j, count)}
     keys: list[list[str]] = [[] for _ in pipe.balance]
     if isinstance(model, Sequential):
-        for key, places in model._state_map.items():
-            places = (places,) if isinstance(places[0], str) else places
+        for key, found in model._state_map.items():
+            places: Any = (found,) if isinstance(found[0], str) else found
             held = [stage_of[path.split(".")[0]] for path, _ in places if path != "<unused>"]
             keys[min(held) if held else 0].append(key)
     else:

@@ -43,7 +43,7 @@ class Tensors(nn.Module):
         super().__init__()
         self._fixed: set[str] = set()
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Tensors:  # type: ignore[override]
+    def _apply(self, fn: Any, recurse: bool = True) -> Tensors:
         fixed: set[str] = getattr(self, "_fixed", set())
         before = {name: t for name in fixed if (t := self._buffers.get(name)) is not None}
         super()._apply(fn, recurse)

@@ -84,7 +84,12 @@ def _has_dim(node: fx.Node, kinds: dict[fx.Node, str]) -> bool:
 def _rule(node: fx.Node, kinds: dict[fx.Node, str], root: nn.Module) -> str:
     def arg_kinds() -> set[str]:
         found: set[str] = set()
-        fx.node.map_arg((node.args, node.kwargs), lambda n: found.add(kinds[n]) or n)
+
+        def note(n: fx.Node) -> fx.Node:
+            found.add(kinds[n])
+            return n
+
+        fx.node.map_arg((node.args, node.kwargs), note)
         return found
 
     if node.op == "placeholder":

@@ -203,7 +203,7 @@ def _splice_one(traced: Traced, node: fx.Node, exported: Traced, feeds: list[fx.
     for user, _ in reversed(uses):  # innermost projections first
         value = picked[user]
         if isinstance(value, fx.Node) or not any(isinstance(x, fx.Node) for x in pytree.tree_leaves(value)):
-            user.replace_all_uses_with(value)  # type: ignore[arg-type]
+            user.replace_all_uses_with(value)
         graph.erase_node(user)
     graph.erase_node(node)
     traced.flattened += [(f"{path}.{p}" if p else path, m) for p, m in exported.flattened]

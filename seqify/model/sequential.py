@@ -126,7 +126,7 @@ class Sequential(nn.Sequential):
         skips: list[SkipInfo],
         opaque: list[OpaqueInfo],
         guards: list[Guard],
-        state_map: OrderedDict[str, tuple[str, str]],
+        state_map: OrderedDict[str, tuple[tuple[str, str], ...]],
         unused: _Unused,
         training: bool,
         mode_dependent: bool,
@@ -185,7 +185,7 @@ class Sequential(nn.Sequential):
         """The source's output structure from what the last layer returns."""
         return self.output_spec.unflatten(carried)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = self.flatten_inputs(*args, **kwargs)
         inputs = x
         name = ""
@@ -243,14 +243,14 @@ class Sequential(nn.Sequential):
             return nn.Sequential(OrderedDict(list(self._modules.items())[idx]))
         return super().__getitem__(idx)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Sequential:  # type: ignore[override]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Sequential:
         groups = tied_slots(self)
         super()._apply(fn, recurse)
         self._unused._apply(fn)
         retie(groups)  # .double(), .to(), .to_empty() keep shared tensors shared
         return self
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict`` with the converted model's own keys (``seq.state_dict()``); a
         mismatch raises :class:`StateDictError` (a ``RuntimeError``) that points to
         :meth:`load_original_state_dict` when the keys are the source model's."""
@@ -275,7 +275,7 @@ class Sequential(nn.Sequential):
     # -- checkpoints -----------------------------------------------------------------------------------
 
     def _locate(self, key: str) -> list[tuple[nn.Module, str]]:
-        places = self._state_map[key]
+        places: Any = self._state_map[key]
         if isinstance(places[0], str):  # saved by seqify 0.1.0: one place per key
             places = (places,)
         return [(self._unused if path == "<unused>" else self.get_submodule(path), name) for path, name in places]
@@ -357,7 +357,7 @@ class Sequential(nn.Sequential):
         return "\n".join(lines)
 
     def named_layers(self) -> Iterator[tuple[str, nn.Module]]:
-        return iter(self._modules.items())  # type: ignore[arg-type]
+        return iter(self._modules.items())
 
 
 def _made_by(frontend: str, layers: Mapping[str, str]) -> str:

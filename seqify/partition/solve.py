@@ -132,8 +132,8 @@ def _solve(
             raise AssertionError("partition tie-break lost the optimal plan")
         stops.append(start)
     bounds = stops[::-1]
-    cuts = list(cut_cost) if cut_cost is not None else [0.0] * n
-    costs = tuple(stage_cost(cost, cuts, a, b) for a, b in zip(bounds, bounds[1:]))
+    cut_costs = list(cut_cost) if cut_cost is not None else [0.0] * n
+    costs = tuple(stage_cost(cost, cut_costs, a, b) for a, b in zip(bounds, bounds[1:]))
     return Solution(tuple(b - a for a, b in zip(bounds, bounds[1:])), costs, max(costs))
 
 

@@ -62,7 +62,7 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         count, mean, m2 = self.count, self.mean, self.m2
         self._reset_tracking()
         assert self.running_mean is not None and self.running_var is not None and mean is not None
-        self.num_batches_tracked.add_(1)  # type: ignore[union-attr]
+        self.num_batches_tracked.add_(1)
         momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         unbiased = m2 / max(count - 1, 1)
         self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)

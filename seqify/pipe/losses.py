@@ -119,7 +119,8 @@ def _known(loss_fn: Any) -> tuple[str, Count | None] | None:
     """(reduction, count) of a torch loss (module, function, or ``functools.partial`` of one by keywords); None
     for anything else. Count None: the loss divides by samples or elements."""
     if isinstance(loss_fn, _COUNTED_MODULES):
-        return loss_fn.reduction, _class_count(loss_fn.weight, loss_fn.ignore_index)
+        counted: Any = loss_fn
+        return counted.reduction, _class_count(counted.weight, counted.ignore_index)
     if isinstance(loss_fn, nn.modules.loss._Loss) and type(loss_fn).__module__ == nn.modules.loss.__name__:
         return ("mean" if loss_fn.reduction == "batchmean" else loss_fn.reduction), None
     func, keywords = loss_fn, {}
@@ -340,7 +341,7 @@ class Weigher:
         if self.kept is None:
             return loss * w
         # torch's own count, on the device: a micro-batch that keeps no target (its own mean 0/0) adds nothing
-        return torch.where(self.kept[i], loss * w.to(loss.dtype), 0.0)
+        return torch.where(self.kept[i], loss * torch.as_tensor(w).to(loss.dtype), 0.0)
 
 
 def _counts(how: Reduction, targets: list[Any], sizes: list[int]) -> list[float] | torch.Tensor:

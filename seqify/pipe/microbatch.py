@@ -49,6 +49,7 @@ def scatter(value: Any, chunks: int, names: Callable[[], list[str] | None] | Non
             f"got sizes {[tuple(t.shape) for t in tensors]}{hint}"
         )
     batch = sizes.pop()
+    assert batch is not None  # refused above: every tensor has a batch dimension
     chunks = max(1, min(chunks, batch))
     if chunks == 1:
         return [value]

@@ -331,6 +331,7 @@ class Pipeline(nn.Module):
         and switch to them; raise :class:`MemoryCapError` naming the smallest cap any choice fits."""
         limit = parse_bytes(cap)
         loops = len(self.placement) // (max(self.placement) + 1)
+        names: list[str | Schedule]
         if self.placement == v_shape(max(self.placement) + 1) and loops == 2:
             names = ["zb-h1"]
         elif loops > 1:
@@ -338,7 +339,7 @@ class Pipeline(nn.Module):
         else:
             names = ["zb-h2", "zb-h1", "1f1b", "gpipe"]
         if isinstance(self.schedule, Schedule) or self.schedule in names:  # the caller's choice first
-            names = [self.schedule] + [n for n in names if n != self.schedule]  # type: ignore[list-item]
+            names = [self.schedule] + [n for n in names if n != self.schedule]
         plans = [self.plan_memory(sample, schedule=n, checkpoint=c)
                  for c in ("never", "except_last", "always") for n in names]
         for plan, name in zip(plans, names * 3):
@@ -404,7 +405,7 @@ def build(
     *,
     gpus: int | None = None,
     devices: Sequence[Any] | None = None,
-    chunks: int = 1,
+    chunks: int | str = 1,
     balance: Sequence[int] | str | None = None,
     checkpoint: str = "except_last",
     deferred_batch_norm: bool = False,

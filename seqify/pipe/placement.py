@@ -223,7 +223,7 @@ def place(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.
         _place(parts, devices)
     tied.home(ties, devices)
     if deferred_batch_norm:
-        parts = [defer_batch_norm(p, chunks) for p in parts]  # type: ignore[misc]
+        parts = [defer_batch_norm(p, chunks) for p in parts]
     pops: list[list[SkipKey]] = [[] for _ in parts]
     stashes: list[list[SkipKey]] = [[] for _ in parts]
     skip_partitions: dict[SkipKey, tuple[int, int]] = {}

@@ -139,7 +139,7 @@ class _WithCopies:
         for (m, name), p in self.slots:
             if id(p) not in copies:
                 copies[id(p)] = p.to(self.device, copy=True)
-            m._parameters[name] = copies[id(p)]  # type: ignore[assignment]
+            m._parameters[name] = copies[id(p)]
         try:
             return self.layer(x)
         finally:

@@ -22,7 +22,7 @@ def refuse_meta(value: Any, what: str, device: torch.device, names: list[str] | 
         if names and isinstance(value, torch.Tensor) and len(names) == 1:
             where = f"{what} {names[0]!r}"
         elif names and type(value) is tuple and len(names) == len(value):
-            where = f"{what} {names[path[0].idx]!r}"  # type: ignore[attr-defined]
+            where = f"{what} {names[path[0].idx]!r}"
         raise DeviceError(
             f"{where} of shape {tuple(t.shape)} is on the meta device: a shape without data, which cannot be "
             f"copied to {device}, where the pipeline takes it. Pass a tensor holding data (on the CPU or any GPU: "

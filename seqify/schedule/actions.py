@@ -357,7 +357,7 @@ def _megatron(owned: list[int], m: int, group: int, reverse: bool) -> list[tuple
     """Megatron's order over a device's partitions: ``group`` micro-batches through the first partition,
     the same through the next, ..., then the next group (partitions reversed for backward)."""
     parts = list(reversed(owned)) if reverse else owned
-    out = []
+    out: list[tuple[int, int]] = []
     for start in range(0, m, group):
         for p in parts:
             out.extend((p, mb) for mb in range(start, min(start + group, m)))

@@ -34,7 +34,7 @@ def routes(layers: Sequence[nn.Module] | nn.Sequential, names: Sequence[str] | N
     """
     if isinstance(layers, nn.Sequential):
         names = list(layers._modules.keys()) if names is None else names
-        layers = list(layers._modules.values())  # type: ignore[assignment]
+        layers = list(layers._modules.values())
     names = [str(i) for i in range(len(layers))] if names is None else list(names)
     stashed: dict[SkipKey, int] = {}
     found: list[SkipRoute] = []

@@ -77,5 +77,6 @@ def write_hints(table: list[dict[str, Any]], path: Path = HINTS_FILE) -> None:
         },
     }
     head = json.dumps({k: v for k, v in doc.items() if k != "models"})[:-1]
-    models = ",\n".join(f"  {json.dumps(name)}: {json.dumps(row)}" for name, row in doc["models"].items())
+    rows: dict[str, Any] = doc["models"]  # type: ignore[assignment]
+    models = ",\n".join(f"  {json.dumps(name)}: {json.dumps(row)}" for name, row in rows.items())
     path.write_text(f'{head}, "models": {{\n{models}\n}}}}\n')  # one model per line

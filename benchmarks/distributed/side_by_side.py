@@ -1,13 +1,12 @@
-"""One table from the rows of one device session: the in-process pipeline (pipeline_bench.py, whose 'single'
-row is the one-GPU baseline), seqify.distributed (distributed_bench.py) and torch.distributed.pipelining
-(torchpp_anchor.py), each ratio to the one-GPU row of its work and precision ('single', 'single-bf16'; inference rows to
-'infer-single', 'infer-single-bf16'), with memory per GPU.
+"""One table from the rows of one machine's run: the in-process pipeline (benchmarks/two_gpus/main.py, whose
+'single' row is the one-GPU baseline), seqify.distributed (benchmarks/distributed/main.py) and
+torch.distributed.pipelining (benchmarks/two_gpus/torchpp.py), each ratio to the one-GPU row of its work and
+precision ('single', 'single-bf16'; inference rows to 'infer-single', 'infer-single-bf16'), with memory per GPU.
 
     python benchmarks/distributed/side_by_side.py OUT/pipeline_bench_fp32.json OUT/distributed.json OUT/torchpp.json
 
-``bash benchmarks/gpu_session.sh side-by-side`` runs the three and this in one call.
+benchmarks/distributed/README.md gives the three commands that write those files.
 """
-
 from __future__ import annotations
 
 import json
@@ -47,7 +46,7 @@ def table(paths: list[str]) -> str:
         reserved = r.get("reserved_gib") or (r.get("peak_gib") if "peak_allocated_gib" in r else None)
         lines.append(f"{r['name']:<48} {r['samples_per_s']:>10.1f} {ratio:>10}  {cells(allocated):>14}  {cells(reserved):>14}")
     if not any(base.values()):
-        lines.append("(no 'single' row: ratios need the one-GPU baseline of the same session)")
+        lines.append("(no 'single' row: ratios need the one-GPU baseline of the same run)")
     return "\n".join(lines)
 
 

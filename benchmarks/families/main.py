@@ -145,7 +145,7 @@ def main() -> None:
         batches[family] = int(n)
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    print(f"# families_pipeline {when}, {len(devices)} devices ({', '.join(devices)}; {gpu}), torch {torch.__version__}",
+    print(f"# benchmarks/families {when}, {len(devices)} devices ({', '.join(devices)}; {gpu}), torch {torch.__version__}",
           flush=True)
     begin = time.perf_counter()
     done: list[dict[str, Any]] = []

@@ -191,7 +191,7 @@ def inference_rows(args: argparse.Namespace, x: torch.Tensor, bf16: bool, tag: s
 
 
 def torchrun(script: str, args: list[str], label: str) -> None:
-    """Run a benchmarks/ script on 2 processes under torchrun; keep the JSON rows it prints."""
+    """Run a script of benchmarks/ (a path from this folder) on 2 processes under torchrun; keep the JSON rows it prints."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -349,11 +349,11 @@ def main() -> None:
         common = ["--batch", str(B), "--res", str(args.res), "--steps", str(args.steps), "--warm", str(args.warm),
                   "--out", args.out, "--chunks", *[str(c) for c in args.chunks if c <= 16]]
         for bf16 in precisions:
-            # the old hand cut and one near seqify's time-balanced cut (torchpp_anchor.py --cuts)
-            torchrun("torchpp_anchor.py", common + ["--cuts", "0", "3"] + (["--bf16"] if bf16 else []),
+            # the old hand cut and one near seqify's time-balanced cut (torchpp.py --cuts)
+            torchrun("torchpp.py", common + ["--cuts", "0", "3"] + (["--bf16"] if bf16 else []),
                      "torchpp" + ("-bf16" if bf16 else ""))
         if False in precisions:  # seqify.distributed, fp32
-            torchrun("distributed_bench.py", common, "seqify-distributed")
+            torchrun("../distributed/main.py", common, "seqify-distributed")
 
     with open(os.path.join(args.out, f"pipeline_bench_{args.precision}.json"), "w") as f:
         json.dump(ROWS, f, indent=1)

@@ -1,4 +1,4 @@
-"""What the torchrun benchmarks (distributed_bench.py, torchpp_anchor.py) share: timing a step on every
+"""What the torchrun benchmarks (benchmarks/distributed/main.py, benchmarks/two_gpus/torchpp.py) share: timing a step on every
 rank, one JSON row per configuration, and rank 0 writing the rows."""
 
 from __future__ import annotations

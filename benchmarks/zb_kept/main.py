@@ -4,7 +4,7 @@
     python benchmarks/zb_kept/main.py benchmarks/zb_kept/results/families-input.jsonl GPT-2 --no-check
 
 For each family's chosen ZB-H1 configuration (model, batch, balance, loops, chunks from the JSONL rows of
-families_pipeline.py), on one micro-batch on the CPU: per partition, the bytes pipe.plan_memory now counts
+benchmarks/families/main.py), on one micro-batch on the CPU: per partition, the bytes pipe.plan_memory now counts
 as kept for W (its weighted layers' outputs) beside the gradients dist_backward.input_grads actually keeps
 (the first partition's B computes nothing and keeps nothing); then the plan's per-device peak with and
 without that term, and the GPU run's predicted peak plus the difference, beside what the GPU measured.
@@ -79,7 +79,7 @@ def probe(row: dict[str, Any], check: bool) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("rows", help="a families_pipeline.py JSONL file")
+    p.add_argument("rows", help="a JSONL file of benchmarks/families/main.py")
     p.add_argument("families", nargs="*", help="only these families (default: every ZB-H1 choice)")
     p.add_argument("--no-check", action="store_true", help="do not run input_grads beside the count")
     args = p.parse_args()

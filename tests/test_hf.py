@@ -314,8 +314,8 @@ def test_llama_benchmark_runs_tiny_on_cpu(tmp_path: Any) -> None:
     import json
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "llama_bench.py"
-    spec = importlib.util.spec_from_file_location("llama_bench", path)
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "llama" / "main.py"
+    spec = importlib.util.spec_from_file_location("llama_main", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -7,7 +7,6 @@ import copy
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +17,7 @@ from torchvision.models.resnet import BasicBlock, ResNet
 import seqify
 
 from exactness import loss_of
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import benchmarks
 
 
 def resnet() -> tuple[nn.Module, torch.Tensor]:
@@ -97,7 +95,7 @@ def test_tuned_eight_partitions_are_exact(tmp_path, monkeypatch) -> None:
 def test_scaling_benchmark_smoke(tmp_path) -> None:
     out = tmp_path / "scaling.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--tiny", "--device", "cpu", "--gpus", "1", "2",
+        [sys.executable, str(benchmarks.path("scaling/main.py")), "--tiny", "--device", "cpu", "--gpus", "1", "2",
          "--models", "unet", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={**__import__("os").environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")},
@@ -116,13 +114,13 @@ def test_scaling_benchmark_smoke(tmp_path) -> None:
 
 
 def test_families_benchmark_smoke(tmp_path) -> None:
-    """benchmarks/families_pipeline.py (every zoo family with the automatic configuration) in its CPU smoke
+    """benchmarks/families/main.py (every zoo family with the automatic configuration) in its CPU smoke
     mode: one JSON line per family with the tuner's choice, predicted and measured times and the ratio to one
     device; an unknown family is a usage error, not a silent empty run."""
     import os
 
     out = tmp_path / "families.jsonl"
-    script = str(ROOT / "benchmarks" / "families_pipeline.py")
+    script = str(benchmarks.path("families/main.py"))
     env = {**os.environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")}
     run = subprocess.run([sys.executable, script, "--tiny", "--devices", "cpu,cpu", "--families", "U-Net", "GPT-2",
                           "--steps", "1", "--warm", "0", "--out", str(out)],
@@ -141,19 +139,13 @@ def test_families_benchmark_smoke(tmp_path) -> None:
 
 
 def _bench(name: str) -> Any:
-    """A module of benchmarks/, imported as its scripts import each other."""
-    import importlib
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    """benchmarks/NAME/main.py, imported by its path."""
+    return benchmarks.load(f"{name}/main.py")
 
 
 def _anchor() -> Any:
-    """benchmarks/scaling_torchpp.py, imported as its torchrun workers import it."""
-    return _bench("scaling_torchpp")
+    """benchmarks/scaling/torchpp.py, imported as its torchrun workers import it."""
+    return benchmarks.load("scaling/torchpp.py")
 
 
 def test_one_device_baseline_accumulates_when_the_batch_does_not_fit(monkeypatch) -> None:
@@ -249,13 +241,13 @@ def test_torchpp_anchor_runs_under_torchrun(tmp_path) -> None:
 
     env = {**os.environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")}
     rows = tmp_path / "scaling.json"
-    made = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--tiny", "--device", "cpu",
+    made = subprocess.run([sys.executable, str(benchmarks.path("scaling/main.py")), "--tiny", "--device", "cpu",
                            "--gpus", "2", "--models", "unet", "--out", str(rows)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert made.returncode == 0, made.stderr[-3000:]
     out = tmp_path / "torchpp.jsonl"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          str(ROOT / "benchmarks" / "scaling_torchpp.py"), "--rows", str(rows), "--out", str(out),
+                          str(benchmarks.path("scaling/torchpp.py")), "--rows", str(rows), "--out", str(out),
                           "--device", "cpu", "--steps", "1", "--warm", "0"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -265,6 +257,6 @@ def test_torchpp_anchor_runs_under_torchrun(tmp_path) -> None:
     assert {r["scaling"] for r in ran} == {"strong", "weak"}
     assert all(r["runner"] == "torchpp" and r["gpus"] == 2 and r["samples_per_s"] > 0 for r in ran)
     assert all("micro" in r["error"] for r in got if "error" in r)
-    table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--table", str(rows), str(out)],
+    table = subprocess.run([sys.executable, str(benchmarks.path("scaling/main.py")), "--table", str(rows), str(out)],
                            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert table.returncode == 0 and "torch pipelining" in table.stdout and "same cuts" in table.stdout

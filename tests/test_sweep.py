@@ -1,5 +1,5 @@
 """172 Hugging Face architectures no other test names (decoders, recent decoder and state-space families,
-encoders, encoder-decoders, audio, vision, diffusers), each from a tiny config, checked as a new user meets them by ``benchmarks/sweep/harness.py``:
+encoders, encoder-decoders, audio, vision, diffusers), each from a tiny config, checked as a new user meets them by ``tests/helpers/sweep.py``:
 convert (frontend="auto", example inputs), eval and train exact against the source, a batch one larger, a
 2-stage CPU pipeline. A model seqify cannot take must be refused with the SeqifyError listed here, at the
 stage listed here: never a raw crash, never a wrong model."""
@@ -7,20 +7,16 @@ stage listed here: never a raw crash, never a wrong model."""
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "sweep"))
+from helpers import sweep as harness  # noqa: E402
 
-import harness  # noqa: E402
-
-REGISTRIES = {name: importlib.import_module(name).REGISTRY for name in ("hf_decoders", "hf_recent", "hf_encoders",
-                                                                               "hf_vision")}
+REGISTRIES = {name: importlib.import_module(f"helpers.{name}").REGISTRY
+              for name in ("hf_decoders", "hf_recent", "hf_encoders", "hf_vision")}
 
 # (stage, error class): refusals that are right. Data-dependent control flow torch.export cannot capture
 # (MoE routing written as a Python loop over the experts hit, LayerDrop's random skip in train mode, a labels

@@ -27,8 +27,8 @@ MODELS = [
 ]
 #: Without example inputs these branch on input shapes at the top level: refused, asking for examples.
 NEEDS_EXAMPLES = {"crossvit_tiny_240"}
-#: Seconds a conversion may take: a few seconds on an idle 2-core machine, a generous margin for a loaded
-#: one; before the fix convit_tiny took over 120 s on an idle machine (and nfnet's first layer held 12 GB).
+#: Seconds a conversion may take: a few seconds on two idle cores, with a wide margin for loaded ones. A
+#: conversion that bakes example values into its layers again would take over 120 s on convit_tiny.
 CONVERT_LIMIT = 90.0
 
 
@@ -46,8 +46,8 @@ def timed_convert(model: nn.Module, example: Any, **options: Any) -> seqify.Sequ
     return seq
 
 
-#: A fast, representative subset for CI (2 cores, 30 minutes for the whole suite): each of the full list
-#: takes 10-40 s on a loaded 2-core machine, so the full list runs on request: SEQIFY_TIMM_ALL=1.
+#: A representative subset by default: each model of the full list takes 10-40 s to convert and check on two
+#: loaded cores, so the full list runs on request: SEQIFY_TIMM_ALL=1.
 CI = [("coat_lite_tiny", True), ("poolformerv2_s12", True), ("crossvit_tiny_240", False)]
 ALL = [(name, ex) for name in MODELS for ex in (True, False)]
 CASES = ALL if os.environ.get("SEQIFY_TIMM_ALL") == "1" else CI

@@ -1,4 +1,4 @@
-"""fx-path fixes: parameters read in forward, opaque values, shape factories, decorators, state."""
+"""The fx path on hard cases: parameters read in forward, opaque values, shape factories, decorators, state."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from exactness import assert_exact
 pytestmark = pytest.mark.timeout(120)
 
 
-# -- 1. parameters read directly in forward, with example inputs -------------------------------------
+# -- parameters read directly in forward, with example inputs ---------------------------------------
 
 
 class Scale(nn.Module):
@@ -56,7 +56,7 @@ def test_vision_transformer_with_example_inputs() -> None:
     assert not seq.opaque
 
 
-# -- 2. opaque submodules get real example values --------------------------------------------------
+# -- opaque submodules get real example values ------------------------------------------------------
 
 
 class ValueGate(nn.Module):
@@ -124,7 +124,7 @@ def test_opaque_submodule_with_children_in_train_mode_leaves_batchnorm_alone() -
     assert_exact(UsesNormShape(), (x,), train=True, convert=lambda m: seqify.convert(m, x))
 
 
-# -- 3. shape arithmetic fx cannot record ----------------------------------------------------------
+# -- shape arithmetic fx cannot record --------------------------------------------------------------
 
 
 class Factories(nn.Module):
@@ -149,7 +149,7 @@ def test_factories_and_buffer_methods_with_traced_sizes(example: bool) -> None:
     assert torch.equal(seq(y), model(y))
 
 
-# -- 4. decorated forwards (transformers 5) --------------------------------------------------------
+# -- decorated forwards (transformers 5) ------------------------------------------------------------
 
 
 def returns_tuple(fn: Any) -> Any:
@@ -193,7 +193,7 @@ def test_decorated_forward_is_refused_naming_the_decorator() -> None:
     assert_exact(Decorated(), (x,), train=False, convert=lambda m: seqify.convert(m, x))
 
 
-# -- 5. failures of the fake evaluation are not swallowed -------------------------------------------
+# -- failures of the fake evaluation are not swallowed ----------------------------------------------
 
 
 class TimestepLike(nn.Module):
@@ -258,7 +258,7 @@ def test_op_failing_on_example_values_in_a_submodule_keeps_it_whole() -> None:
     assert seq.frontend == "fx+export" and not seq.opaque and [e.path for e in seq.exported] == ["inner"]
 
 
-# -- 6. key/value caches ---------------------------------------------------------------------------
+# -- key/value caches -------------------------------------------------------------------------------
 
 
 class DynamicCache:
@@ -292,7 +292,7 @@ def test_cache_is_refused_naming_it_and_use_cache_false() -> None:
     assert torch.equal(seq(x, use_cache=False), model(x, use_cache=False))
 
 
-# -- 7. forwards that change Python attributes ---------------------------------------------------
+# -- forwards that change Python attributes ---------------------------------------------------------
 
 
 class Counter(nn.Module):

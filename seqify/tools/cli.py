@@ -286,7 +286,7 @@ def bench(args: argparse.Namespace) -> int:
     if gpus < 2:
         print(f"seqify bench measures pipeline training throughput across GPUs; this machine has {gpus} GPU"
               f"{'s' if gpus != 1 else ''}, so it shows the CPU conversion-speed table instead "
-              "(benchmarks/convert_speed.py has the full version).")
+              "(benchmarks/convert_speed/main.py has the full version).")
         return _bench_cpu(args)
     from seqify import measure
     from seqify.partition import balance
@@ -534,7 +534,7 @@ def _parser() -> argparse.ArgumentParser:
     p = add("bench", help="pipeline throughput on GPUs; without GPUs, the CPU conversion-speed table",
             description="With 2 or more GPUs: balance a torchvision model by time and measure pipelined "
             "training throughput against one GPU for several micro-batch counts, eager and with CUDA "
-            "graphs (benchmarks/pipeline_bench.py adds torchgpipe and torch pipelining). Otherwise: how long "
+            "graphs (benchmarks/two_gpus/main.py adds torchgpipe and torch pipelining). Otherwise: how long "
             "conversion takes and the converted model's speed against its source on the CPU.")
     p.add_argument("--model", default="resnet101", type=_torchvision_model)
     p.add_argument("--batch", type=POSITIVE, default=128, action=_Given, help="batch (CPU table: 2 unless given)")

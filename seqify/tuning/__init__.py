@@ -276,7 +276,7 @@ def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int,
     issue = [min(h) for h in zip(*host)] if all(host) else []
     fitted = LayerModel.through(points, hi.activation_bytes, hi.state_bytes, live[: len(lays)], batch, issue)
     # What a split backward's B keeps for W: the gradient at each weighted layer's output, shaped like it
-    # (benchmarks/probe/zb_kept.py: for FCN, RegNet and VGG partitions, the bytes dist_backward.input_grads kept).
+    # (benchmarks/zb_kept/: for FCN, RegNet and VGG partitions, the bytes dist_backward.input_grads kept).
     kept = tuple(o / batch if weighted(m) else 0.0 for o, m in zip(hi.output_bytes, lays.modules))
     return replace(fitted, kept_per_sample=kept), hi
 
@@ -362,9 +362,8 @@ def _replayed(model: nn.Module, sample: Any, device: torch.device, *, steps: int
 def fit_host(layers: LayerModel, alone: Candidate, cal: Calibration, batch: int, measured: float) -> LayerModel:
     """``layers`` with the host's issue times (``host_s``) scaled so that ``alone`` (the model eagerly on one
     device) predicts ``measured`` seconds: profiling issues each layer's backward as an autograd call of its
-    own, which a whole step does not pay per layer (MaxViT's 1081 layers on an H200: 245 ms of issue
-    profiled, an eager step of 142 ms measured), while small kernels can take longer to issue in a full
-    step than alone. The times are found by bisection (the prediction grows with them); a step the GPU's
+    own, which a whole step does not pay per layer, while small kernels can take longer to issue in a full
+    step than alone (measurements: docs/design/cost-model.md). The times are found by bisection (the prediction grows with them); a step the GPU's
     work alone already explains keeps them at most as profiled, down to where the host stops binding."""
     if not layers.host_s:
         return layers
@@ -771,17 +770,15 @@ def _confirm(model: nn.Module, sample: Any, placed: list[torch.device], timed: l
 
 
 #: How far over the best prediction each other schedule's best candidate is still timed (with ``top >= 2``):
-#: on GPUs the predictions err by up to 5-13% (README, the families table), more than the gaps between
-#: schedules (ResNet-101 on 2x H200: ZB-H2 at 4 chunks predicted 4.4% over the best, ran 6% under it).
+#: on GPUs the predictions err by more than schedules differ (docs/design/cost-model.md, "What is timed").
 BAND = 0.05
 
 
 def _to_time(fits: list[Trial], top: int) -> list[Trial]:
     """The candidates to time: the ``top`` best predicted (``fits`` is sorted), and with ``top >= 2`` also the
     best of the other kind (eager or replayed) when none of them is: the two kinds are predicted from different
-    costs (the host's issue time against the GPU's work), and an error in one must not keep the other untimed
-    (GPT-2 on two H100s: eager predicted 214 ms, measured 375; graphs predicted 307, measured 226). Then the
-    best of each schedule not yet among them, predicted within :data:`BAND` of the best."""
+    costs (the host's issue time against the GPU's work), and an error in one must not keep the other untimed.
+    Then the best of each schedule not yet among them, predicted within :data:`BAND` of the best."""
     best = fits[:top]
     if top < 2:
         return best

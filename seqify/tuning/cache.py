@@ -17,9 +17,9 @@ from seqify.pipe.config import PipeConfig
 
 __all__ = ["cache_path", "fingerprint", "key", "read", "write", "SPACE"]
 
-#: what the candidates range over and how they are weighed, in the cache key: choices cached by an earlier
-#: search (before schedules were weighed, or before the host's issue time and the replayed split were) are not reused
-SPACE = "schedules+checkpoint+loops+balance+chunks;host-issue+replayed-split;lean;kept-for-w;time-per-micro-batch;replayed-anchor"
+#: The version of the search space, in the cache key: what the candidates range over and how they are weighed.
+#: Raise it whenever either changes, so that no choice cached by an earlier search is reused (CHANGELOG.md).
+SPACE = "6"
 
 
 def cache_path() -> str:

@@ -14,7 +14,7 @@ The model, per candidate (partitions on devices, ``m`` micro-batches of ``b`` sa
   graphs every layer call costs the host the seconds the profile took to issue it (``host_s``; else the
   calibrated ``launch_s``). One thread issues the work: ``pipe.step`` every action in turn, ``pipe(x)``
   every forward in turn and then autograd's thread per device its backwards, so a step takes at least
-  that long (GPT-2's eager pipelines over two GPUs were host-bound: 330 ms of issue per 195 ms of work);
+  that long (an eager pipeline of many small layers can be bound by it: docs/design/cost-model.md);
 * a value crossing a cut between two devices costs ``copy_latency_s + bytes / copy_bytes_per_s`` each way;
 * a split backward (zero-bubble schedules) is B, the input gradients, ``1 - weight_share`` of it, and W,
   the weight gradients, ``weight_share`` of it, plus what splitting costs the executor beyond one

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 import seqify
-from seqify.pipe.executors import replay
+from seqify.pipe.executors.options import ReplayOptions
 
 
 def gpus() -> list[int]:
@@ -85,7 +85,7 @@ def main() -> None:
     variants = [(False, True), (True, True)] + ([(True, False)] if args.compare_buffers else [])
     for schedule in ("gpipe", "1f1b" if args.loops == 1 else "interleaved"):
         for graphs, share in variants if schedule != "gpipe" else variants[:2]:  # fill-drain shares none
-            replay.SHARE_BUFFERS = share
+            options = ReplayOptions(share_buffers=share)
             name = f"{schedule}, checkpoint=always, {'graphs' if graphs else 'eager'}, {args.chunks} chunks"
             name += ", a buffer set per micro-batch" if not share else ""
             torch.manual_seed(0)
@@ -94,7 +94,7 @@ def main() -> None:
             bal = seqify.balance(seq, parts, sample=x[: args.batch // args.chunks].cpu(), by="time", device=x.device,
                                  progress=False).balance if parts > 1 else [len(seq)]
             pipe = seqify.pipeline(seq, gpus=n, loops=args.loops, balance=bal, chunks=args.chunks, checkpoint="always", graphs=graphs,
-                                   schedule=schedule)
+                                   schedule=schedule, replay_options=options)
             opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
             target = torch.zeros(1, device=pipe.devices[-1])
 

@@ -5,7 +5,7 @@
 
 Per model (zoo families, converted as ``seqify bench`` converts them): a 2-partition pipeline with graphs
 (both partitions on cuda:0 when there is one GPU), 1F1B, under bf16 autocast, SGD; the same initial weights
-and batches with ``seqify.pipe.executors.casts.ENABLED`` off and on. Prints whether the losses and every gradient
+and batches with ``ReplayOptions(cast_once=...)`` off and on. Prints whether the losses and every gradient
 of the first steps are bit-equal, how many weights each partition casts once, and the step time and peak
 allocated / reserved memory of each. ``--control`` runs the first setting twice: a model whose backward
 kernels are not deterministic on the GPU (attention's atomics) differs from itself after the first step.
@@ -31,7 +31,7 @@ from families_pipeline import FAMILIES, _tiny  # noqa: E402
 import seqify  # noqa: E402
 from seqify import convert
 from seqify.tools import spec  # noqa: E402
-from seqify.pipe.executors import casts  # noqa: E402
+from seqify.pipe.executors.options import ReplayOptions  # noqa: E402
 
 
 def loss_fn(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
@@ -41,11 +41,11 @@ def loss_fn(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
 
 def run(seq: nn.Module, x: torch.Tensor, devices: list[str], chunks: int, enabled: bool, steps: int,
         timed: int) -> dict:
-    casts.ENABLED = enabled
+    options = ReplayOptions(cast_once=enabled)
     try:
         cuda = devices[0].startswith("cuda")
         pipe = seqify.pipeline(seq, devices=devices, balance="params", chunks=chunks, schedule="1f1b",
-                               graphs=cuda, checkpoint="never")
+                               graphs=cuda, checkpoint="never", replay_options=options)
         pipe._replay_eager = not cuda  # the CPU smoke test drives the same programs eagerly
         opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
         losses, grads = [], {}
@@ -75,7 +75,7 @@ def run(seq: nn.Module, x: torch.Tensor, devices: list[str], chunks: int, enable
                 "allocated_gib": [round(torch.cuda.max_memory_allocated(i) / gib, 2) for i in idx],
                 "reserved_gib": [round(torch.cuda.max_memory_reserved(i) / gib, 2) for i in idx]}
     finally:
-        casts.ENABLED = True
+        pass  # the option belongs to this run's pipeline: nothing to restore
 
 
 def main() -> None:

@@ -88,7 +88,7 @@ def timeline(step: Callable[[], None], device: torch.device) -> list[dict[str, o
     step's start (host and GPU clocks joined at a synchronize just before)."""
     from seqify.distributed import replay as dist_replay
 
-    from seqify.pipe.executors import replay
+    from seqify.pipe.executors import programs as replay
 
     marks: list[tuple[str, int, int, float, float, torch.cuda.Event, torch.cuda.Event]] = []
     saved = {k: getattr(dist_replay.ProgramRun, k) for k in ("forward", "backward", "weights")}

@@ -11,6 +11,7 @@ from torch import nn
 from seqify.convert import convert
 from seqify.errors import BalanceError, EmptyModelError
 from seqify.pipe.config import PipeConfig
+from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.memory import parse_bytes
 from seqify.pipe.pipeline import Pipeline, build, from_config
 from seqify.pipe.placement import _check_meta
@@ -37,6 +38,7 @@ def pipeline(
     memory_cap: int | float | str | None = None,
     config: PipeConfig | str | os.PathLike[str] | None = None,
     overlap: bool | None = None,
+    replay_options: ReplayOptions | None = None,
     **convert_options: Any,
 ) -> Pipeline:
     """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
@@ -96,6 +98,9 @@ def pipeline(
             from forward memory. Partitions that draw random numbers (dropout) keep one stream.
             Default: off, except with ``chunks='auto'``, where the tuner times its best candidate both
             ways and keeps the faster, and with ``config``, which says (``True`` or ``False`` fixes it).
+        replay_options: how graphs (and their eager replay) are built: a
+            :class:`~seqify.pipe.executors.options.ReplayOptions` (``share_buffers``, ``cast_once``; both on by
+            default), for measuring what each buys. Applies to pipelines built by hand (a fixed ``chunks``).
 
     Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
     the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
@@ -103,7 +108,8 @@ def pipeline(
     if not isinstance(model, nn.Sequential):
         model = convert(model, example_inputs, **convert_options)
     elif convert_options:
-        raise BalanceError(f"options {sorted(convert_options)} apply to conversion, but the model is already a Sequential")
+        raise BalanceError(f"options {sorted(convert_options)} apply to conversion, but the model is already a "
+                           "Sequential")
     layers = len(model)
     if layers == 0:
         raise EmptyModelError(f"the {type(model).__name__} has no layers; there is nothing to pipeline")
@@ -127,4 +133,5 @@ def pipeline(
                             fixed_schedule if isinstance(fixed_schedule, Schedule) else None)
     return build(model, gpus=gpus, devices=devices, chunks=chunks, balance=balance, checkpoint=checkpoint,
                  deferred_batch_norm=deferred_batch_norm, graphs=graphs, loops=loops,
-                 sample=probe, schedule=schedule, memory_cap=memory_cap, overlap=overlap)
+                 sample=probe, schedule=schedule, memory_cap=memory_cap, overlap=overlap,
+                 replay_options=replay_options)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from seqify.pipe.executors.buffers import Buffers, in_flight, places
-from seqify.pipe.executors.replay import _partition_order
+from seqify.pipe.executors.buffers import partition_order as _partition_order
 from seqify.schedule.actions import gpipe, interleaved, one_f_one_b, zb_h1, zb_h2
 
 from test_step import compare, setup

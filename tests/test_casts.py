@@ -10,6 +10,7 @@ from torch import nn
 
 import seqify
 from seqify.pipe.executors import casts
+from seqify.pipe.executors.options import ReplayOptions
 
 
 class Block(nn.Module):
@@ -87,28 +88,23 @@ def step(schedule: str, enabled: bool, checkpoint: str, steps: int = 2, devices:
     seq = seqify.convert(model)
     cuda = devices[0].startswith("cuda")
     pipe = seqify.pipeline(seq, devices=list(devices), balance=[cut, len(seq) - cut], chunks=4, checkpoint=checkpoint,
-                           schedule=schedule, graphs=cuda)
+                           schedule=schedule, graphs=cuda, replay_options=ReplayOptions(cast_once=enabled))
     pipe._replay_eager = not cuda
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     torch.manual_seed(1)
     x, target = torch.randn(8, 6, device=devices[0]), torch.randn(8, 3, device=devices[-1])
     losses = []
-    old = casts.ENABLED
-    casts.ENABLED = enabled
-    try:
-        for _ in range(steps):
-            opt.zero_grad()
-            with torch.autocast(devices[0].split(":")[0], dtype=torch.bfloat16, cache_enabled=False):
-                if schedule == "gpipe":
-                    loss = nn.functional.mse_loss(pipe(x).float(), target)
-                    loss.backward()
-                else:
-                    loss = pipe.step(x, target, lambda y, t: nn.functional.mse_loss(y.float(), t))
-            losses.append(loss.detach())
-            grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
-            opt.step()
-    finally:
-        casts.ENABLED = old
+    for _ in range(steps):
+        opt.zero_grad()
+        with torch.autocast(devices[0].split(":")[0], dtype=torch.bfloat16, cache_enabled=False):
+            if schedule == "gpipe":
+                loss = nn.functional.mse_loss(pipe(x).float(), target)
+                loss.backward()
+            else:
+                loss = pipe.step(x, target, lambda y, t: nn.functional.mse_loss(y.float(), t))
+        losses.append(loss.detach())
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+        opt.step()
     assert pipe._graphed is not None and pipe.graph_error is None, f"the step did not run as programs: {pipe.graph_error}"
     cast = [names(seq, c.params) if c is not None else [] for c in pipe._graphed[1].casts]
     return losses, grads, cast
@@ -163,19 +159,16 @@ def test_distributed_programs_cast_once_like_per_micro_batch(schedule: str) -> N
         model = worker.build("skippy").float().train()  # autocast lowers float32, not the float64 skippy is
         plan = schedule if schedule == "interleaved" else worker.one_rank_zb(4, 4)
         stage = sd.DistributedStage(seqify.convert(model), [3, 3, 4, 4], index=0, device=torch.device("cpu"),
-                                    chunks=4, schedule=plan, loops=4, checkpoint="never", graphs=True)
+                                    chunks=4, schedule=plan, loops=4, checkpoint="never", graphs=True,
+                                    replay_options=ReplayOptions(cast_once=enabled))
         opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
-        old, casts.ENABLED = casts.ENABLED, enabled
         losses = []
-        try:
-            for k in range(3):
-                x, y = (t.float() if t.is_floating_point() else t for t in worker.data("skippy", 8, k))
-                opt.zero_grad()
-                with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-                    losses.append(stage.step(x, y, loss_fn=worker.loss_fn("skippy")).detach())
-                opt.step()
-        finally:
-            casts.ENABLED = old
+        for k in range(3):
+            x, y = (t.float() if t.is_floating_point() else t for t in worker.data("skippy", 8, k))
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                losses.append(stage.step(x, y, loss_fn=worker.loss_fn("skippy")).detach())
+            opt.step()
         state = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
         state.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         count = sum(len(p.casts) for p in stage._programs.values() if p.casts is not None)

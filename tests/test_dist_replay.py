@@ -13,8 +13,8 @@ import seqify
 import seqify.distributed as sd
 from seqify.distributed import replay as dist_replay
 from seqify.distributed.replay import RankPrograms
-from seqify.pipe.executors.replay import Program
-from seqify.pipe.executors.replay import _partition_order
+from seqify.pipe.executors.buffers import partition_order as _partition_order
+from seqify.pipe.executors.programs import Program
 
 BALANCE = [3, 3, 4, 4]  # Skippy's 14 layers, every skip between two partitions
 

@@ -207,7 +207,7 @@ def spy_split(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, bool, set
     """Record each B and W a replayed step runs eagerly: (kind, program, whether the program's input
     gradients exist afterwards, which of its accumulators changed, whether W started from B's boundary,
     whether the program keeps a graph for W afterwards)."""
-    from seqify.pipe.executors import replay as rp
+    from seqify.pipe.executors import programs as rp
 
     seen: list[tuple[str, Any, bool, set[int], bool, bool]] = []
     boundary: list[bool] = []
@@ -313,7 +313,8 @@ def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(mo
     graphs=True captures), and replaying them trains like one device."""
     from contextlib import contextmanager, nullcontext
 
-    from seqify.pipe.executors import replay as rp
+    from seqify.pipe.executors import capture
+    from seqify.pipe.executors import programs as rp
 
     source, pipe = setup("zb-h1", 4, 2)
     pipe._replay_eager = True
@@ -354,13 +355,13 @@ def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(mo
     monkeypatch.setattr(torch.cuda, "stream", lambda _: nullcontext())
     cpu = torch.device("cpu")
     for row in replay.programs:
-        rp._warm(row, cpu, 1, None)  # type: ignore[arg-type]
+        capture.warm(row, cpu, 1, None)  # type: ignore[arg-type]
     for row in replay.programs:
         for p in row:
             p.outputs, p.in_grads = (), [None] * len(p.inputs)
     (device, order), = replay.device_orders().items()  # the CPU partitions are one device
     assert device == cpu and len({j for _, j, _ in order}) == 4
-    rp._capture_in_order([(k, replay.programs[j][i]) for k, j, i in order], cpu, None)  # type: ignore[arg-type]
+    capture.capture_in_order([(k, replay.programs[j][i]) for k, j, i in order], cpu, None)  # type: ignore[arg-type]
     # partition 0's inputs need no gradient: its B computes nothing (no graph), its W is its backward
     want = [(a.kind, a.partition, a.microbatch) for a in replay.schedule.actions if (a.kind, a.partition) != ("B", 0)]
     assert captured == want  # the device's own order, partitions interleaved

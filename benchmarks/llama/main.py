@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import seqify
-from seqify.pipe.executors import casts
+from seqify.pipe.executors.options import ReplayOptions
 
 
 def config(args: argparse.Namespace) -> Any:
@@ -163,11 +163,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             cut = [cut[0] + shift, cut[1] - shift]
         name = (f"seqify.pipeline 2 devices, {schedule}, chunks={chunks}, {'graphs' if graphs else 'eager'}, "
                 f"loops={loops}{f', balance {cut}' if shift else ''}{'' if once else ', casts per micro-batch'}")
-        casts.ENABLED = once  # weights cast once per step under autocast (the default), or in every program
+        options = ReplayOptions(cast_once=once)  # cast once per step under autocast (default), or per program
         try:
             pipe = seqify.pipeline(seq, devices=devs, balance=cut,
                                    chunks=chunks, graphs=graphs, loops=loops, schedule=schedule,
-                                   example_inputs={"input_ids": ids}, checkpoint="never")
+                                   example_inputs={"input_ids": ids}, checkpoint="never", replay_options=options)
             rows.append(timed(name, trainer(pipe, ids.to(devs[0]), devs, adam), devs, args))
             if pipe.graph_error:
                 rows[-1]["graph_error"] = pipe.graph_error.strip().splitlines()[-1]
@@ -175,7 +175,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append({"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
             print(json.dumps(rows[-1]), flush=True)
         finally:
-            casts.ENABLED = True
             pipe = None
             for d in {d for d in devs if d.type == "cuda"}:
                 with torch.cuda.device(d):

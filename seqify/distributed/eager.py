@@ -15,6 +15,7 @@ from seqify.errors import ScheduleError
 from seqify.pipe.recompute import checkpointed
 from seqify.pipe.split_backward import Later, accumulate, input_grads, weight_grads
 from seqify.schedule.actions import Action
+from seqify.schedule.interpreter import interpret
 
 __all__ = ["RankRun"]
 
@@ -108,13 +109,9 @@ class RankRun:
 
     # -- the three kinds of work --------------------------------------------------------------------
     def run(self, actions: list[Action]) -> None:
-        for a in actions:
-            if a.kind == "F":
-                self.forward(a.partition, a.microbatch)
-            elif a.kind == "B":
-                self.backward(a.partition, a.microbatch)
-            else:
-                self.weights(a.partition, a.microbatch)
+        """This rank's ``actions`` in order, each through its handler (:meth:`forward`, :meth:`backward`,
+        :meth:`weights`; :func:`~seqify.schedule.interpreter.interpret`)."""
+        interpret(actions, self, f"{type(self).__name__} ({self.s.me})")
 
     def forward(self, p: int, i: int) -> None:
         s, w = self.s, _Work()

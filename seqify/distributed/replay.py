@@ -14,19 +14,11 @@ from seqify.distributed.eager import RankRun
 from seqify.distributed.link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
 from seqify.distributed.rank import RankStage
 from seqify.errors import GraphError
-from seqify.pipe.executors.buffers import Buffers, places
+from seqify.pipe.executors.buffers import Buffers, partition_order, places
+from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
-from seqify.pipe.executors.replay import (
-    Program,
-    Unreplayable,
-    _buffers,
-    _capture_in_order,
-    _checkpoint,
-    _Flat,
-    _hand_over,
-    _partition_order,
-    _warm,
-)
+from seqify.pipe.executors.options import ReplayOptions
+from seqify.pipe.executors.programs import Flat, Program, Unreplayable, checkpointing, hand_over
 from seqify.pipe.executors.replayed import GraphWarning
 from seqify.pipe.stage import Stage
 from seqify.skip.namespace import SkipKey
@@ -39,23 +31,25 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 class RankPrograms:
-    """One :class:`~seqify.pipe.executors.replay.Program` per micro-batch of one of this rank's partitions.
+    """One :class:`~seqify.pipe.executors.programs.Program` per micro-batch of one of this rank's partitions.
 
     The first step with given micro-batch sizes builds them and runs eagerly (autograd inside each
     program); on CUDA the programs are then captured as graphs and later steps only copy received
     values into their fixed inputs, replay, and send the fixed outputs: the sends and receives between
     ranks stay outside the graphs. On the CPU they keep running eagerly, the same computation.
     Micro-batches below ``stop`` are checkpointed: their forward keeps only its inputs and their
-    backward recomputes it (:func:`~seqify.pipe.executors.replay._checkpoint`). Under a split schedule (zero
+    backward recomputes it (:func:`~seqify.pipe.executors.programs.checkpointing`). Under a split schedule (zero
     bubble) each program's backward is B, the inputs' gradients only, and :meth:`weights` is W, the
     weights' gradients added later (``Program(split=True)``; their own graphs once captured). Skips that
     are sizes (``sized``: ints made from shapes, :func:`~seqify.model.stash_sizes.size_skips`) are no program
     inputs or outputs: each program keeps those it pops and stashes as constants of its micro-batch, as
-    in-process replay does (``_Flat.given`` and ``kept``)."""
+    in-process replay does (``Flat.given`` and ``kept``). ``options``: buffer sharing and casting once
+    (:class:`~seqify.pipe.executors.options.ReplayOptions`; default: both on)."""
 
     def __init__(self, runner: Stage, device: torch.device, graphs: bool, warmup: int = 2,
-                 sized: frozenset[SkipKey] = frozenset()) -> None:
+                 sized: frozenset[SkipKey] = frozenset(), options: ReplayOptions | None = None) -> None:
         self.runner = runner
+        self.options = options or ReplayOptions()
         self.sized = sized  # the skips that are sizes: each program holds them as its micro-batch's constants
         self.device = device
         self.graphs = graphs and device.type == "cuda"
@@ -85,7 +79,7 @@ class RankPrograms:
         if sizes != self.sizes or stop != self.stop or split != self.split or autocast != self.autocast:
             self.sizes, self.stop, self.split, self.autocast, self.captured = list(sizes), stop, split, autocast, False
             self.programs = [None] * len(sizes)
-            self.place = places(order) if order is not None else list(range(len(sizes)))
+            self.place = places(order) if order is not None and self.options.share_buffers else list(range(len(sizes)))
             self.ins, self.outs = Buffers(self.device), Buffers(self.device)
             self.casts, self.watched = None, False
         elif self.casts is not None:  # the weights as the optimizer left them
@@ -97,12 +91,12 @@ class RankPrograms:
         if i >= self.stop:
             return None
         try:
-            return _checkpoint(self.runner, self.runner.index, self.graphs)
+            return checkpointing(self.runner, self.runner.index, self.graphs)
         except Unreplayable as e:
             self.graphs = False
             warnings.warn(f"seqify.distributed(graphs=True): {e}; its programs run eagerly instead", GraphWarning,
                           stacklevel=2)
-            return _checkpoint(self.runner, self.runner.index, False)
+            return checkpointing(self.runner, self.runner.index, False)
 
     def forward(self, i: int, x: Any, skips: dict[SkipKey, Any], needs_grad: bool) -> tuple[Any, dict[SkipKey, Any]]:
         """Micro-batch ``i`` through the partition: the carried output and the stashed skips (fixed
@@ -117,11 +111,11 @@ class RankPrograms:
             inputs = tuple(self.ins.take(self.place[i], values, grads=[needs_grad and t.is_floating_point()
                                                                        for t in values]))
             carried = None if isinstance(x, torch.Tensor) else len(x)
-            flat = _Flat(self.runner, carried, self.sized, checkpoint=self._recompute(i))
+            flat = Flat(self.runner, carried, self.sized, checkpoint=self._recompute(i))
             flat.given = given
             if not self.watched:
                 self.watched = True
-                low = lowered(self.device)
+                low = lowered(self.device) if self.options.cast_once else None
                 if low is not None:  # one more forward, watched: random draws as if it had not run
                     with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                         self.casts = find(self.runner.layers, functools.partial(flat, *inputs), low)
@@ -185,7 +179,7 @@ class RankPrograms:
             touched = [any(p.touched[k] for p in programs) for k in range(len(self.params))]
             params = [w for w, t in zip(self.params, touched) if t]
             acc = [a for a, t in zip(self.acc, touched) if t]
-            _hand_over(params, acc)
+            hand_over(params, acc)
             if self.acc:
                 torch._foreach_zero_(self.acc)
 
@@ -199,11 +193,11 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
     CUDA graphs after the step that built them: in one memory pool, in ``order`` (the rank's ('F' | 'B' |
     'W', partition, micro-batch) actions as its schedule issues them, partitions interleaved), so the
     rank's partitions reuse each other's freed memory as eager execution would (the in-process
-    :func:`~seqify.pipe.executors.replay._capture_in_order`). On a side stream (a captured backward must not
+    :func:`~seqify.pipe.executors.capture.capture_in_order`). On a side stream (a captured backward must not
     reach back to the default stream); running statistics and gradient sums are left as they were."""
     device = next(iter(programs.values())).device
     built = {j: [p for p in prog.programs if p is not None] for j, prog in programs.items()}
-    saved = _buffers([prog.runner.layers for prog in programs.values()])  # warm-up runs the partitions
+    saved = saved_buffers([prog.runner.layers for prog in programs.values()])  # warm-up runs the partitions
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     for row in built.values():  # let the eager step's graphs go: their nodes belong to the default stream
@@ -211,11 +205,11 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
             p.outputs, p.kept = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs), None
     try:
         for j, prog in programs.items():
-            _warm(built[j], device, prog.warmup, stream)
+            warm(built[j], device, prog.warmup, stream)
         for row in built.values():
             for p in row:
                 p.outputs, p.in_grads = (), [None] * len(p.inputs)
-        _capture_in_order([(kind, built[j][i]) for kind, j, i in order if j in programs], device, stream)
+        capture_in_order([(kind, built[j][i]) for kind, j, i in order if j in programs], device, stream)
     finally:
         torch.cuda.current_stream(device).wait_stream(stream)
         with torch.no_grad():
@@ -318,7 +312,7 @@ def program_step(stage: RankStage, link: Link, micro: list[Any], sizes: list[int
     on = torch.is_autocast_enabled(kind)
     dtype = torch.get_autocast_dtype(kind)
     for p, prog in stage._programs.items():
-        prog.begin(sizes, stop, plan.split, _partition_order(plan, p), autocast=dtype if on else None)
+        prog.begin(sizes, stop, plan.split, partition_order(plan, p), autocast=dtype if on else None)
     # every program built in an earlier step (same sizes, same everything): this step sends what that one did
     link.steady = all(prog.programs and all(q is not None for q in prog.programs) for prog in stage._programs.values())
     run = ProgramRun(stage, link, micro, sizes, loss, stop, plan.split)

@@ -21,6 +21,7 @@ from seqify.errors import BalanceError, BoundaryError, DeviceError, ScheduleErro
 from seqify.model.sequential import Sequential
 from seqify.model.stash_sizes import size_skips
 from seqify.pipe import tied
+from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.losses import Count, Probes, Weigher, reduction_of
 from seqify.pipe.microbatch import gather, scatter
 from seqify.pipe.placement import CHECKPOINT, _check_balance, _place
@@ -81,7 +82,8 @@ class DistributedStage(nn.Module):
     go point-to-point, skips straight from the stashing partition's rank to the popping one's. It
     returns the mini-batch loss on the rank holding the last partition and ``None`` elsewhere;
     gradients are left in this rank's parameters (and averaged over data-parallel replicas), ready for
-    ``optimizer.step()``.
+    ``optimizer.step()``. ``replay_options`` (:class:`~seqify.pipe.executors.options.ReplayOptions`) go to
+    the fixed programs of ``graphs=True``.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class DistributedStage(nn.Module):
         schedule: str | Schedule = "gpipe",
         graphs: bool = False,
         loops: int = 1,
+        replay_options: ReplayOptions | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
@@ -181,7 +184,8 @@ class DistributedStage(nn.Module):
         self.runner = self.runners[self.owned[0]]
         # graphs=True: each partition's micro-batches as fixed programs (dist_replay), one set per partition
         self._programs: dict[int, RankPrograms] = (
-            {p: RankPrograms(r, device, graphs, sized=self.sized) for p, r in self.runners.items()} if graphs else {})
+            {p: RankPrograms(r, device, graphs, sized=self.sized, options=replay_options)
+             for p, r in self.runners.items()} if graphs else {})
         self._probes = Probes()  # how undeclared losses reduce, found once per loss and layout
 
     @property
@@ -303,7 +307,8 @@ class DistributedStage(nn.Module):
         if not grad:
             return self._forward_only(micro, sizes, Link(self.device, self.me, self._directions), targets, loss_fn, how)
         weigh = self._weigher(loss_fn, how, targets, sizes, replicas=self.replicas)
-        # fixed programs send the same messages every step of the same sizes: after the first, receivers need not wait for headers
+        # fixed programs send the same messages every step of the same sizes: after the first, receivers need not
+        # wait for headers
         link = Link(self.device, self.me, self._directions, self._books if self._programs else None)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         try:
@@ -419,7 +424,8 @@ def stage(
         model = convert(model, example_inputs)
     world, rank = dist.get_world_size(), dist.get_rank()
     if device is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if nccl else torch.device("cpu")
     device = torch.device(device)
     per_rank = len(schedule.placement) // (max(schedule.placement) + 1) if isinstance(schedule, Schedule) else loops
     if isinstance(balance, str) or balance is None:

@@ -16,6 +16,7 @@ from seqify.model.sequential import Sequential
 from seqify.pipe.batchnorm import DeferredBatchNorm, one_sample
 from seqify.pipe.config import PipeConfig
 from seqify.pipe.executors.eager import Eager, checkpoint_stop
+from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.executors.replay import Replay, run
 from seqify.pipe.executors.replayed import GraphWarning, Replayer
 from seqify.pipe.executors.scheduled import ScheduledStep
@@ -66,6 +67,7 @@ class Pipeline(nn.Module):
         schedule: str | Schedule = "gpipe",
         placement: Sequence[int] | None = None,
         overlap: bool = False,
+        replay_options: ReplayOptions | None = None,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT:
@@ -106,7 +108,7 @@ class Pipeline(nn.Module):
         self._eager = Eager(self.stages, self._transfer, self.skip_partitions, self._norms, self._deferred)
         self.placement = _placement(placement, self.devices)
         self._replayer = Replayer(self.stages, self.devices, self._transfer, self.partitions.parameters, graphs,
-                                  self.placement, overlap)
+                                  self.placement, overlap, replay_options)
         self._stepper = ScheduledStep(self.stages, self._transfer, self._norms, self._deferred)
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
             raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a Schedule")
@@ -415,6 +417,7 @@ def build(
     schedule: str | Schedule | None = None,
     memory_cap: int | float | str | None = None,
     overlap: bool | None = None,
+    replay_options: ReplayOptions | None = None,
 ) -> Pipeline:
     """A pipeline of ``model`` with a fixed number of ``chunks``: what :func:`seqify.pipeline` builds when it
     tunes nothing (the arguments mean what they mean there; ``sample`` measures a 'time', 'memory' or
@@ -426,7 +429,8 @@ def build(
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
         raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
     if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
-        raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a seqify.schedule.actions.Schedule")
+        raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
+                            "seqify.schedule.actions.Schedule")
     v = schedule == "zb-h1" and loops == 2
 
     def lay(devs: list[torch.device]) -> tuple[list[torch.device], tuple[int, ...]]:
@@ -445,7 +449,7 @@ def build(
         plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
         pipe = Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
                         deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
-                        placement=slots, overlap=bool(overlap))
+                        placement=slots, overlap=bool(overlap), replay_options=replay_options)
         return capped(pipe, memory_cap, probe)
     counts = _counts(balance, layers)
     if len(counts) > layers:
@@ -457,7 +461,7 @@ def build(
     placed, slots = lay(resolve_devices(gpus, devices, len(counts) // loops))
     pipe = Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
                     deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots,
-                    overlap=bool(overlap))
+                    overlap=bool(overlap), replay_options=replay_options)
     return capped(pipe, memory_cap, sample)
 
 

@@ -6,12 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Buffers", "in_flight", "places"]
+from seqify.schedule.actions import Schedule
+
+__all__ = ["Buffers", "in_flight", "partition_order", "places"]
 
 
 def places(order: Sequence[tuple[str, int]]) -> list[int]:
     """The buffer set each micro-batch of one partition uses, given the partition's actions in issue
-    order (("F" | "B" | "W", micro-batch), as :func:`~.replay._partition_order` lists them): a set is
+    order (("F" | "B" | "W", micro-batch), as :func:`partition_order` lists them): a set is
     taken at a micro-batch's forward and given back after its last backward action (its W when the
     backward is split, else its B), and a later forward takes the lowest set given back. A micro-batch
     with no backward action (inference, or a fill-drain order) never gives its set back, so fill-drain
@@ -70,3 +72,9 @@ class Buffers:
                 for dst, src in zip(got, like):
                     dst.copy_(src)
         return got
+
+
+def partition_order(schedule: Schedule, j: int) -> list[tuple[str, int]]:
+    """Partition ``j``'s forwards, backwards and (split schedules) weight-gradient steps in the order
+    ``schedule`` issues them."""
+    return [(a.kind, a.microbatch) for a in schedule.actions if a.partition == j]

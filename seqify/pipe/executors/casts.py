@@ -26,10 +26,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Casts", "find", "lowered"]
 
-#: Whether partitions cast their weights once per step under autocast (False: every program casts its own,
-#: for comparing the two; they compute the same values).
-ENABLED = True
-
 aten = torch.ops.aten
 # Ops that return a view of their first argument: a cast of a view of a weight is a view of its cast.
 _VIEWS = {
@@ -73,9 +69,10 @@ class _Uses(TorchDispatchMode):
 
 
 def lowered(device: torch.device) -> torch.dtype | None:
-    """The precision autocast lowers to on ``device``'s type now, or None where it is off."""
+    """The precision autocast lowers to on ``device``'s type now, or None where it is off. (Whether to
+    cast once at all is the executors' option, :class:`~.options.ReplayOptions` ``cast_once``.)"""
     kind = device.type
-    if not ENABLED or not torch.is_autocast_enabled(kind):
+    if not torch.is_autocast_enabled(kind):
         return None
     return torch.get_autocast_dtype(kind)
 
@@ -83,7 +80,8 @@ def lowered(device: torch.device) -> torch.dtype | None:
 class Casts:
     """A partition's weights that are read only through autocast's cast, with their once-per-step casts."""
 
-    def __init__(self, slots: list[list[tuple[nn.Module, str]]], params: list[torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, slots: list[list[tuple[nn.Module, str]]], params: list[torch.Tensor],
+                 dtype: torch.dtype) -> None:
         self.slots = slots  # per weight: every (module, name) that holds it
         self.params = params
         self.low = [torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format) for p in params]

@@ -16,7 +16,7 @@ class Lanes:
     A micro-batch's backward may then run beside another micro-batch's forward: at the small micro-batches
     of a deep pipeline one kernel does not fill the GPU, and two kernels at once fill it better. It is safe
     because the programs were captured with the backwards in a memory pool of their own
-    (:func:`~seqify.pipe.executors.replay._capture_in_order` with ``lanes``): a forward can only reuse memory a
+    (:func:`~seqify.pipe.executors.capture.capture_in_order` with ``lanes``): a forward can only reuse memory a
     backward captured before it freed, so each forward waits for the latest backward issued on its GPU
     before it; a backward waits for its own forward (its activations, and the loss seeded from it), given
     as ``made``. The two lanes start after what the caller queued before the step (:meth:`open`) and the

@@ -1,4 +1,4 @@
-"""Replay executor: builds a training step's programs (CUDA graphs on GPUs), keeps them per input signature, falls back to eager."""
+"""Replay executor: builds a step's programs (CUDA graphs on GPUs), keeps them per input signature, else runs eager."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import torch
 
 from seqify.errors import SeqifyError
 from seqify.pipe import tied
-from seqify.pipe.executors.replay import Replay, Unreplayable, build, slots
+from seqify.pipe.executors.build import build
+from seqify.pipe.executors.options import ReplayOptions
+from seqify.pipe.executors.programs import Unreplayable
+from seqify.pipe.executors.replay import Replay, slots
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
 from seqify.schedule.actions import Schedule, gpipe
@@ -26,17 +29,19 @@ class GraphWarning(UserWarning):
 class Replayer:
     """The replay side of a pipeline: whether it replays (``graphs`` on CUDA, ``eager`` to drive the
     step as graphs would with eager programs on any device), the programs built for the last input
-    signature (``built``), and why capturing failed (``error``)."""
+    signature (``built``), and why capturing failed (``error``); ``options`` (:class:`~.options.ReplayOptions`)
+    go to every build."""
 
     def __init__(self, stages: Sequence[Stage], devices: Sequence[torch.device], transfer: Transfer,
                  parameters: Callable[[], Any], graphs: bool, placement: Sequence[int] | None = None,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, options: ReplayOptions | None = None) -> None:
         self.stages = stages
         self.devices = devices
         self.transfer = transfer
         self.parameters = parameters
         self.graphs = graphs
         self.overlap = overlap  # pipe.step's graphs on two lanes per GPU (see .lanes)
+        self.options = options or ReplayOptions()  # buffer sharing, casting once (see .options)
         self.placement = tuple(placement) if placement is not None else slots(devices)
         self.eager = False
         self.built: tuple[Any, Replay] | None = None
@@ -87,7 +92,7 @@ class Replayer:
                                        "the step runs eagerly")
                 with torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=autocast):
                     replay = build(self.stages, flat, carried, self.graphs, self.transfer, schedule=schedule, stop=stop,
-                                   overlap=self.overlap)
+                                   overlap=self.overlap, options=self.options)
             except SeqifyError:
                 raise
             except Exception as e:

@@ -30,6 +30,7 @@ from seqify.pipe.recompute import checkpointed
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
 from seqify.schedule.actions import Schedule
+from seqify.schedule.interpreter import interpret
 from seqify.skip.namespace import SkipKey
 
 __all__ = ["ScheduledStep"]
@@ -48,6 +49,33 @@ class _Work:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(output) -> gradient
     loss: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None  # on CUDA: when the forward's outputs are made, to copy them from
+
+
+class _Run:
+    """One step's state, and its handlers of F, B and W actions (:func:`~seqify.schedule.interpreter.interpret`)."""
+
+    def __init__(self, step: ScheduledStep, split: bool, batches: list[Any], loss_of: Loss, stop: int) -> None:
+        n, m = len(step.stages), len(batches)
+        self.step, self.split, self.loss_of, self.stop, self.last = step, split, loss_of, stop, n - 1
+        self.work = [[_Work() for _ in range(m)] for _ in range(n)]
+        self.carried: list[Any] = list(batches)  # micro-batch i's value entering its next partition
+        self.pending: list[dict[SkipKey, tuple[int, Any]]] = [{} for _ in range(m)]  # skip -> (partition, value)
+        self.total: torch.Tensor | None = None
+
+    def forward(self, j: int, i: int) -> None:
+        self.carried[i] = self.step._forward(j, i, self.carried[i], self.pending[i], self.work, i < self.stop)
+        if j == self.last:
+            w = self.work[j][i]
+            w.loss = self.loss_of(self.carried[i], i)
+            w.outputs = [w.loss]
+            loss = w.loss.detach()
+            self.total = loss if self.total is None else self.total + loss.to(self.total.device)
+
+    def backward(self, j: int, i: int) -> None:
+        self.step._backward(j, self.work[j][i], self.work, self.split)
+
+    def weights(self, j: int, i: int) -> None:
+        self.step._weights(j, self.work[j][i])
 
 
 class ScheduledStep:
@@ -77,31 +105,15 @@ class ScheduledStep:
         for bn in self.deferred:
             bn.chunks = m
             bn._reset_tracking()
-        work = [[_Work() for _ in range(m)] for _ in range(n)]
-        carried: list[Any] = list(batches)  # micro-batch i's value entering its next partition
-        pending: list[dict[SkipKey, tuple[int, Any]]] = [{} for _ in range(m)]  # skip -> (partition, value)
-        total: torch.Tensor | None = None
+        run = _Run(self, schedule.split, batches, loss_of, stop)
         try:
-            for a in schedule.actions:
-                j, i = a.partition, a.microbatch
-                if a.kind == "F":
-                    carried[i] = self._forward(j, i, carried[i], pending[i], work, i < stop)
-                    if j == n - 1:
-                        w = work[j][i]
-                        w.loss = loss_of(carried[i], i)
-                        w.outputs = [w.loss]
-                        loss = w.loss.detach()
-                        total = loss if total is None else total + loss.to(total.device)
-                elif a.kind == "B":
-                    self._backward(j, work[j][i], work, schedule.split)
-                else:
-                    self._weights(j, work[j][i])
+            interpret(schedule.actions, run, "ScheduledStep")
         except BaseException:
             for bn in self.deferred:
                 bn._reset_tracking()
             raise
-        assert total is not None
-        return total
+        assert run.total is not None
+        return run.total
 
     # -- the three kinds of work --------------------------------------------------------------------
     def _leaf(self, t: Any, device: torch.device, source: tuple[int, int, int], w: _Work,
@@ -158,7 +170,7 @@ class ScheduledStep:
 
     def _send(self, w: _Work, grads: Sequence[torch.Tensor | None], work: list[list[_Work]]) -> None:
         """Hand each leaf's gradient to the output it was made from (summed over consumers)."""
-        for (leaf, (p, i, tid)), g in zip(w.leaves, grads):
+        for (_leaf, (p, i, tid)), g in zip(w.leaves, grads):
             if g is None:
                 continue
             source = work[p][i]

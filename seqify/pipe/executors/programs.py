@@ -1,0 +1,266 @@
+"""Programs: one partition on one micro-batch as fixed tensors (its flat view, and its forward, B and W parts).
+
+A :class:`Program` is what every replaying executor runs (the in-process :class:`~.replay.Replay` and a
+torchrun rank's :class:`~seqify.distributed.replay.RankPrograms`): eagerly on any device, or replayed from
+the CUDA graphs :mod:`.capture` records of it, with the same effect.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqify.pipe.executors.casts import Casts
+from seqify.pipe.microbatch import is_tensors
+from seqify.pipe.recompute import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
+from seqify.pipe.split_backward import Later, input_grads, weight_values
+from seqify.pipe.stage import Stage
+from seqify.skip.namespace import SkipKey
+
+__all__ = ["Flat", "Program", "Unreplayable", "checkpointing", "hand_over"]
+
+
+class Unreplayable(Exception):
+    """A partition takes or returns something other than tensors: the step cannot be fixed programs."""
+
+
+class Flat(nn.Module):
+    """A stage as a function of flat tensors: (carried..., popped...) -> (carried..., stashed...).
+
+    Skips that are sizes (``sized``: made from shapes alone, e.g. a batch size) are not tensors: they are
+    kept as this micro-batch's constants, ``kept`` for those it stashes and ``given`` for those it pops,
+    fixed like everything else in a program built for one input shape."""
+
+    def __init__(self, stage: Stage, carried: int | None, sized: frozenset[SkipKey] = frozenset(),
+                 checkpoint: Callable[..., Any] | None = None) -> None:
+        super().__init__()
+        # checkpoint: runs fresh() keeping no activations (recomputed inside the backward program)
+        self.checkpoint = checkpoint
+        self.layers = stage.layers
+        object.__setattr__(self, "stage", stage)
+        self.carried = carried  # None: one tensor; k: a tuple of k tensors
+        self.returns: int | None = None  # the same, for the carried output
+        self.sized = sized
+        self.given: dict[SkipKey, Any] = {}
+        self.kept: dict[SkipKey, Any] = {}
+        # A split backward (zero bubble's B and W) recomputes a checkpointed forward itself, in B, so that
+        # W walks the same graph (see recompute); the random draws it must repeat, taken per forward.
+        self.split = False
+        self.rng: RngState | None = None
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.checkpoint is not None and self.split:
+            self.rng = rng_state(*tensors) if draws_random(self.layers) else None  # eager only (see checkpointing)
+        return self._run(tensors, self.checkpoint)
+
+    def recompute(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A checkpointed forward once more, with a graph that lives as long as its outputs (B and W of a
+        split backward both walk it; torch's checkpoint would recompute again for W)."""
+        again = functools.partial(recomputed, norms=norms_of(self.layers), rng=self.rng)
+        return self._run(tensors, again)
+
+    def _run(self, tensors: tuple[torch.Tensor, ...], wrap: Callable[..., Any] | None) -> tuple[torch.Tensor, ...]:
+        stage = self.stage
+        k = 1 if self.carried is None else self.carried
+        x: Any = tensors[0] if self.carried is None else tuple(tensors[:k])
+        popped = dict(zip([key for key in stage.pops if key not in self.given], tensors[k:]))
+        # fresh(): copies of what a layer modifies in place (a program's inputs are leaves autograd guards)
+        skips = {**popped, **self.given}
+        y, out = wrap(stage.fresh, x, skips) if wrap else stage.fresh(x, skips)
+        kept = {key: out[key] for key in stage.stashes if not isinstance(out[key], torch.Tensor)}
+        if not is_tensors(y):
+            raise Unreplayable(f"partition {stage.index} returns {type(y).__name__}; only tensors and tuples of "
+                               "tensors replay")
+        if any(key not in self.sized for key in kept):  # runs per micro-batch: find the culprit only on error
+            key = next(key for key in kept if key not in self.sized)
+            raise Unreplayable(f"partition {stage.index} stashes skip {key[1]!r}, a {type(out[key]).__name__} that is "
+                               "not a tensor nor a size; only tensors and tuples of tensors replay")
+        self.kept = kept
+        ys = (y,) if isinstance(y, torch.Tensor) else tuple(y)
+        self.returns = None if isinstance(y, torch.Tensor) else len(ys)
+        return ys + tuple(out[key] for key in stage.stashes if key not in kept)
+
+
+def _with_casts(method: Callable[..., None]) -> Callable[..., None]:
+    """Run a program part with the partition's once-per-step weight casts in the weights' slots."""
+
+    @functools.wraps(method)
+    def run(self: Program) -> None:
+        if self.casts is None:
+            return method(self)
+        with self.casts.swapped():
+            return method(self)
+
+    return run
+
+
+class Program:
+    """One partition on one micro-batch, on fixed tensors: ``forward()`` reads ``inputs`` and writes
+    ``outputs``; ``backward()`` reads ``out_grads`` and writes ``in_grads``, adding the parameters'
+    gradients into the partition's accumulators. The driver only ever copies into ``inputs`` and
+    ``out_grads``; run eagerly (any device) or replayed from captured CUDA graphs, it behaves the same.
+
+    ``split`` (zero-bubble schedules): ``backward()`` is B, the inputs' gradients only, keeping the
+    autograd graph and the gradients at the boundary where the weights' sub-graphs meet the inputs'
+    path; ``weights()`` is W, the parameters' gradients from there added into the accumulators, after
+    which the graph is released. Each is its own CUDA graph when captured."""
+
+    def __init__(self, flat: Flat, inputs: tuple[torch.Tensor, ...], params: list[nn.Parameter],
+                 acc: list[torch.Tensor], split: bool = False, casts: Casts | None = None) -> None:
+        self.flat = flat
+        self.split = flat.split = split
+        self.inputs = inputs
+        self.params = params
+        self.acc = acc
+        # Under autocast, the weights read only through its cast are read from casts made once per step
+        # (:mod:`.casts`); the gradients are taken for those casts and added into the float32 sums.
+        self.casts = casts
+        self.wrt: list[torch.Tensor] = casts.wrt(params) if casts is not None else list(params)
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.out_grads: list[torch.Tensor | None] = []
+        self.in_grads: list[torch.Tensor | None] = [None] * len(inputs)
+        # (forward, backward (B when split), weights (W; split only)), once captured
+        self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None, torch.cuda.CUDAGraph | None] | None = None
+        # What B keeps for W (split only): the outputs it differentiated, their gradients, what W owes
+        # (None: W is the whole weights' backward). Set and used while running eagerly or capturing,
+        # never on a replay.
+        self.kept: tuple[list[torch.Tensor], list[torch.Tensor], Later | None] | None = None
+        self.touched = [False] * len(params)  # which parameters some backward reached (the others keep .grad)
+        self.grad = bool(params) or any(t.requires_grad for t in inputs)  # False: an inference program
+
+    def _wrt_inputs(self) -> list[int]:
+        """The input slots to differentiate by: those needing a gradient, once per tensor."""
+        first = {id(t): k for k, t in reversed(list(enumerate(self.inputs)))}
+        return [k for k, t in enumerate(self.inputs) if t.requires_grad and first[id(t)] == k]
+
+    def _add(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Add the parameters' gradients into ``acc`` (None: none reached that parameter)."""
+        for k, g in enumerate(grads):
+            self.touched[k] = self.touched[k] or g is not None
+        used = [(a, g) for a, g in zip(self.acc, grads) if g is not None]
+        if used:
+            torch._foreach_add_([a for a, _ in used], [g for _, g in used])
+
+    @_with_casts
+    def _grads(self) -> None:
+        """Differentiate outputs by inputs and parameters; add the parameters' part into ``acc``."""
+        wrt_inputs = self._wrt_inputs()
+        outs = [(o, g) for o, g in zip(self.outputs, self.out_grads) if g is not None]
+        if not outs or not (wrt_inputs or self.params):
+            return
+        grads = torch.autograd.grad(
+            [o for o, _ in outs], [self.inputs[k] for k in wrt_inputs] + self.wrt, [g for _, g in outs],
+            allow_unused=True,
+        )
+        for k, g in zip(wrt_inputs, grads):
+            self.in_grads[k] = g
+        self._add(grads[len(wrt_inputs):])
+
+    def _differentiated(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs a gradient flows back to, and those gradients; a checkpointed program's outputs
+        recomputed, with a graph of their own."""
+        outputs = self.flat.recompute(*self.inputs) if self.flat.checkpoint is not None else self.outputs
+        outs = [(o, g) for o, g in zip(outputs, self.out_grads) if g is not None]
+        return [o for o, _ in outs], [g for _, g in outs]
+
+    @_with_casts
+    def _grads_input(self) -> None:
+        """B of a split backward: the inputs' gradients only (:func:`~seqify.pipe.split_backward.input_grads`),
+        keeping the graph and the boundary gradients for :meth:`_grads_weight`. A checkpointed program
+        recomputes its forward here, into a graph W walks again rather than recomputing twice. Where no
+        input needs a gradient (the first partition) B does nothing and W is the whole backward."""
+        self.kept = None
+        wrt_inputs = self._wrt_inputs()
+        if not wrt_inputs or all(g is None for g in self.out_grads):
+            return
+        outs, grads = self._differentiated()
+        found, now, later = input_grads(outs, grads, [self.inputs[k] for k in wrt_inputs], self.wrt)
+        for k, g in zip(wrt_inputs, found):
+            self.in_grads[k] = g
+        self._add(now)  # the normalisations' weights, whose gradients B yields anyway
+        self.kept = (outs, grads, later)
+
+    @_with_casts
+    def _grads_weight(self) -> None:
+        """W of a split backward: the parameters' gradients from what B kept, added into ``acc`` (never
+        ``.grad``: a captured W must write only fixed tensors); then the graph is released."""
+        kept, self.kept = self.kept, None
+        flows = any(g is not None for g in self.out_grads)
+        if kept is None and flows and self.params and not self._wrt_inputs():  # B left everything to W
+            outs, grads = self._differentiated()
+            kept = (outs, grads, None)
+        if kept is None or not kept[0]:
+            return
+        outs, grads, later = kept
+        if self.params:
+            self._add(weight_values(outs, grads, self.wrt, later, retain_graph=False))
+        del outs, grads, later, kept
+        # The graph's last owner goes (same memory); requires_grad stays: a replayed step's loss and the
+        # next partition's inputs read it to know what gets a gradient.
+        self.outputs = tuple(o.detach().requires_grad_(o.requires_grad) for o in self.outputs)
+
+    @_with_casts
+    def _outputs(self) -> None:
+        with torch.set_grad_enabled(self.grad):
+            self.outputs = self.flat(*self.inputs)
+        if not self.out_grads:  # fixed buffers, zero where nothing flows back
+            self.out_grads = [
+                torch.zeros_like(o) if o.requires_grad else None for o in self.outputs
+            ]
+
+    def forward(self) -> None:
+        if self.graphs is None:
+            self._outputs()
+        else:
+            self.graphs[0].replay()
+
+    def backward(self) -> None:
+        """The backward, or B of a split one."""
+        if self.graphs is None:
+            self._grads_input() if self.split else self._grads()
+        elif self.graphs[1] is not None:
+            self.graphs[1].replay()
+
+    def weights(self) -> None:
+        """W of a split backward (nothing when unsplit: the backward did it)."""
+        if self.graphs is None:
+            if self.split:
+                self._grads_weight()
+        elif self.graphs[2] is not None:
+            self.graphs[2].replay()
+
+    def backward_whole(self) -> None:
+        """The whole backward, eagerly: B then W when split."""
+        if self.split:
+            self._grads_input()
+            self._grads_weight()
+        else:
+            self._grads()
+
+
+def checkpointing(stage: Stage, j: int, capturing: bool) -> Callable[..., Any]:
+    """How partition ``j``'s checkpointed programs run: recomputed inside their backward program, with
+    BatchNorm statistics updated once. A captured recomputation cannot restore the generator's state,
+    so a partition that draws random numbers (dropout) is not captured checkpointed."""
+    if capturing and draws_random(stage.layers):
+        raise Unreplayable(f"partition {j} draws random numbers (dropout) and is checkpointed: a captured "
+                           "recomputation would draw different ones; use checkpoint='never' with graphs=True")
+    return functools.partial(checkpointed, norms=norms_of(stage.layers), preserve_rng=not capturing)
+
+
+
+def hand_over(params: list[nn.Parameter], acc: list[torch.Tensor]) -> None:
+    """What autograd would leave in ``.grad``: a new tensor where there was none, else the sum (for the
+    parameters a backward reached; autograd leaves the others alone too)."""
+    fresh = [(p, a) for p, a in zip(params, acc) if p.grad is None]
+    added = [(p, a) for p, a in zip(params, acc) if p.grad is not None]
+    if fresh:
+        for (p, _), g in zip(fresh, torch._foreach_mul([a for _, a in fresh], 1.0)):
+            p.grad = g
+    if added:
+        torch._foreach_add_([p.grad for p, _ in added], [a for _, a in added])  # type: ignore[misc]
+

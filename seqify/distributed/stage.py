@@ -69,6 +69,58 @@ def placement_for(schedule: str | Schedule, ranks: int, loops: int) -> tuple[int
     return round_robin(ranks, loops)
 
 
+def _layout(balance: Sequence[int], layers: int, schedule: str | Schedule,
+            loops: Any) -> tuple[list[int], tuple[int, ...]]:
+    """The checked balance and the rank of each partition: the schedule's own placement, or ``loops``
+    partitions per rank as the named schedule places them."""
+    if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+        raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
+                            "seqify.schedule.actions.Schedule")
+    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+        raise BalanceError(f"loops={loops!r}: give the number of partitions per rank, a whole number >= 1")
+    balance = _check_balance(balance, layers)
+    if isinstance(schedule, Schedule):
+        placement = placement_for(schedule, 0, 0)
+    else:
+        if len(balance) % loops:
+            raise BalanceError(f"balance has {len(balance)} partitions, not a multiple of loops={loops}: give "
+                               "loops entries per rank")
+        placement = placement_for(schedule, len(balance) // loops, loops)
+    if len(placement) != len(balance):
+        raise ScheduleError(f"schedule {getattr(schedule, 'name', schedule)!r} places {len(placement)} "
+                            f"partitions, but balance has {len(balance)}: build it for this balance")
+    ranks = max(placement) + 1
+    if sorted(set(placement)) != list(range(ranks)):
+        raise ScheduleError(f"placement {placement} leaves a rank without partitions; number ranks 0..n-1")
+    return list(balance), tuple(placement)
+
+
+def _place_owned(model: nn.Sequential, balance: Sequence[int], owned: list[int],
+                 device: torch.device) -> dict[int, nn.Sequential]:
+    """This rank's partitions on ``device``, like ``.to(device)`` but keeping tensors layers share: a weight
+    two of them share (a V's first and last: GPT-2's embedding and head) stays one parameter, used by both
+    as the source uses it."""
+    names, layers = list(model._modules), list(model._modules.values())
+    starts = [sum(balance[:j]) for j in range(len(balance))]
+    parts = {p: nn.Sequential(OrderedDict(zip(names[starts[p]:starts[p] + balance[p]],
+                                              layers[starts[p]:starts[p] + balance[p]])))
+             for p in owned}
+    ties = tied.find(list(parts.values()))
+    with tied.unplugged(ties):
+        _place(list(parts.values()), [device] * len(parts))
+    tied.home(ties, [device] * len(parts))
+    return parts
+
+
+def _crossing_routes(model: nn.Sequential, balance: Sequence[int]) -> tuple[list[Route], dict[int, SkipKey]]:
+    """The skips whose stash and pop lie in different partitions, and each one's key."""
+    part_of = [j for j, count in enumerate(balance) for _ in range(count)]
+    found = routes(model)
+    crossing = [Route(i, r.key[1], part_of[r.stash], part_of[r.pop])
+                for i, r in enumerate(found) if part_of[r.stash] != part_of[r.pop]]
+    return crossing, {rt.index: found[rt.index].key for rt in crossing}
+
+
 class DistributedStage(nn.Module):
     """This process's partitions of a pipeline that spans processes.
 
@@ -103,55 +155,23 @@ class DistributedStage(nn.Module):
         replay_options: ReplayOptions | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
-            raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
-                                "seqify.schedule.actions.Schedule")
-        if checkpoint not in CHECKPOINT:
-            raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
-        if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
-            raise BalanceError(f"loops={loops!r}: give the number of partitions per rank, a whole number >= 1")
         names = list(model._modules)
-        balance = _check_balance(balance, len(names))
-        if isinstance(schedule, Schedule):
-            placement = placement_for(schedule, 0, 0)
-        else:
-            if len(balance) % loops:
-                raise BalanceError(f"balance has {len(balance)} partitions, not a multiple of loops={loops}: give "
-                                   "loops entries per rank")
-            placement = placement_for(schedule, len(balance) // loops, loops)
-        if len(placement) != len(balance):
-            raise ScheduleError(f"schedule {getattr(schedule, 'name', schedule)!r} places {len(placement)} "
-                                f"partitions, but balance has {len(balance)}: build it for this balance")
+        balance, placement = _layout(balance, len(names), schedule, loops)
         ranks = max(placement) + 1
-        if sorted(set(placement)) != list(range(ranks)):
-            raise ScheduleError(f"placement {placement} leaves a rank without partitions; number ranks 0..n-1")
         if not 0 <= index < ranks:
             raise DeviceError(f"index={index}: this pipeline has ranks 0..{ranks - 1}")
+        if checkpoint not in CHECKPOINT:
+            raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
         tied.refuse_across_processes(model, balance, placement)
-        starts = [sum(balance[:j]) for j in range(len(balance))]
-        part_of = [j for j, count in enumerate(balance) for _ in range(count)]
-        layers = list(model._modules.values())
         self.placement = placement
         self.owned = [p for p, r in enumerate(placement) if r == index]
-        parts = {p: nn.Sequential(OrderedDict(zip(names[starts[p]:starts[p] + balance[p]],
-                                                  layers[starts[p]:starts[p] + balance[p]])))
-                 for p in self.owned}
-        # like .to(device), keeping tensors layers share; a weight this rank's partitions share (a V's first
-        # and last: GPT-2's embedding and head) stays one parameter, used by both as the source uses it
-        ties = tied.find(list(parts.values()))
-        with tied.unplugged(ties):
-            _place(list(parts.values()), [device] * len(parts))
-        tied.home(ties, [device] * len(parts))
+        parts = _place_owned(model, balance, self.owned, device)
+        starts = [sum(balance[:j]) for j in range(len(balance))]
+        layers = list(model._modules.values())
         # every layer of this rank, in model order: parameters(), state_dict() and checkpoints read it
         mine = sorted((starts[p] + k, names[starts[p] + k]) for p in self.owned for k in range(balance[p]))
         self.partition = nn.Sequential(OrderedDict((n, layers[k]) for k, n in mine))
-        found = routes(model)
-        self.routes = [
-            Route(i, r.key[1], part_of[r.stash], part_of[r.pop])
-            for i, r in enumerate(found)
-            if part_of[r.stash] != part_of[r.pop]
-        ]
-        self._key: dict[int, SkipKey] = {rt.index: found[rt.index].key for rt in self.routes}
+        self.routes, self._key = _crossing_routes(model, balance)
         # skips whose values are sizes (ints made from shapes): fixed programs hold them per micro-batch
         self.sized = frozenset(size_skips(layers))
         object.__setattr__(self, "model", model)
@@ -166,15 +186,7 @@ class DistributedStage(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.schedule = schedule
-        self.runners: dict[int, Stage] = {}
-        self.norms: dict[int, list[Any]] = {}
-        self.params: dict[int, list[nn.Parameter]] = {}
-        for p, part in parts.items():
-            pops = tuple(self._key[r.index] for r in self.routes if r.dst == p)
-            stashes = tuple(self._key[r.index] for r in self.routes if r.src == p)
-            self.runners[p] = Stage(p, part, device, pops, stashes)
-            self.norms[p] = list(norms_of(part))
-            self.params[p] = [w for w in part.parameters() if w.requires_grad]
+        self._wire(parts, device)
         self._dp_group: Any = None
         # one process group per message direction (seqify.distributed.link.directions); None: the default group
         self._directions: tuple[Any, Any] | None = None
@@ -187,6 +199,19 @@ class DistributedStage(nn.Module):
             {p: RankPrograms(r, device, graphs, sized=self.sized, options=replay_options)
              for p, r in self.runners.items()} if graphs else {})
         self._probes = Probes()  # how undeclared losses reduce, found once per loss and layout
+
+    def _wire(self, parts: dict[int, nn.Sequential], device: torch.device) -> None:
+        """A runner per owned partition, popping and stashing the skips that cross into and out of it, with
+        its normalisation layers and trained parameters."""
+        self.runners: dict[int, Stage] = {}
+        self.norms: dict[int, list[Any]] = {}
+        self.params: dict[int, list[nn.Parameter]] = {}
+        for p, part in parts.items():
+            pops = tuple(self._key[r.index] for r in self.routes if r.dst == p)
+            stashes = tuple(self._key[r.index] for r in self.routes if r.src == p)
+            self.runners[p] = Stage(p, part, device, pops, stashes)
+            self.norms[p] = list(norms_of(part))
+            self.params[p] = [w for w in part.parameters() if w.requires_grad]
 
     @property
     def is_first(self) -> bool:

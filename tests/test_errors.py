@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
-from exactness import assert_exact, assert_unchanged, by_micro_batch, snapshot
+from helpers.exactness import assert_exact, assert_unchanged, by_micro_batch, snapshot
 from seqify.skip import Namespace, pop, skippable, stash
 
 pytestmark = pytest.mark.timeout(120)

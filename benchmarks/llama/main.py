@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not adam:
         rows.append(timed("source, one device", trainer(lm, ids, devs[:1], adam), devs[:1], args))
     start = time.perf_counter()
-    # The self-check is bit-for-bit on the CPU (tests/test_hf.py); on a GPU, kernels chosen for the converted
+    # The self-check is bit-for-bit on the CPU (tests/convert/test_hf.py); on a GPU, kernels chosen for the converted
     # layers' shapes round differently, so here the first steps' losses are printed side by side instead.
     seq = seqify.convert(lm, example_inputs={"input_ids": ids[:2]}, frontend="export",
                          verify=args.device == "cpu" and not adam)

@@ -55,7 +55,7 @@ probe() {  # the tuner's anchor: eager and replayed one-GPU steps against the ra
 }
 tune_tests() {
   echo "== the tuner's GPU tests ($(date -u +%T))"
-  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests/test_tune.py \
+  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests/tuning/test_tune.py \
     --timeout 180 > "$R/tune-tests.log" 2>&1
   tail -3 "$R/tune-tests.log"
 }

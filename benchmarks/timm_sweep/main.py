@@ -1,7 +1,7 @@
 """Sweep: timm architectures no test names, at their own input size, randomly initialised (no download).
 
 Run: ``python benchmarks/timm_sweep/main.py [names...] [--trace]``; one line per model (see tests/helpers/sweep.py). Not in
-the CI (about 50 minutes on one core): a wider look than tests/test_timm.py, run by hand.
+the CI (about 50 minutes on one core): a wider look than tests/convert/test_timm.py, run by hand.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-# the sweep's harness is the one tests/test_sweep.py runs: tests/helpers/sweep.py
+# the sweep's harness is the one tests/convert/test_sweep.py runs: tests/helpers/sweep.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from helpers import sweep as harness  # noqa: E402

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import seqify
-from exactness import assert_exact
+from helpers.exactness import assert_exact
 
 Built = tuple[nn.Module, dict[str, Any]]
 

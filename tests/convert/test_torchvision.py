@@ -1,0 +1,151 @@
+"""Every torchvision classification, segmentation and video model converts exactly; detection fails clearly."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torchvision
+from torchvision import models
+
+import seqify
+from helpers.exactness import assert_exact
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=UserWarning)
+
+# Smallest inputs each family accepts, to keep CI fast; the model code is torchvision's own.
+SMALL: dict[str, tuple[dict, int]] = {
+    "inception_v3": ({}, 299),
+    "maxvit_t": ({}, 224),
+    "vit_b_16": ({"image_size": 32}, 32),
+    "vit_b_32": ({"image_size": 32}, 32),
+    "vit_l_16": ({"image_size": 32}, 32),
+    "vit_l_32": ({"image_size": 32}, 32),
+    "vit_h_14": ({"image_size": 28}, 28),
+    "regnet_y_128gf": ({}, 32),
+    "regnet_y_32gf": ({}, 32),
+    "regnet_x_32gf": ({}, 32),
+    "regnet_y_16gf": ({}, 32),
+    "regnet_x_16gf": ({}, 32),
+}
+
+# Models that take 12-14 GB of memory each: run one after another on a single pytest-xdist worker
+# (tests/conftest.py picks --dist loadgroup), since two at once do not fit CI's 23 GiB machine.
+GIANTS = {"regnet_y_128gf", "vit_h_14", "regnet_y_32gf", "regnet_x_32gf", "vit_l_16", "vit_l_32"}
+
+
+def _grouped(names: list[str]) -> list[object]:
+    return [pytest.param(n, marks=pytest.mark.xdist_group("giants")) if n in GIANTS else n for n in names]
+
+
+CLASSIFICATION = models.list_models(module=models)
+SEGMENTATION = models.list_models(module=models.segmentation)
+VIDEO = models.list_models(module=models.video)
+DETECTION = models.list_models(module=models.detection)
+
+
+def build(name: str, **kwargs: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return models.get_model(name, weights=None, **kwargs)
+
+
+def round_trip(seq: seqify.Sequential, model: torch.nn.Module) -> None:
+    """original_state_dict speaks the source's keys; a checkpoint written for the source loads into the
+    tensors the source and seq share (strict key and shape checks)."""
+    sd = seq.original_state_dict()
+    source = model.state_dict()
+    assert list(sd) == list(source)
+    for k, v in source.items():
+        assert torch.equal(sd[k], v), k
+    g = torch.Generator().manual_seed(1)
+    wanted = {
+        k: v + 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 1
+        for k, v in source.items()
+    }
+    seq.load_original_state_dict(wanted)
+    loaded = model.state_dict()
+    for k, v in wanted.items():
+        assert torch.equal(loaded[k], v), f"{k} not loaded into the shared source tensor"
+
+
+@pytest.mark.parametrize("name", _grouped(CLASSIFICATION))
+def test_classification(name: str) -> None:
+    kwargs, res = SMALL.get(name, ({}, 64))
+    model = build(name, **kwargs)
+    x = torch.randn(2, 3, res, res)
+    mode_dependent = name in ("googlenet", "inception_v3")
+    for train in (False, True):
+        # googlenet and inception return auxiliary logits in train mode only: one conversion per mode.
+        seq = assert_exact(model, (x,), train=train, backward=train)
+        assert seq.mode_dependent == mode_dependent
+    assert all(isinstance(layer, torch.nn.Module) for layer in seq)
+    model.eval()
+    eval_seq = seqify.convert(model)
+    with torch.no_grad():
+        assert torch.equal(eval_seq(x), model(x))
+    if mode_dependent:
+        eval_seq.train()
+        with pytest.raises(seqify.ModeError, match="train mode"):
+            eval_seq(x)
+    round_trip(seq, model)
+
+
+@pytest.mark.parametrize("name", SEGMENTATION)
+def test_segmentation(name: str) -> None:
+    options = {"weights_backbone": None} if "lraspp" in name else {"weights_backbone": None, "aux_loss": True}
+    model = build(name, **options)
+    x = torch.randn(2, 3, 64, 64)
+    for train in (False, True):
+        seq = assert_exact(model, (x,), train=train, backward=train)
+    out = seq(x)
+    assert type(out) is type(model(x))
+    round_trip(seq, model)
+
+
+@pytest.mark.parametrize("name", VIDEO)
+def test_video(name: str) -> None:
+    model = build(name)
+    big = name.startswith(("mvit", "s3d", "swin3d"))
+    x = torch.randn(1, 3, 16, 224, 224) if big else torch.randn(2, 3, 4, 32, 32)
+    assert_exact(model, (x,), train=False, backward=False)
+    if not big:
+        assert_exact(model, (x,), train=True)
+
+
+@pytest.mark.parametrize("name", DETECTION)
+def test_detection_converts_exactly_or_fails_clearly(name: str) -> None:
+    model = build(name, weights_backbone=None).eval()
+    images = [torch.rand(3, 64, 80)]
+    try:
+        seq = seqify.convert(model, example_inputs=(images,))
+    except seqify.SeqifyError as e:
+        assert "cannot be traced" in str(e) and "What to do" in str(e)
+        return
+    with torch.no_grad():
+        expected, got = model(images), seq(images)
+    assert torch.utils._pytree.tree_structure(expected) == torch.utils._pytree.tree_structure(got)
+    for a, b in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(got)):
+        assert torch.equal(a, b)
+
+
+def test_pretrained_style_checkpoint_keys() -> None:
+    """A checkpoint written for torchvision's resnet50 (its exact keys) loads with strict checking."""
+    source = build("resnet50")
+    seq = seqify.convert(source)
+    donor = build("resnet50")
+    checkpoint = {k: v.clone() + 1 for k, v in donor.state_dict().items() if v.is_floating_point()}
+    checkpoint.update({k: v.clone() for k, v in donor.state_dict().items() if not v.is_floating_point()})
+    seq.load_original_state_dict(checkpoint)
+    for k, v in checkpoint.items():
+        assert torch.equal(seq.original_state_dict()[k], v)
+    with pytest.raises(seqify.StateDictError, match="missing keys"):
+        seq.load_original_state_dict({k: v for k, v in checkpoint.items() if k != "fc.weight"})
+    with pytest.raises(seqify.StateDictError, match="unexpected keys"):
+        seq.load_original_state_dict({**checkpoint, "head.weight": torch.zeros(1)})
+    bad = dict(checkpoint)
+    bad["fc.weight"] = torch.zeros(3, 3)
+    with pytest.raises(seqify.StateDictError, match="shapes"):
+        seq.load_original_state_dict(bad)
+    assert torchvision.__version__

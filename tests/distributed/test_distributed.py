@@ -1,0 +1,116 @@
+"""seqify.distributed on CPU: real torchrun, gloo processes; equal to one process; a failing rank ends the job."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import dist_worker as worker
+from helpers.procs import child_env
+
+pytestmark = pytest.mark.timeout(300)
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "dist_worker.py"
+
+
+def torchrun(nproc: int, tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = child_env(OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", str(WORKER), "--out", str(tmp), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def reference(name: str, chunks: int, batch: int, replicas: int) -> tuple[list[float], dict[str, torch.Tensor], torch.Tensor]:
+    """One process: each replica's shard in micro-batches, losses weighted by size, gradients averaged.
+
+    Computed with one thread, like the workers (OMP_NUM_THREADS=1), so results agree to the last bit
+    rather than to the summation order of a multi-threaded convolution."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(name, chunks, batch, replicas)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(name: str, chunks: int, batch: int, replicas: int) -> tuple[list[float], dict[str, torch.Tensor], torch.Tensor]:
+    model = worker.build(name).train()
+    eval_model = copy.deepcopy(model)
+    x, y = worker.data(name, batch)
+    losses = []
+    total = 0.0
+    for r in range(replicas):
+        xs = x[r * batch // replicas:(r + 1) * batch // replicas]
+        ys = y[r * batch // replicas:(r + 1) * batch // replicas]
+        loss = sum(worker.loss_fn(name)(model(a), b) * (len(a) / len(xs))
+                   for a, b in zip(xs.tensor_split(chunks), ys.tensor_split(chunks)))
+        losses.append(float(loss.detach()))
+        total = total + loss / replicas
+    total.backward()
+    with torch.no_grad():
+        out = torch.cat([eval_model(c) for c in x[: batch // replicas].tensor_split(chunks)])
+    return losses, {n: p.grad for n, p in model.named_parameters()}, out
+
+
+@pytest.mark.parametrize(
+    ("name", "nproc", "balance", "checkpoint", "schedule", "loops"),
+    [
+        ("resnet18", 2, "params", "never", "gpipe", 1),
+        ("resnet18", 3, "flops", "except_last", "1f1b", 1),
+        ("resnet18", 2, "time", "never", "gpipe", 1),  # rank 0 times the layers on its own device, then broadcasts
+        ("unet", 2, "params", "always", "1f1b", 1),
+        ("unet", 3, "params", "never", "gpipe", 1),
+        # BatchNorm, in-place ReLUs and long skips, 2 partitions per rank in a V, split backward, recompute
+        ("unet", 2, "params", "except_last", "zb-h1", 2),
+    ],
+)
+def test_pipeline_over_processes_equals_one_process(
+    tmp_path: Path, name: str, nproc: int, balance: str, checkpoint: str, schedule: str, loops: int
+) -> None:
+    done = torchrun(nproc, tmp_path, "--model", name, "--balance", balance, "--chunks", "4", "--checkpoint", checkpoint,
+                    "--schedule", schedule, "--loops", str(loops))
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses, grads, out = reference(name, chunks=4, batch=8, replicas=1)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(nproc)]
+    assert sorted(r["stage"] for r in results) == list(range(nproc))
+    assert len(results[0]["balance"]) == nproc * loops
+    (last,) = [r for r in results if r["loss"] is not None]  # the rank of the last partition
+    assert abs(float(last["loss"]) - losses[0]) < 1e-5
+    seen = {}
+    for r in results:
+        seen.update(r["grads"])
+    assert set(seen) == {n for n, g in grads.items() if g is not None}
+    for n, g in seen.items():
+        # 1F1B adds micro-batch gradients in another order than one backward does: last-bit differences.
+        scale = max(1.0, grads[n].abs().max().item())
+        torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-6 * scale, msg=n)
+    # Inference over the processes matches too (train-mode BatchNorm: micro-batch statistics as above).
+    assert last["output"] is not None and last["output"].shape[0] == 8
+
+
+def test_data_parallel_replicas_of_a_pipeline(tmp_path: Path) -> None:
+    done = torchrun(4, tmp_path, "--model", "resnet18", "--balance", "30,39", "--chunks", "2", "--batch", "8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses, grads, _ = reference("resnet18", chunks=2, batch=8, replicas=2)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    for r in results:
+        if r["stage"] == 1:
+            assert abs(float(r["loss"]) - losses[r["replica"]]) < 1e-5
+        for n, g in r["grads"].items():
+            # All-reduce sums (g0 + g1) / 2 where one process sums g0 / 2 + g1 / 2: last-bit differences.
+            scale = max(1.0, grads[n].abs().max().item())
+            torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-6 * scale, msg=n)
+
+
+def test_a_failing_rank_ends_the_job(tmp_path: Path) -> None:
+    start = time.monotonic()
+    done = torchrun(2, tmp_path, "--model", "unet", "--fail-rank", "1", timeout=200)
+    took = time.monotonic() - start
+    assert done.returncode != 0
+    assert "planned failure on rank 1" in done.stderr + done.stdout
+    assert took < 120

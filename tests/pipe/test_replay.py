@@ -1,0 +1,180 @@
+"""The replayed step (what graphs=True runs) driven with eager programs on CPU partitions: it must compute
+what the source model computes over micro-batches, in GPipe order and in the looped order."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import resnet18
+
+import seqify
+from helpers.exactness import loss_of
+from seqify.pipe.executors.replay import order
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def even(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def replayed(model: nn.Module, parts: int, chunks: int, loops: int = 1) -> seqify.Pipeline:
+    seq = seqify.convert(model)
+    pipe = seqify.pipeline(seq, devices=["cpu"] * (parts // loops), loops=loops, balance=even(len(seq), parts),
+                           chunks=chunks, checkpoint="never")
+    assert len(pipe.partitions) == parts
+    pipe._replay_eager = True
+    return pipe
+
+
+def reference_step(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    out = torch.cat([model(c) for c in x.tensor_split(chunks)])
+    loss_of(out).backward()
+    return out
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: resnet18(num_classes=7), (6, 3, 32, 32)),
+        (lambda: seqify.zoo.unet(depth=3, blocks=1, channels=4), (5, 3, 32, 32)),
+    ],
+    ids=["resnet18", "unet"],
+)
+@pytest.mark.parametrize("parts, loops", [(2, 1), (4, 1), (4, 2)])
+def test_replayed_steps_follow_the_source(make, shape, parts: int, loops: int) -> None:  # type: ignore[no-untyped-def]
+    """Three SGD steps: outputs bit-equal, gradients and BatchNorm statistics as the source's, with the
+    zero_grad styles alternating (a fresh .grad, and one added into)."""
+    torch.manual_seed(0)
+    source = make().train()
+    reference = copy.deepcopy(source)
+    pipe = replayed(source, parts, chunks=3, loops=loops)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(*shape)
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        opt_ref.zero_grad(set_to_none=step % 2 == 0)
+        out = pipe(x)
+        expected = reference_step(reference, x, 3)
+        assert torch.equal(out, expected), f"step {step}"
+        loss_of(out).backward()
+        for (name, p), q in zip(source.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+        for (name, b), r in zip(source.named_buffers(), reference.buffers()):
+            assert torch.equal(b, r), f"step {step} {name}"
+        opt.step()
+        opt_ref.step()
+    assert pipe._graphed is not None
+
+
+def test_input_gradients_flow_back() -> None:
+    torch.manual_seed(0)
+    source = resnet18(num_classes=5).train()
+    reference = copy.deepcopy(source)
+    pipe = replayed(source, 2, chunks=2)
+    x = torch.randn(4, 3, 32, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out = pipe(x)
+    loss_of(out).backward()
+    loss_of(reference_step_input(reference, x_ref)).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def reference_step_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([model(c) for c in x.tensor_split(2)])
+
+
+def test_a_new_batch_shape_rebuilds_the_programs() -> None:
+    torch.manual_seed(0)
+    source = resnet18(num_classes=5).train()
+    reference = copy.deepcopy(source)
+    pipe = replayed(source, 2, chunks=2)
+    for batch in (4, 6):
+        x = torch.randn(batch, 3, 32, 32)
+        out = pipe(x)
+        assert torch.equal(out, torch.cat([reference(c) for c in x.tensor_split(2)]))
+        first = pipe._graphed
+        loss_of(out).backward()
+    assert pipe._graphed is first
+
+
+def test_eval_with_gradients_runs_eagerly() -> None:
+    """Eval mode with autograd on (gradients through a frozen model, say) is neither a training step nor
+    inference under no_grad: it runs eagerly."""
+    pipe = replayed(resnet18(num_classes=5), 2, chunks=2)
+    pipe.eval()
+    pipe(torch.randn(4, 3, 32, 32))
+    assert pipe._graphed is None
+
+
+def test_issue_order_is_fill_drain_per_device_and_looped_across_repeats() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("meta")
+    chain = lambda i, j: [(i, j - 1)] if j else []  # noqa: E731
+    two = order([cpu, gpu], 3, chain, backward=False)
+    assert [ij for ij in two if ij[1] == 0] == [(0, 0), (1, 0), (2, 0)]
+    assert [ij for ij in two if ij[1] == 1] == [(0, 1), (1, 1), (2, 1)]
+    looped = order([cpu, gpu, cpu, gpu], 2, chain, backward=False)
+    on_cpu = [ij for ij in looped if ij[1] in (0, 2)]
+    assert on_cpu == [(0, 0), (1, 0), (0, 2), (1, 2)]  # a device finishes one partition's micro-batches first
+    for k, (i, j) in enumerate(looped):  # and nothing is issued before what it reads
+        assert all(dep in looped[:k] for dep in chain(i, j))
+    back = order([cpu, gpu, cpu, gpu], 2, lambda i, j: [(i, j + 1)] if j < 3 else [], backward=True)
+    assert [ij for ij in back if ij[1] in (1, 3)] == [(1, 3), (0, 3), (1, 1), (0, 1)]
+
+
+@pytest.mark.parametrize("train_mode", [False, True], ids=["eval", "train-mode"])
+def test_inference_under_no_grad_replays_forward_programs(train_mode: bool) -> None:
+    """Under torch.no_grad() the pipeline replays forward-only programs (no gradient buffers), bit-equal
+    to the source over the same micro-batches, BatchNorm statistics too in train mode; a training step
+    afterwards gets programs of its own and still trains like the source."""
+    torch.manual_seed(0)
+    source = seqify.zoo.unet(depth=3, blocks=1, channels=4).train(train_mode)
+    reference = copy.deepcopy(source)
+    pipe = replayed(source, 2, chunks=3)
+    pipe.train(train_mode)
+    for _ in range(2):
+        x = torch.randn(5, 3, 32, 32)
+        with torch.no_grad():
+            got = pipe(x)
+            want = torch.cat([reference(c) for c in x.tensor_split(3)])
+        assert torch.equal(got, want)
+    key, replay = pipe._graphed
+    assert pipe.graph_error is None and key[1] is False  # built for inference
+    assert all(not p.acc and not p.params and not any(p.out_grads) for row in replay.programs for p in row)
+    for (name, a), b in zip(reference.named_buffers(), source.buffers()):  # the pipeline shares source's
+        assert torch.equal(a, b), name
+    pipe.train()
+    reference.train()
+    x = torch.randn(5, 3, 32, 32)
+    assert torch.equal(reference_step(pipe, x, 1), reference_step(reference, x, 3))
+    assert pipe._graphed[0][1] is True
+    for (name, a), b in zip(reference.named_parameters(), source.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_split_backward_recomputes_with_the_forward_random_draws() -> None:
+    """A split, checkpointed program recomputes in B (seqify.pipe.recompute.recomputed): dropout
+    draws what the forward drew, BatchNorm statistics are left alone, the caller's generator is untouched."""
+    from seqify.pipe.recompute import is_recomputing, norms_of, recomputed, rng_state
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).double().train()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    state = rng_state(x)
+    first = net(x)
+    stats = [b.clone() for b in net.buffers()]
+    after = torch.get_rng_state()
+    seen: list[bool] = []
+    net.register_forward_hook(lambda *_: seen.append(is_recomputing()))
+    with torch.no_grad():  # a replayed step's context: the recomputation still builds a graph
+        again = recomputed(net, x, norms=norms_of(net), rng=state)
+    assert again.requires_grad and seen == [True]
+    assert torch.equal(again, first)
+    assert all(torch.equal(a, b) for a, b in zip(net.buffers(), stats))
+    assert torch.equal(torch.get_rng_state(), after)
+    other = recomputed(net, x, norms=norms_of(net))  # no state: other draws
+    assert not torch.equal(other, first)

@@ -48,3 +48,21 @@ def _give_memory_back() -> Iterator[None]:
         gc.collect()
         if _libc is not None and hasattr(_libc, "malloc_trim"):
             _libc.malloc_trim(0)
+
+
+#: Files whose tests take the longest, longest-running kinds first. With two workers the run ends when the
+#: last long test does: started early, long tests overlap the many short ones instead of leaving one worker
+#: with a tail of minutes. (xdist runs the largest xdist_group, the torchvision giants, first on its own.)
+#: Processes-launching tests come before torchvision's other models, so the worker not holding a giant spends
+#: that time on tests that need little memory in the worker itself.
+_LONG_FIRST = (
+    "test_distributed.py", "test_dist_nodes.py", "test_dist_loops.py", "test_dist_sizes.py", "test_examples.py",
+    "test_first_hour.py", "test_timm.py", "test_hf.py", "test_zoo.py", "test_torchvision.py", "test_tune.py",
+    "test_fuzz.py", "test_fuzz_autograd.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    """Long-running files first (a stable sort: within a file, the written order)."""
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_LONG_FIRST)))

@@ -56,7 +56,7 @@ def _give_memory_back() -> Iterator[None]:
 #: Processes-launching tests come before torchvision's other models, so the worker not holding a giant spends
 #: that time on tests that need little memory in the worker itself.
 _LONG_FIRST = (
-    "test_distributed.py", "test_dist_nodes.py", "test_dist_loops.py", "test_dist_sizes.py", "test_examples.py",
+    "test_sweep.py", "test_distributed.py", "test_dist_nodes.py", "test_dist_loops.py", "test_dist_sizes.py", "test_examples.py",
     "test_first_hour.py", "test_timm.py", "test_hf.py", "test_zoo.py", "test_torchvision.py", "test_tune.py",
     "test_fuzz.py", "test_fuzz_autograd.py",
 )

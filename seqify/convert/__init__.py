@@ -27,9 +27,10 @@ from seqify.errors import (
     UntraceableError,
     VerifyError,
 )
-from seqify.frontend.fx.trace import Opaque, Traced, trace
+from seqify.frontend.fx.trace import trace
 from seqify.frontend.preserve import preserved
 from seqify.frontend.real import buffers_kept
+from seqify.frontend.traced import Opaque, Traced
 from seqify.model.sequential import ExportedInfo, Sequential
 
 __all__ = ["convert", "Plan", "linearize", "build"]

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from seqify.convert.kinds import AUX, CONST, CONTAINER, TENSOR, classify, is_projection
 from seqify.errors import ConversionError, EmptyModelError
-from seqify.frontend.fx.trace import UNKNOWN, Traced, is_cache, value_of
+from seqify.frontend.traced import UNKNOWN, Traced, is_cache, value_of
 
 __all__ = ["Step", "Plan", "linearize"]
 

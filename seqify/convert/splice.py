@@ -17,9 +17,9 @@ from torch import nn
 
 from seqify.convert.modes import exported_mode_dependent
 from seqify.frontend.fx.autograd import GRAD_MODE
-from seqify.frontend.fx.trace import Opaque, Traced, _caller
 from seqify.frontend.preserve import preserved
 from seqify.frontend.real import record_inputs
+from seqify.frontend.traced import Opaque, Traced, caller
 from seqify.model.guard import Guard, check_bool, check_equal
 from seqify.model.hooks import HOOK_DICTS
 
@@ -246,7 +246,7 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
 
     model = traced.model
     wanted = {(str(n.target), int(n.meta["seqify_call"])) for n in nodes}
-    real = record_inputs(model, _caller(model, example_inputs), lambda: preserved(model), wanted)
+    real = record_inputs(model, caller(model, example_inputs), lambda: preserved(model), wanted)
     why = {o.path: o for o in traced.opaque}
     done: list[Spliced] = []
     failed: dict[str, str] = {}

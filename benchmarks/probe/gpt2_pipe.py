@@ -18,7 +18,9 @@ from llama_pipe_busy import busy, host  # noqa: E402
 
 import seqify  # noqa: E402
 from seqify.tools import spec  # noqa: E402
-from seqify.tuning import _loss, _scored, tune  # noqa: E402
+from seqify.tuning import tune  # noqa: E402
+from seqify.tuning.measure import _scored  # noqa: E402
+from seqify.tuning.measure import loss as _loss  # noqa: E402
 
 CONFIGS = {  # name -> pipeline options (checkpoint never, as the tuner chose)
     "interleaved c4 L2 eager (tuner's choice)": dict(schedule="interleaved", chunks=4, loops=2, graphs=False),

@@ -36,7 +36,11 @@ from seqify import convert, pipeline
 from seqify.tools import spec  # noqa: E402
 from seqify.partition.cost import time_costs  # noqa: E402
 from seqify.tuning.predict import Candidate, predict  # noqa: E402
-from seqify.tuning import _anchor, _head, _replayed, _plans, calibrate, layer_model, step_seconds  # noqa: E402
+from seqify.tuning import calibrate, layer_model, step_seconds  # noqa: E402
+from seqify.tuning.measure import head as _head  # noqa: E402
+from seqify.tuning.profile import _replayed  # noqa: E402
+from seqify.tuning.profile import anchor as _anchor  # noqa: E402
+from seqify.tuning.space import balances as _plans  # noqa: E402
 
 
 def emit(row: dict, out: str | None) -> None:

@@ -14,6 +14,7 @@ from seqify.model.signature import EMPTY, Param, bind_examples
 
 __all__ = ["bind_inputs"]
 
+
 def bind_inputs(model: nn.Module, example_inputs: Any) -> tuple[list[Param], dict[str, Any], dict[str, Any]]:
     """Bind example inputs to ``model.forward``: params for the InputSpec, export kwargs in signature order,
     and dynamic shapes (dim 0 of every tensor is one shared batch dimension)."""

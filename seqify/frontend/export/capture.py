@@ -44,6 +44,7 @@ from seqify.model.signature import InputSpec
 
 __all__ = ["export_trace", "aten_op", "on_device_of", "at_device_of"]
 
+
 _aten = torch.ops.aten
 
 

@@ -20,6 +20,7 @@ from seqify.model.hooks import HOOK_DICTS
 
 __all__ = ["clean", "module_calls", "shape_guards"]
 
+
 _aten = torch.ops.aten
 
 

@@ -9,6 +9,7 @@ import torch.fx as fx
 
 __all__ = ["on_device_of", "at_device_of", "rewrite_devices"]
 
+
 def on_device_of(like: torch.Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
     """``op(*args, **kwargs)`` creating its result on ``like``'s device: export bakes the example's device
     into factory ops (``arange``, ``ones``, ``to``); a layer on another device must make them where it runs."""

@@ -20,6 +20,7 @@ __all__ = [
     "refuse_writes",
 ]
 
+
 _CACHE = (
     "{name} would return a key/value cache (use_cache is on, from {source}): a cache is state kept between "
     "calls, which a converted model cannot return. Pass use_cache=False in example_inputs (and to every call), "

@@ -1048,7 +1048,8 @@ def test_a_batch_one_device_cannot_take_whole_is_anchored_on_one_micro_batch_tha
     alone = Candidate((len(seq),), ("cpu",), 1, "never")
     assert predict(alone, layers, cal, 2).seconds != pytest.approx(0.05)
     assert predict(alone, got, cal, 2).seconds == pytest.approx(0.05)
-    monkeypatch.setattr(tuning.measure, "step_seconds", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
+    monkeypatch.setattr(tuning.measure, "step_seconds",
+                        lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
     hook = seq.register_forward_pre_hook(fits)
     try:
         again, _ = tuning.profile.anchor(seq, x, torch.device("cpu"), layers, cal, 8, steps=1, warm=0)

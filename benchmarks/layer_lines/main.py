@@ -33,8 +33,12 @@ import torch
 from seqify import convert, pipeline
 from seqify.partition.cost import time_costs
 from seqify.tools import spec
-from seqify.tuning import _anchor, _head, _plans, _replayed, calibrate, layer_model, step_seconds
+from seqify.tuning import calibrate, layer_model, step_seconds
+from seqify.tuning.measure import head as _head
 from seqify.tuning.predict import Candidate, predict
+from seqify.tuning.profile import _replayed
+from seqify.tuning.profile import anchor as _anchor
+from seqify.tuning.space import balances as _plans
 
 # the families and their sizes: benchmarks/families/main.py, imported by its path
 _spec = importlib.util.spec_from_file_location("families_main", Path(__file__).resolve().parent.parent / "families" / "main.py")

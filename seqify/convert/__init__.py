@@ -27,9 +27,10 @@ from seqify.errors import (
     UntraceableError,
     VerifyError,
 )
-from seqify.frontend.fx.trace import Opaque, Traced, trace
+from seqify.frontend.fx.trace import trace
 from seqify.frontend.preserve import preserved
 from seqify.frontend.real import buffers_kept
+from seqify.frontend.traced import Opaque, Traced
 from seqify.model.sequential import ExportedInfo, Sequential
 
 __all__ = ["convert", "Plan", "linearize", "build"]
@@ -66,7 +67,9 @@ def _check_options(
     types = (leaf_types,) if isinstance(leaf_types, type) else tuple(leaf_types)
     bad = [t for t in types if not isinstance(t, type)]
     if bad:
-        raise OptionError(f"leaf_types={leaf_types!r}: give module classes (e.g. leaf_types=[Bottleneck]), not {bad[0]!r}")
+        raise OptionError(
+            f"leaf_types={leaf_types!r}: give module classes (e.g. leaf_types=[Bottleneck]), not {bad[0]!r}"
+        )
     paths = (leaf_paths,) if isinstance(leaf_paths, str) else tuple(leaf_paths)
     known = dict(model.named_modules())
     for path in paths:
@@ -176,7 +179,9 @@ def _convert(model: nn.Module, example_inputs: Any, leaf_types: tuple[type, ...]
         fx_error: Exception = e
     except Exception as e:
         if frontend == "fx" or example_inputs is None or leaf_types or leaf_paths or depth is not None:
-            raise ConversionError(f"converting {type(model).__name__} with torch.fx failed: {type(e).__name__}: {e}") from e
+            raise ConversionError(
+                f"converting {type(model).__name__} with torch.fx failed: {type(e).__name__}: {e}"
+            ) from e
         fx_error = e
     try:
         return _via_export(model, example_inputs, check_modes=check_modes, verify=verify)
@@ -342,7 +347,8 @@ def _trace_fx(
     for path in sorted(mode_leaves):
         if path not in {o.path for o in traced.opaque}:
             module = model.get_submodule(path)
-            traced.opaque.append(Opaque(path, type(module).__name__, "its forward depends on self.training; kept whole so it follows train()/eval()"))
+            traced.opaque.append(Opaque(path, type(module).__name__, "its forward depends on self.training; kept "
+                                        "whole so it follows train()/eval()"))
     return traced, mode_dependent
 
 

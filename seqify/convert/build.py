@@ -14,8 +14,8 @@ from torch import nn
 from seqify.convert.kinds import CONST, TENSOR
 from seqify.convert.linearize import Plan, Step
 from seqify.frontend.fx.autograd import GRAD_MODE
-from seqify.frontend.fx.trace import Traced, value_of
 from seqify.frontend.outside import Held, find, outside, registered, unregistered_error
+from seqify.frontend.traced import Traced, value_of
 from seqify.model.layer import Attr, Layer, Op, Ref
 from seqify.model.sequential import OpaqueInfo, Sequential, SkipInfo, _Unused
 from seqify.model.signature import OutputSpec

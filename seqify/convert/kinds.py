@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from seqify.frontend.fx.trace import UNKNOWN, value_of
+from seqify.frontend.traced import UNKNOWN, value_of
 from seqify.model.guard import check_bool, check_equal
 
 __all__ = ["TENSOR", "CONTAINER", "AUX", "CONST", "classify", "is_projection"]

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from seqify.convert.kinds import AUX, CONST, CONTAINER, TENSOR, classify, is_projection
 from seqify.errors import ConversionError, EmptyModelError
-from seqify.frontend.fx.trace import UNKNOWN, Traced, is_cache, value_of
+from seqify.frontend.traced import UNKNOWN, Traced, is_cache, value_of
 
 __all__ = ["Step", "Plan", "linearize"]
 
@@ -132,17 +132,50 @@ def _group(heads: list[fx.Node], key: Callable[[fx.Node], Any] | None) -> tuple[
     return firsts, joined
 
 
-def linearize(
-    traced: Traced, reserved: set[str] = frozenset(), group: Callable[[fx.Node], Any] | None = None  # type: ignore[assignment]
-) -> Plan:
-    """Order ``traced`` into steps; with ``group``, consecutive ops of one group key share a step."""
+@dataclass
+class _Layout:
+    """What linearizing has decided so far about one traced graph; each phase below fills in its part.
+
+    Steps are numbered 0..N-1 for the heads, -1 for the model's inputs and N (``out``) for its outputs.
+    """
+
+    graph: fx.Graph
+    kinds: dict[fx.Node, str]
+    structure: Any  # the output structure, containers expanded into their elements
+    order: dict[fx.Node, int]
+    placeholders: list[fx.Node]
+    heads: list[fx.Node]
+    #: the step computing each tensor node (placeholders: -1)
+    step_of: dict[fx.Node, int] = field(default_factory=dict)
+    computed: defaultdict[int, list[fx.Node]] = field(default_factory=lambda: defaultdict(list))
+    #: non-Python values each step's own nodes take from another step
+    direct: defaultdict[int, set[fx.Node]] = field(default_factory=lambda: defaultdict(set))
+    #: the earliest step that can compute each Python value
+    aux_home: dict[fx.Node, int] = field(default_factory=dict)
+    aux_done: defaultdict[int, set[fx.Node]] = field(default_factory=lambda: defaultdict(set))
+    aux_received: defaultdict[int, set[fx.Node]] = field(default_factory=lambda: defaultdict(set))
+    #: values a step needs only to recompute a Python value there
+    extra: defaultdict[int, set[fx.Node]] = field(default_factory=lambda: defaultdict(set))
+    can_memo: dict[tuple[fx.Node, int], bool] = field(default_factory=dict)
+    #: everything each step (and ``out``) takes from elsewhere
+    reads: defaultdict[int, set[fx.Node]] = field(default_factory=lambda: defaultdict(set))
+    carried: defaultdict[int, list[fx.Node]] = field(default_factory=lambda: defaultdict(list))  # s to s + 1
+    stashes: defaultdict[int, list[tuple[str, fx.Node]]] = field(default_factory=lambda: defaultdict(list))
+    pops: defaultdict[int, list[tuple[str, fx.Node]]] = field(default_factory=lambda: defaultdict(list))
+    routes: list[tuple[str, fx.Node, int, int]] = field(default_factory=list)  # (name, value, stasher, popper)
+
+    @property
+    def out(self) -> int:
+        return len(self.heads)
+
+
+def _start(traced: Traced, group: Callable[[fx.Node], Any] | None) -> tuple[_Layout, dict[fx.Node, fx.Node]]:
+    """Classify the nodes, expand returned containers, and pick the heads: every tensor-producing op that is
+    not a projection out of a container heads a step (after ``group`` joins consecutive ones)."""
     graph = traced.graph
     kinds = classify(graph, traced.model)
     output_node = next(n for n in graph.nodes if n.op == "output")
     structure = _expand_outputs(graph, output_node, traced.output, kinds)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-
     heads = [
         n for n in graph.nodes
         if n.op.startswith("call") and kinds[n] in (TENSOR, CONTAINER) and not is_projection(n, kinds)
@@ -153,116 +186,130 @@ def linearize(
             "its inputs); there is nothing to convert or to pipeline"
         )
     heads, joined = _group(heads, group)
-    N = len(heads)
-    OUT = N
-    step_of: dict[fx.Node, int] = {ph: -1 for ph in placeholders}
-    computed: dict[int, list[fx.Node]] = defaultdict(list)
-    for i, h in enumerate(heads):
-        step_of[h] = i
-    for n, first in joined.items():
-        step_of[n] = step_of[first]
-    for n in graph.nodes:
-        if n.op.startswith("call") and is_projection(n, kinds):
-            step_of[n] = step_of[n.args[0]]
-    for n, s in step_of.items():
-        if s >= 0:
-            computed[s].append(n)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return _Layout(graph, kinds, structure, order, placeholders, heads), joined
 
-    direct: dict[int, set[fx.Node]] = defaultdict(set)
-    for s, nodes in computed.items():
+
+def _assign_tensor_steps(lay: _Layout, joined: dict[fx.Node, fx.Node]) -> None:
+    """Decide which step computes each tensor op: its own if a head, its group's first head's if joined, the
+    container's if it projects an element out of one; and which values each step takes from other steps."""
+    lay.step_of.update({ph: -1 for ph in lay.placeholders})
+    for i, h in enumerate(lay.heads):
+        lay.step_of[h] = i
+    for n, first in joined.items():
+        lay.step_of[n] = lay.step_of[first]
+    for n in lay.graph.nodes:
+        if n.op.startswith("call") and is_projection(n, lay.kinds):
+            lay.step_of[n] = lay.step_of[n.args[0]]
+    for n, s in lay.step_of.items():
+        if s >= 0:
+            lay.computed[s].append(n)
+    for s, nodes in lay.computed.items():
         for n in nodes:
             for a in _inputs(n):
-                if kinds[a] not in (AUX, CONST) and step_of.get(a) != s:
-                    direct[s].add(a)
+                if lay.kinds[a] not in (AUX, CONST) and lay.step_of.get(a) != s:
+                    lay.direct[s].add(a)
 
-    # -- Python values: recompute where needed if possible, else compute early and skip ------------
-    aux_home: dict[fx.Node, int] = {}
-    aux_done: dict[int, set[fx.Node]] = defaultdict(set)
-    aux_received: dict[int, set[fx.Node]] = defaultdict(set)
-    extra: dict[int, set[fx.Node]] = defaultdict(set)
-    can_memo: dict[tuple[fx.Node, int], bool] = {}
 
-    def consumers(u: fx.Node) -> list[int]:
-        return sorted({step_of[c] for c in u.users if c in step_of})
-
-    def home(u: fx.Node) -> int:
-        if u not in aux_home:
-            h = -1
-            for a in _inputs(u):
-                if kinds[a] == CONST:
-                    continue
-                h = max(h, home(a) if kinds[a] == AUX else step_of[a])
-            if h < 0:
-                first = consumers(u)
-                h = first[0] if first else 0
-            aux_home[u] = min(max(h, 0), N - 1)
-        return aux_home[u]
-
-    def can_compute(u: fx.Node, s: int) -> bool:
-        key = (u, s)
-        if key not in can_memo:
-            ok = True
-            for a in _inputs(u):
-                k = kinds[a]
-                if k == CONST:
-                    continue
-                if k == AUX:
-                    ok = can_compute(a, s)
-                else:
-                    ok = step_of.get(a) == s or a in direct[s]
-                if not ok:
-                    break
-            can_memo[key] = ok
-        return can_memo[key]
-
-    def compute_in(u: fx.Node, s: int) -> None:
-        if u in aux_done[s]:
-            return
-        aux_done[s].add(u)
-        for a in _inputs(u):
-            k = kinds[a]
-            if k == AUX:
-                ensure(a, s)
-            elif k != CONST and step_of.get(a) != s and a not in direct[s]:
-                extra[s].add(a)
-
-    def ensure(u: fx.Node, s: int) -> None:
-        if u in aux_done[s] or u in aux_received[s]:
-            return
-        h = home(u)
-        if can_compute(u, s) or h >= s:
-            compute_in(u, s)
-        else:
-            compute_in(u, h)
-            aux_received[s].add(u)
-
-    aux_nodes = [n for n in graph.nodes if n.op.startswith("call") and kinds[n] == AUX]
-    for u in aux_nodes:
-        targets = consumers(u)
+def _place_python_values(lay: _Layout) -> None:
+    """Decide where each Python value is computed: in every step that reads it when its inputs are at hand
+    there, else once in its home step (the earliest with all its inputs), whence it is skipped forward."""
+    for u in (n for n in lay.graph.nodes if n.op.startswith("call") and lay.kinds[n] == AUX):
+        targets = _consumers(lay, u)
         if not u.users:
-            ensure(u, home(u))
+            _ensure(lay, u, _home(lay, u))
         for s in targets:
-            ensure(u, s)
-    for s, us in aux_done.items():
-        computed[s].extend(us)
+            _ensure(lay, u, s)
+    for s, us in lay.aux_done.items():
+        lay.computed[s].extend(us)
 
-    # -- what each step reads from elsewhere -------------------------------------------------------
-    reads: dict[int, set[fx.Node]] = defaultdict(set)
-    for s in range(N):
-        mine = set(computed[s])
-        for n in computed[s]:
+
+def _consumers(lay: _Layout, u: fx.Node) -> list[int]:
+    return sorted({lay.step_of[c] for c in u.users if c in lay.step_of})
+
+
+def _home(lay: _Layout, u: fx.Node) -> int:
+    """The earliest step holding all of ``u``'s inputs (its first reader's if it has none)."""
+    if u not in lay.aux_home:
+        h = -1
+        for a in _inputs(u):
+            if lay.kinds[a] == CONST:
+                continue
+            h = max(h, _home(lay, a) if lay.kinds[a] == AUX else lay.step_of[a])
+        if h < 0:
+            first = _consumers(lay, u)
+            h = first[0] if first else 0
+        lay.aux_home[u] = min(max(h, 0), lay.out - 1)
+    return lay.aux_home[u]
+
+
+def _can_compute(lay: _Layout, u: fx.Node, s: int) -> bool:
+    """Whether step ``s`` has every input of ``u`` without receiving anything extra."""
+    key = (u, s)
+    if key not in lay.can_memo:
+        ok = True
+        for a in _inputs(u):
+            k = lay.kinds[a]
+            if k == CONST:
+                continue
+            if k == AUX:
+                ok = _can_compute(lay, a, s)
+            else:
+                ok = lay.step_of.get(a) == s or a in lay.direct[s]
+            if not ok:
+                break
+        lay.can_memo[key] = ok
+    return lay.can_memo[key]
+
+
+def _compute_in(lay: _Layout, u: fx.Node, s: int) -> None:
+    if u in lay.aux_done[s]:
+        return
+    lay.aux_done[s].add(u)
+    for a in _inputs(u):
+        k = lay.kinds[a]
+        if k == AUX:
+            _ensure(lay, a, s)
+        elif k != CONST and lay.step_of.get(a) != s and a not in lay.direct[s]:
+            lay.extra[s].add(a)
+
+
+def _ensure(lay: _Layout, u: fx.Node, s: int) -> None:
+    """Make Python value ``u`` available in step ``s``: recomputed there, or received from its home."""
+    if u in lay.aux_done[s] or u in lay.aux_received[s]:
+        return
+    h = _home(lay, u)
+    if _can_compute(lay, u, s) or h >= s:
+        _compute_in(lay, u, s)
+    else:
+        _compute_in(lay, u, h)
+        lay.aux_received[s].add(u)
+
+
+def _collect_reads(lay: _Layout) -> None:
+    """Decide what each step reads from elsewhere: inputs of its nodes it does not compute, Python values it
+    receives rather than recomputes, and what it needs to recompute the others."""
+    for s in range(lay.out):
+        mine = set(lay.computed[s])
+        for n in lay.computed[s]:
             for a in _inputs(n):
-                if kinds[a] == CONST or a in mine:
+                if lay.kinds[a] == CONST or a in mine:
                     continue
-                if kinds[a] == AUX and a not in aux_received[s]:
+                if lay.kinds[a] == AUX and a not in lay.aux_received[s]:
                     continue
-                reads[s].add(a)
-        reads[s] |= extra[s] | aux_received[s]
+                lay.reads[s].add(a)
+        lay.reads[s] |= lay.extra[s] | lay.aux_received[s]
+
+
+def _read_outputs(lay: _Layout) -> None:
+    """The output step reads every tensor the model returns; returning a Python value or an attribute
+    directly cannot be converted (the error says what to do instead)."""
 
     def output_leaf(x: Any) -> Any:
         if not isinstance(x, fx.Node):
             return x
-        if kinds.get(x) == AUX:
+        if lay.kinds.get(x) == AUX:
             if value_of(x) is None:
                 return None
             if is_cache(value_of(x)):
@@ -276,46 +323,50 @@ def linearize(
                 f"({value_of(x)!r} in the example); converted models return tensors: return it as a tensor "
                 "or compute it outside the model"
             )
-        if kinds.get(x) == CONST:
+        if lay.kinds.get(x) == CONST:
             raise ConversionError(
                 f"the model returns its attribute {x.target!r} directly; return a tensor computed from it"
             )
-        reads[OUT].add(x)
+        lay.reads[lay.out].add(x)
         return x
 
-    structure = pytree.tree_map(output_leaf, structure)
+    lay.structure = pytree.tree_map(output_leaf, lay.structure)
 
-    # -- hand-off chains ---------------------------------------------------------------------------
-    carried: dict[int, list[fx.Node]] = defaultdict(list)  # from step s to s + 1
-    stashes: dict[int, list[tuple[str, fx.Node]]] = defaultdict(list)
-    pops: dict[int, list[tuple[str, fx.Node]]] = defaultdict(list)
-    routes: list[tuple[str, fx.Node, int, int]] = []
+
+def _route(lay: _Layout) -> None:
+    """Decide how each value reaches its readers, hop by hop from the last step holding it: a tensor read by
+    the very next step is carried; anything else is stashed by the holder and popped by the reader."""
     readers: dict[fx.Node, list[int]] = defaultdict(list)
     taken_names: dict[fx.Node, int] = {}
-    for s in sorted(reads):
-        for v in reads[s]:
+    for s in sorted(lay.reads):
+        for v in lay.reads[s]:
             readers[v].append(s)
-    for v in sorted(readers, key=order.__getitem__):
-        holder = aux_home[v] if kinds[v] == AUX else step_of[v]
-        for hop, r in enumerate(sorted(readers[v])):
-            if kinds[v] == TENSOR and r == holder + 1:
-                carried[holder].append(v)
+    for v in sorted(readers, key=lay.order.__getitem__):
+        holder = lay.aux_home[v] if lay.kinds[v] == AUX else lay.step_of[v]
+        for r in sorted(readers[v]):
+            if lay.kinds[v] == TENSOR and r == holder + 1:
+                lay.carried[holder].append(v)
             else:
                 name = v.name if not taken_names.get(v) else f"{v.name}#{taken_names[v]}"
                 taken_names[v] = taken_names.get(v, 0) + 1
-                stashes[holder].append((name, v))
-                pops[r].append((name, v))
-                routes.append((name, v, holder, r))
+                lay.stashes[holder].append((name, v))
+                lay.pops[r].append((name, v))
+                lay.routes.append((name, v, holder, r))
             holder = r
-    for lists in (carried, stashes, pops):
+    order = lay.order
+    for lists in (lay.carried, lay.stashes, lay.pops):
         for s in lists:
             lists[s].sort(key=lambda item: order[item[1]] if isinstance(item, tuple) else order[item])
 
-    # -- steps, named after the source ---------------------------------------------------------------
-    names = _unique([_step_name(h, group is not None and group(h) is not None) for h in heads],
+
+def _plan(lay: _Layout, reserved: set[str], group: Callable[[fx.Node], Any] | None) -> Plan:
+    """Name the steps after the source and add an input step (only if the inputs are stashed) and an output
+    step (only if an output is popped)."""
+    names = _unique([_step_name(h, group is not None and group(h) is not None) for h in lay.heads],
                     set(reserved) | {"input", "output"})
     steps: list[Step] = []
     index: dict[int, int] = {}
+    carried, stashes, pops, placeholders = lay.carried, lay.stashes, lay.pops, lay.placeholders
     if stashes[-1]:
         index[-1] = len(steps)
         steps.append(Step(
@@ -325,20 +376,34 @@ def linearize(
         entry = list(range(len(placeholders)))
     else:
         entry = [placeholders.index(p) for p in carried[-1]]
-    for s, h in enumerate(heads):
+    for s, h in enumerate(lay.heads):
         index[s] = len(steps)
         steps.append(Step(
-            names[s], "op", h, nodes=sorted(computed[s], key=order.__getitem__),
+            names[s], "op", h, nodes=sorted(lay.computed[s], key=lay.order.__getitem__),
             carried_in=carried[s - 1], carried_out=carried[s], pops=pops[s], stashes=stashes[s],
         ))
-    finals = list(dict.fromkeys(n for n in pytree.tree_leaves(structure) if isinstance(n, fx.Node)))
-    if pops[OUT]:
-        index[OUT] = len(steps)
+    last = lay.out - 1
+    finals = list(dict.fromkeys(n for n in pytree.tree_leaves(lay.structure) if isinstance(n, fx.Node)))
+    if pops[lay.out]:
+        index[lay.out] = len(steps)
         steps.append(Step(
             _unique(["output"], set(names) | set(reserved))[0], "output", None,
-            carried_in=carried[N - 1], carried_out=finals, pops=pops[OUT],
+            carried_in=carried[last], carried_out=finals, pops=pops[lay.out],
         ))
     else:
-        finals = carried[N - 1]
-    skips = [(name, v, steps[index[a]].name, steps[index[b]].name) for name, v, a, b in routes]
-    return Plan(steps, kinds, placeholders, entry, structure, finals, skips)
+        finals = carried[last]
+    skips = [(name, v, steps[index[a]].name, steps[index[b]].name) for name, v, a, b in lay.routes]
+    return Plan(steps, lay.kinds, placeholders, entry, lay.structure, finals, skips)
+
+
+def linearize(
+    traced: Traced, reserved: set[str] = frozenset(), group: Callable[[fx.Node], Any] | None = None  # type: ignore[assignment]
+) -> Plan:
+    """Order ``traced`` into steps; with ``group``, consecutive ops of one group key share a step."""
+    lay, joined = _start(traced, group)
+    _assign_tensor_steps(lay, joined)
+    _place_python_values(lay)
+    _collect_reads(lay)
+    _read_outputs(lay)
+    _route(lay)
+    return _plan(lay, reserved, group)

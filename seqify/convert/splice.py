@@ -1,4 +1,5 @@
-"""Splice: submodules fx could not trace, captured by torch.export and inlined into the fx graph (auto per submodule)."""
+"""Splice: submodules fx could not trace, captured by torch.export and inlined into the fx graph (auto per
+submodule)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from torch import nn
 
 from seqify.convert.modes import exported_mode_dependent
 from seqify.frontend.fx.autograd import GRAD_MODE
-from seqify.frontend.fx.trace import Opaque, Traced, _caller
 from seqify.frontend.preserve import preserved
 from seqify.frontend.real import record_inputs
+from seqify.frontend.traced import Opaque, Traced, caller
 from seqify.model.guard import Guard, check_bool, check_equal
 from seqify.model.hooks import HOOK_DICTS
 
@@ -55,7 +56,8 @@ def _excluded(model: nn.Module, path: str, leaf_types: tuple[type, ...], leaf_pa
     for p, m in _inside(model, path):
         if p != path and any(getattr(m, h, None) for h in HOOK_DICTS):
             return True
-        if p != path and (isinstance(m, leaf_types) or p in leaf_paths or (depth is not None and p.count(".") + 1 >= depth)):
+        too_deep = depth is not None and p.count(".") + 1 >= depth
+        if p != path and (isinstance(m, leaf_types) or p in leaf_paths or too_deep):
             return True
     return False
 
@@ -91,7 +93,8 @@ def _projection(user: fx.Node, node: fx.Node) -> Any:
         and user.args[0] is node and not user.kwargs and not isinstance(user.args[1], fx.Node)
     ):
         return user.args[1]
-    raise _Refused(f"its result is used whole by {user.name} ({user.op} {getattr(user.target, '__name__', user.target)})")
+    target = getattr(user.target, "__name__", user.target)
+    raise _Refused(f"its result is used whole by {user.name} ({user.op} {target})")
 
 
 def _uses(node: fx.Node, structure: Any, output: bool) -> list[tuple[fx.Node, Any]]:
@@ -236,7 +239,9 @@ def _copy(traced: Traced, n: fx.Node, copies: dict[fx.Node, fx.Node], constants:
     return new
 
 
-def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_modes: bool) -> tuple[list[Spliced], dict[str, str]]:
+def splice(
+    traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_modes: bool
+) -> tuple[list[Spliced], dict[str, str]]:
     """Replace each opaque call in ``nodes`` (of ``traced``, changed in place) by its submodule's torch.export
     graph, captured on the arguments that call gets when the source runs on ``example_inputs``.
 
@@ -246,7 +251,7 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
 
     model = traced.model
     wanted = {(str(n.target), int(n.meta["seqify_call"])) for n in nodes}
-    real = record_inputs(model, _caller(model, example_inputs), lambda: preserved(model), wanted)
+    real = record_inputs(model, caller(model, example_inputs), lambda: preserved(model), wanted)
     why = {o.path: o for o in traced.opaque}
     done: list[Spliced] = []
     failed: dict[str, str] = {}
@@ -266,7 +271,8 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
             _splice_one(traced, node, exported, feeds, index)
         except Exception as e:  # the call stays opaque; the reason goes into the summary
             first = str(e).splitlines()[0] if str(e) else ""
-            failed[path] = f"torch.export could not capture it either ({first if isinstance(e, _Refused) else f'{type(e).__name__}: {first}'})"
+            cause = first if isinstance(e, _Refused) else f"{type(e).__name__}: {first}"
+            failed[path] = f"torch.export could not capture it either ({cause})"
             continue
         done.append(Spliced(path, why[path].type, why[path].reason, mode_dependent))
     called = {str(n.target) for n in traced.graph.nodes if n.op == "call_module"}

@@ -83,7 +83,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     alternative the tuner reports but did not time (up to ``alternatives`` of them), so each row shows
     the tuner's prediction next to a measurement (``memory_cap`` and ``schedule`` go to the tuner). The
     model is left where it was."""
-    from seqify.tuning import _kept, _peaks, step_seconds, tune
+    from seqify.tuning import measure, tune
 
     placed = [torch.device(d) for d in devices]
     # Every row starts from the sample on the first device: a sample left on the CPU would make each
@@ -91,10 +91,10 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     sample = sample.to(placed[0])
     base: float | None = None
     peaks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # trial index (-1: one device) -> measured peaks
-    with _kept(model):
+    with measure.kept(model):
         try:
-            with _peaks(placed[:1]) as got:
-                base = step_seconds(model.to(placed[0]).train(), sample, placed[:1], steps=steps, warm=warm)
+            with measure.peaks(placed[:1]) as got:
+                base = measure.step_seconds(model.to(placed[0]).train(), sample, placed[:1], steps=steps, warm=warm)
             peaks[-1] = got()
         except torch.OutOfMemoryError:  # what pipelines are for: the row says so
             if torch.cuda.is_available():
@@ -107,14 +107,15 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     # choice lacks them); the alternatives are timed here.
     peaks.update({k: (t.measured_peak, t.measured_reserved) for k, t in enumerate(trials) if t.measured_peak})
     oom: set[int] = set()
-    with _kept(model):
+    with measure.kept(model):
         for k in progress(todo, len(todo), "seqify bench: timing the alternatives", show):
             t = trials[k]
             pipe = None
             try:
-                with _peaks(placed) as got:
+                with measure.peaks(placed) as got:
                     pipe = pipeline(model, **_options(t, placed)).train()
-                    seconds = step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
+                    seconds = measure.step_seconds(pipe, sample, placed, steps=steps,
+                                                   warm=warm + (1 if t.graphs else 0))
                 peaks[k] = got()
                 trials[k] = replace(t, measured_s=seconds)
             except torch.OutOfMemoryError:
@@ -124,21 +125,23 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     kind = placed[0].type
     dtype = str(torch.get_autocast_dtype(kind)).removeprefix("torch.") if torch.is_autocast_enabled(kind) else None
     result = Bench(spec, int(sample.shape[0]), [str(d) for d in placed], cfg,
-                   [Row(f"one device ({placed[0]})", None, base, allocated_per_device=one[0], reserved_per_device=one[1])],
+                   [Row(f"one device ({placed[0]})", None, base, allocated_per_device=one[0],
+                        reserved_per_device=one[1])],
                    autocast=dtype)
     chosen = [k for k, t in enumerate(trials) if _is(t, cfg)]
     others = [k for k, t in enumerate(trials) if not _is(t, cfg) and (t.measured_s is not None or k in oom)]
     for k in chosen + others:
         t = trials[k]
         allocated, reserved = peaks.get(k, ((), ()))
-        result.rows.append(Row(t.layout(), t.predicted_s, t.measured_s, chosen=_is(t, cfg), schedule=t.schedule or "gpipe",
+        result.rows.append(Row(t.layout(), t.predicted_s, t.measured_s, chosen=_is(t, cfg),
+                               schedule=t.schedule or "gpipe",
                                memory_per_device=t.memory_per_device or (t.memory_bytes,),
                                allocated_per_device=allocated, reserved_per_device=reserved))
     return result
 
 
 def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
-    from seqify.tuning import _options as options
+    from seqify.tuning.search import options
 
     return options(t, devices)
 

@@ -182,12 +182,12 @@ def test_the_tuner_proposes_captured_graphs_only_where_a_tied_weight_stays_on_on
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]  # only their type and count are read here
     fixed = dict(chunks=None, loops=None, balance=None, checkpoint=None, graphs=None, schedule=None, memory_cap=None, top=1)
     _, hi = tuning.layer_model(seq, idx, torch.device("cpu"), lo=2, show=False)
-    found = [c for c, _, _ in tuning._candidates(seq, idx, hi, gpus, fixed, float("inf"))]
+    found = [c for c, _, _ in tuning.space.candidates(seq, idx, hi, gpus, fixed, float("inf"))]
     assert any(crossing(across(seq, c.balance), c.devices) for c in found if not c.graphs)
     assert not any(crossing(across(seq, c.balance), c.devices) for c in found if c.graphs)
     apart = [c for c in found if c.graphs and across(seq, c.balance)]  # split, yet on one device: the V among them
     assert any(c.schedule == "zb-h1" and c.devices[0] == c.devices[-1] == "cuda:0" for c in apart)
-    monkeypatch.setattr(tuning, "_candidates", lambda *a, **k: [])
+    monkeypatch.setattr(tuning.space, "candidates", lambda *a, **k: [])
     with pytest.raises(TuneError, match="graphs=True: parameter wte.weight .* schedule='zb-h1' with loops=2"):
         seqify.tune(seq, idx, devices=["cpu", "cpu"], graphs=True, cache=False, show=False)
 

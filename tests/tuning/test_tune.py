@@ -71,7 +71,7 @@ def assert_pipe_exact(source: nn.Module, pipe: nn.Module, x: torch.Tensor) -> No
 def counting(monkeypatch) -> dict[str, int]:
     """Count the tuner's measurements: per-layer profiles and timed pipeline steps."""
     calls = {"profile": 0, "steps": 0}
-    profile, steps = tuning.layer_model, tuning.step_seconds
+    profile, steps = tuning.profile.layer_model, tuning.measure.step_seconds
 
     def count_profile(*a, **k):
         calls["profile"] += 1
@@ -81,8 +81,8 @@ def counting(monkeypatch) -> dict[str, int]:
         calls["steps"] += 1
         return steps(*a, **k)
 
-    monkeypatch.setattr(tuning, "layer_model", count_profile)
-    monkeypatch.setattr(tuning, "step_seconds", count_steps)
+    monkeypatch.setattr(tuning.profile, "layer_model", count_profile)
+    monkeypatch.setattr(tuning.measure, "step_seconds", count_steps)
     return calls
 
 
@@ -118,13 +118,13 @@ def test_candidates_that_run_alike_are_weighed_once(monkeypatch) -> None:
     pair took two of the three timed places on 2x H200 for ResNet-101), while with more micro-batches both are."""
     _, seq, x = source_and_seq()
     seen: list[tuple[str, int]] = []
-    real = tuning.predict
+    real = tuning.search.predict
 
     def spy(c, *a, **k):  # type: ignore[no-untyped-def]
         seen.append((c.schedule, c.chunks))
         return real(c, *a, **k)
 
-    monkeypatch.setattr(tuning, "predict", spy)
+    monkeypatch.setattr(tuning.search, "predict", spy)
     seqify.tune(seq, x, devices=CPU2, top=0, loops=1, graphs=False, show=False, cache=False)
     assert ("zb-h1", 2) in seen and ("zb-h2", 2) not in seen
     assert ("zb-h1", 8) in seen and ("zb-h2", 8) in seen
@@ -327,13 +327,13 @@ def test_tune_times_candidates_from_the_first_gpu(monkeypatch) -> None:
     import seqify.tuning as tuning
 
     seen: list[str] = []
-    real = tuning.step_seconds
+    real = tuning.measure.step_seconds
 
     def spy(model, sample, devices, **kw):  # type: ignore[no-untyped-def]
         seen.extend(str(t.device) for t in pytree.tree_leaves(sample) if isinstance(t, torch.Tensor))
         return real(model, sample, devices, **kw)
 
-    monkeypatch.setattr(tuning, "step_seconds", spy)
+    monkeypatch.setattr(tuning.measure, "step_seconds", spy)
     _, seq, _ = source_and_seq()
     x = torch.randn(64, 6, dtype=torch.float64)
     cfg = seqify.tune(seq, x, gpus=2, top=2, show=False, cache=False)
@@ -392,7 +392,7 @@ def test_tune_times_its_best_graphed_step_with_two_lanes_on_gpus() -> None:
 
 def test_the_tuner_module_is_importable_under_its_own_name() -> None:
     """``seqify.tune`` is the function; the module is ``seqify.tuning``, so ``import seqify.tuning as m`` and
-    ``mock.patch('seqify.tuning.step_seconds')`` reach the module, not the function."""
+    ``mock.patch('seqify.tuning.measure.step_seconds')`` reach the module, not the function."""
     import types
 
     import seqify.tuning as module
@@ -482,7 +482,7 @@ def test_a_costly_split_backward_makes_zero_bubble_lose() -> None:
     costly = replace_split(IDEAL, 1.5)
     assert balanced("zb-h1", 1, 8, cal=costly).seconds > balanced("1f1b", 1, 8, cal=costly).seconds
     assert balanced("1f1b", 1, 8, cal=costly).seconds == balanced("1f1b", 1, 8).seconds  # unsplit: unchanged
-    measured = tuning.split_backward(torch.device("cpu"), width=32, depth=2, batch=4)
+    measured = tuning.measure.split_backward(torch.device("cpu"), width=32, depth=2, batch=4)
     assert 1.0 <= measured <= 2.0
 
 
@@ -529,12 +529,12 @@ def test_the_best_eager_and_replayed_candidates_are_both_timed() -> None:
                      balance=(4, 4), predicted_s=ms / 1e3, memory_bytes=0, memory_per_device=(0, 0))
 
     fits = [trial(200, False), trial(210, False), trial(220, False), trial(300, True), trial(310, True)]
-    got = tuning._to_time(fits, 2)
+    got = tuning.search.to_time(fits, 2)
     assert got == fits[:2] + [fits[3]]  # the two best, and the best replayed one beside them
-    assert tuning._to_time(fits, 1) == fits[:1]  # one to time: the best prediction
+    assert tuning.search.to_time(fits, 1) == fits[:1]  # one to time: the best prediction
     mixed = [fits[0], fits[3], fits[1]]
-    assert tuning._to_time(mixed, 2) == mixed[:2]  # both kinds among the best already
-    assert tuning._to_time(fits[:3], 2) == fits[:2]  # no other kind to add
+    assert tuning.search.to_time(mixed, 2) == mixed[:2]  # both kinds among the best already
+    assert tuning.search.to_time(fits[:3], 2) == fits[:2]  # no other kind to add
 
 
 def test_each_schedule_within_the_band_gets_a_timing() -> None:
@@ -548,37 +548,37 @@ def test_each_schedule_within_the_band_gets_a_timing() -> None:
         return Trial(chunks=chunks, loops=1, by="time", checkpoint="never", graphs=True, schedule=schedule,
                      balance=(4, 4), predicted_s=ms / 1e3, memory_bytes=0, memory_per_device=(0, 0))
 
-    edge = 100 * (1 + tuning.BAND)
+    edge = 100 * (1 + tuning.search.BAND)
     fits = [trial(100, "zb-h1", 2), trial(100.5, "gpipe"), trial(101, "zb-h1"), trial(102, "interleaved"),
             trial(103, "zb-h2"), trial(104, "zb-h2", 8), trial(edge + 0.5, "1f1b"), rep(trial(150, "gpipe"), graphs=False)]
-    got = tuning._to_time(fits, 3)
+    got = tuning.search.to_time(fits, 3)
     assert got[:3] == fits[:3] and fits[-1] in got  # the top, the other kind
     assert [t.schedule for t in got[4:]] == ["interleaved", "zb-h2"]  # each once, within the band
     assert not any(t.schedule == "1f1b" for t in got)  # past the band
-    assert tuning._to_time(fits, 1) == fits[:1]
+    assert tuning.search.to_time(fits, 1) == fits[:1]
 
 
 def test_split_backward_at_the_boundary_is_measured_too(monkeypatch) -> None:
     """boundary=True splits as replay does (B keeps the boundary gradients, W starts there), on a chain and on the
     model itself; the eager split does not. (The ratio is clamped to [1, 2], so its range proves nothing.)"""
     calls = []
-    real = tuning.input_grads
+    real = tuning.measure.input_grads
 
     def counted(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(tuning, "input_grads", counted)
-    tuning.split_backward(torch.device("cpu"), width=32, depth=2, batch=4)
+    monkeypatch.setattr(tuning.measure, "input_grads", counted)
+    tuning.measure.split_backward(torch.device("cpu"), width=32, depth=2, batch=4)
     assert not calls
-    tuning.split_backward(torch.device("cpu"), width=32, depth=2, batch=4, boundary=True)
+    tuning.measure.split_backward(torch.device("cpu"), width=32, depth=2, batch=4, boundary=True)
     assert calls
     calls.clear()
     _, seq, _ = source_and_seq()
     before = snapshot(seq)
-    own = tuning.model_split(seq, torch.randn(8, 6, dtype=torch.float64), torch.device("cpu"))
+    own = tuning.measure.model_split(seq, torch.randn(8, 6, dtype=torch.float64), torch.device("cpu"))
     assert own is not None and calls
-    assert tuning.model_split(seq, torch.zeros(8, 6, dtype=torch.long), torch.device("cpu")) is None  # tokens
+    assert tuning.measure.model_split(seq, torch.zeros(8, 6, dtype=torch.long), torch.device("cpu")) is None  # tokens
     assert_unchanged(seq, before)
 
 
@@ -696,7 +696,7 @@ def test_bench_reads_each_cuda_devices_peaks_from_an_emptied_cache(monkeypatch: 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[d.index][0])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks[d.index][1])
     devices = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 0), torch.device("cpu")]
-    with tuning._peaks(devices) as got:
+    with tuning.measure.peaks(devices) as got:
         assert calls == [("empty", None), ("reset", 0), ("empty", None), ("reset", 1)]
     assert got() == ((5, 2), (7, 3))
     row = bench.Row("x", 0.1, 0.1, allocated_per_device=(5 * 2**20, 2 * 2**20), reserved_per_device=(7 * 2**20, 3 * 2**20))
@@ -728,13 +728,13 @@ def test_the_tuner_profiles_every_micro_batch_size_it_predicts(monkeypatch) -> N
     """Each candidate's micro-batch (batch / chunks) is a profiled size; fixed chunks profile only theirs."""
     _, seq, x = source_and_seq()
     seen: list[int] = []
-    real = tuning.time_costs
+    real = tuning.profile.time_costs
 
     def recording(model, sample, *a, **k):
         seen.append(int(sample.shape[0]))
         return real(model, sample, *a, **k)
 
-    monkeypatch.setattr(tuning, "time_costs", recording)
+    monkeypatch.setattr(tuning.profile, "time_costs", recording)
     seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False, cache=False)
     assert sorted(set(seen)) == [2, 4, 8]  # batch 8: chunks 1, 2, 4; 8 chunks of 1 are extrapolated from 2 and 4
     seen.clear()
@@ -769,16 +769,16 @@ def test_bench_spec_under_bf16_says_so(tmp_path, capsys) -> None:
 def test_a_device_listed_twice_is_one_device_to_the_tuner() -> None:
     """devices=['cuda:0', 'cuda:0'] (one GPU, two partitions) runs the partitions one after another: the
     tuner predicts it so, not as two devices (it predicted half the step on one H200 and measured 0.93x)."""
-    from seqify.tuning import _layout
+    from seqify.tuning.space import layout
 
     one = [torch.device("cuda", 0)] * 2
     two = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert _layout("gpipe", one, 2) == (("cuda:0",) * 4, (0, 0, 0, 0))
-    assert _layout("gpipe", two, 2) == (("cuda:0", "cuda:1") * 2, (0, 1, 0, 1))
-    assert _layout("zb-h1", two, 2) == (("cuda:0", "cuda:1", "cuda:1", "cuda:0"), (0, 1, 1, 0))
+    assert layout("gpipe", one, 2) == (("cuda:0",) * 4, (0, 0, 0, 0))
+    assert layout("gpipe", two, 2) == (("cuda:0", "cuda:1") * 2, (0, 1, 0, 1))
+    assert layout("zb-h1", two, 2) == (("cuda:0", "cuda:1", "cuda:1", "cuda:0"), (0, 1, 1, 0))
     layers = uniform(8, 1e-3)
-    shared = Candidate((4, 4), ("cuda:0", "cuda:0"), 4, "never", placement=_layout("gpipe", one, 1)[1])
-    apart = Candidate((4, 4), ("cuda:0", "cuda:1"), 4, "never", placement=_layout("gpipe", two, 1)[1])
+    shared = Candidate((4, 4), ("cuda:0", "cuda:0"), 4, "never", placement=layout("gpipe", one, 1)[1])
+    apart = Candidate((4, 4), ("cuda:0", "cuda:1"), 4, "never", placement=layout("gpipe", two, 1)[1])
     assert predict(shared, layers, IDEAL, 16).seconds == pytest.approx(8 * 1e-3 * 16)  # all the work, in turn
     assert predict(apart, layers, IDEAL, 16).seconds < 0.7 * predict(shared, layers, IDEAL, 16).seconds
 
@@ -790,7 +790,7 @@ def fake_gpu_readings(monkeypatch, seq: nn.Module, over: set[int], alone: int = 
     allocates ``5 * alone`` bytes per device when k is in ``over``, else ``alone // 2`` (reserving as much;
     one device reserves ``2 * alone``). Calibration runs as it does. Returns the candidates' seconds."""
     seen: list[float] = []  # the timed candidates' seconds
-    real = tuning.step_seconds
+    real = tuning.measure.step_seconds
 
     def seconds(model, sample, devices, **kw) -> float:
         if model is seq:  # the model alone on one device
@@ -810,8 +810,8 @@ def fake_gpu_readings(monkeypatch, seq: nn.Module, over: set[int], alone: int = 
 
         yield got
 
-    monkeypatch.setattr(tuning, "step_seconds", seconds)
-    monkeypatch.setattr(tuning, "_peaks", peaks)
+    monkeypatch.setattr(tuning.measure, "step_seconds", seconds)
+    monkeypatch.setattr(tuning.measure, "peaks", peaks)
     return seen
 
 
@@ -838,7 +838,7 @@ def test_a_batch_one_device_cannot_take_whole_is_bounded_by_one_device_accumulat
     does, 48.7)."""
     _, seq, x = source_and_seq()
     fake_gpu_readings(monkeypatch, seq, over={2})
-    whole = tuning.step_seconds
+    whole = tuning.measure.step_seconds
     sizes: list[int] = []
 
     def too_big(model, sample, devices, **kw) -> float:
@@ -851,7 +851,7 @@ def test_a_batch_one_device_cannot_take_whole_is_bounded_by_one_device_accumulat
         if len(args[0]) > len(x) // 4:
             raise torch.OutOfMemoryError("out of memory (test): a micro-batch over 2 samples")
 
-    monkeypatch.setattr(tuning, "step_seconds", too_big)
+    monkeypatch.setattr(tuning.measure, "step_seconds", too_big)
     hook = seq.register_forward_pre_hook(fits)
     try:
         cfg = seqify.tune(seq, x, devices=CPU2, top=3, steps=1, show=False, cache=False)
@@ -906,13 +906,13 @@ def test_lean_bounds_allocated_and_reserved_apart() -> None:
     H200s: 8.9 GiB allocated against 13.3 on one GPU, 18.5 reserved against 15.1); unmeasured ones pass."""
     t = tuning.Trial(chunks=2, loops=1, by="time", checkpoint="never", graphs=True, schedule="gpipe", balance=(1, 1),
                      predicted_s=0.1, measured_s=0.1, measured_peak=(80, 90), measured_reserved=(100, 185))
-    assert tuning._lean([t], 133, 151) == []
-    assert tuning._lean([t], 133, 190) == [t]
-    assert tuning._lean([t], 85, None) == []  # the cap (or one device) bounds allocated bytes alone
-    assert tuning._lean([t], None, None) == [t]
+    assert tuning.search.lean([t], 133, 151) == []
+    assert tuning.search.lean([t], 133, 190) == [t]
+    assert tuning.search.lean([t], 85, None) == []  # the cap (or one device) bounds allocated bytes alone
+    assert tuning.search.lean([t], None, None) == [t]
     unmeasured = tuning.Trial(chunks=2, loops=1, by="time", checkpoint="never", graphs=False, schedule="gpipe",
                               balance=(1, 1), predicted_s=0.1)
-    assert tuning._lean([unmeasured], 1, 1) == [unmeasured]
+    assert tuning.search.lean([unmeasured], 1, 1) == [unmeasured]
 
 
 def test_the_profile_prices_what_b_keeps_for_w_and_zero_bubble_holds_it() -> None:
@@ -982,13 +982,13 @@ def test_the_gpu_anchor_scales_gpu_work_by_the_replayed_step_and_the_host_by_the
     layers = _hosted((0.002,) * len(seq), (0.004,) * len(seq))
     alone = Candidate((len(seq),), ("cpu",), 1, "never")
     eager, replayed = 0.050, 0.030
-    monkeypatch.setattr(tuning, "step_seconds", lambda *a, **k: eager)
-    monkeypatch.setattr(tuning, "_replayed", lambda *a, **k: replayed)
-    got, _ = tuning._anchor(seq, x, torch.device("cpu"), layers, CUDA_CAL, 8, steps=1, warm=0)
+    monkeypatch.setattr(tuning.measure, "step_seconds", lambda *a, **k: eager)
+    monkeypatch.setattr(tuning.profile, "_replayed", lambda *a, **k: replayed)
+    got, _ = tuning.profile.anchor(seq, x, torch.device("cpu"), layers, CUDA_CAL, 8, steps=1, warm=0)
     assert predict(replace(alone, graphs=True), got, CUDA_CAL, 8).seconds == pytest.approx(replayed, rel=1e-6)
     assert predict(alone, got, CUDA_CAL, 8).seconds == pytest.approx(eager, rel=1e-3)
-    monkeypatch.setattr(tuning, "_replayed", lambda *a, **k: None)
-    got, _ = tuning._anchor(seq, x, torch.device("cpu"), layers, CUDA_CAL, 8, steps=1, warm=0)
+    monkeypatch.setattr(tuning.profile, "_replayed", lambda *a, **k: None)
+    got, _ = tuning.profile.anchor(seq, x, torch.device("cpu"), layers, CUDA_CAL, 8, steps=1, warm=0)
     assert got.host_s == pytest.approx(tuple(h * eager / 0.032 for h in layers.host_s), rel=1e-2)
     assert predict(alone, got, CUDA_CAL, 8).seconds == pytest.approx(eager, rel=1e-2)  # the task cost stays
 
@@ -1009,13 +1009,13 @@ def test_balance_by_time_cuts_at_the_times_of_each_candidates_micro_batch() -> N
     fixed = dict(chunks=None, loops=1, balance="time", checkpoint="never", graphs=False, schedule="gpipe",
                  memory_cap=None, top=1)
     cpus = [torch.device("cpu")] * 2
-    found = tuning._candidates(seq, x, hi, cpus, fixed, float("inf"), layers)
+    found = tuning.space.candidates(seq, x, hi, cpus, fixed, float("inf"), layers)
     lays = walk_layers(seq)
     cut = {m: next(c.balance for c, _, _ in found if c.chunks == m) for m in (1, 4)}
     for m, times in ((1, big), (4, small)):
         assert cut[m] == tuple(split(replace(hi, cost=times), 2, lays.names, lays.routes).balance)
     assert cut[1] != cut[4]
-    whole = tuning._candidates(seq, x, hi, cpus, fixed, float("inf"))  # no layer model: the whole batch's cut
+    whole = tuning.space.candidates(seq, x, hi, cpus, fixed, float("inf"))  # no layer model: the whole batch's cut
     assert len({c.balance for c, _, _ in whole}) == 1
 
 
@@ -1038,20 +1038,21 @@ def test_a_batch_one_device_cannot_take_whole_is_anchored_on_one_micro_batch_tha
         if len(args[0]) > len(x) // 4:
             raise torch.OutOfMemoryError("out of memory (test): a micro-batch over 2 samples")
 
-    monkeypatch.setattr(tuning, "step_seconds", seconds)
+    monkeypatch.setattr(tuning.measure, "step_seconds", seconds)
     hook = seq.register_forward_pre_hook(fits)
     try:
-        got, bounds = tuning._anchor(seq, x, torch.device("cpu"), layers, cal, 8, steps=1, warm=0)
+        got, bounds = tuning.profile.anchor(seq, x, torch.device("cpu"), layers, cal, 8, steps=1, warm=0)
     finally:
         hook.remove()
     assert timed == [8, 2] and bounds is None  # the whole batch, then one of 4 micro-batches; no peaks on CPU
     alone = Candidate((len(seq),), ("cpu",), 1, "never")
     assert predict(alone, layers, cal, 2).seconds != pytest.approx(0.05)
     assert predict(alone, got, cal, 2).seconds == pytest.approx(0.05)
-    monkeypatch.setattr(tuning, "step_seconds", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
+    monkeypatch.setattr(tuning.measure, "step_seconds",
+                        lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
     hook = seq.register_forward_pre_hook(fits)
     try:
-        again, _ = tuning._anchor(seq, x, torch.device("cpu"), layers, cal, 8, steps=1, warm=0)
+        again, _ = tuning.profile.anchor(seq, x, torch.device("cpu"), layers, cal, 8, steps=1, warm=0)
     finally:
         hook.remove()
     assert again is layers
@@ -1067,7 +1068,7 @@ def test_every_candidate_the_tuner_weighs_is_exact() -> None:
     fixed = dict(chunks=None, loops=None, balance=None, checkpoint=None, graphs=None, schedule=None, memory_cap=None,
                  top=2)
     layers, hi = tuning.layer_model(seq, x, torch.device("cpu"), lo=1, sizes=[1, 2, 4], show=False)
-    found = tuning._candidates(seq, x, hi, [torch.device("cpu")] * 2, fixed, float("inf"), layers)
+    found = tuning.space.candidates(seq, x, hi, [torch.device("cpu")] * 2, fixed, float("inf"), layers)
     runs = {(c.balance, c.chunks, c.checkpoint, c.schedule, loops) for c, _, loops in found}
     assert len(runs) > 100 and {r[3] for r in runs} >= {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"}
 
@@ -1108,7 +1109,7 @@ def test_best_graphed_candidate_is_timed_again_with_two_lanes_and_kept_where_fas
         timed.extend(trials)
         return [replace(t, measured_s=t.predicted_s * (gain if t.overlap else 1.0)) for t in trials]
 
-    monkeypatch.setattr(tuning, "_confirm", confirm)
+    monkeypatch.setattr(tuning.search, "_confirm", confirm)
     fixed = dict(devices=CPU2, schedule="1f1b", chunks=4, checkpoint="never", top=2, show=False, cache=False)
     cfg = seqify.tune(seq, x, graphs=True, **fixed)
     twins = [t for t in timed if t.overlap]

@@ -1,4 +1,4 @@
-"""Frontends: how a model becomes a graph with module metadata (torch.fx in seqify.frontend.fx.trace, torch.export here)."""
+"""Frontends: how a model becomes a graph with module metadata (torch.fx in seqify.frontend.fx, torch.export here)."""
 
 from seqify.frontend.export.capture import export_trace
 

@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from seqify.convert.build import RESERVED, build
+from seqify.convert.kinds import module_path
 from seqify.convert.linearize import Plan, linearize
 from seqify.convert.modes import exported_mode_dependent, mode_differences
 from seqify.convert.splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
@@ -66,7 +67,9 @@ def _check_options(
     types = (leaf_types,) if isinstance(leaf_types, type) else tuple(leaf_types)
     bad = [t for t in types if not isinstance(t, type)]
     if bad:
-        raise OptionError(f"leaf_types={leaf_types!r}: give module classes (e.g. leaf_types=[Bottleneck]), not {bad[0]!r}")
+        raise OptionError(
+            f"leaf_types={leaf_types!r}: give module classes (e.g. leaf_types=[Bottleneck]), not {bad[0]!r}"
+        )
     paths = (leaf_paths,) if isinstance(leaf_paths, str) else tuple(leaf_paths)
     known = dict(model.named_modules())
     for path in paths:
@@ -176,7 +179,9 @@ def _convert(model: nn.Module, example_inputs: Any, leaf_types: tuple[type, ...]
         fx_error: Exception = e
     except Exception as e:
         if frontend == "fx" or example_inputs is None or leaf_types or leaf_paths or depth is not None:
-            raise ConversionError(f"converting {type(model).__name__} with torch.fx failed: {type(e).__name__}: {e}") from e
+            raise ConversionError(
+                f"converting {type(model).__name__} with torch.fx failed: {type(e).__name__}: {e}"
+            ) from e
         fx_error = e
     try:
         return _via_export(model, example_inputs, check_modes=check_modes, verify=verify)
@@ -342,7 +347,10 @@ def _trace_fx(
     for path in sorted(mode_leaves):
         if path not in {o.path for o in traced.opaque}:
             module = model.get_submodule(path)
-            traced.opaque.append(Opaque(path, type(module).__name__, "its forward depends on self.training; kept whole so it follows train()/eval()"))
+            traced.opaque.append(Opaque(
+                path, type(module).__name__,
+                "its forward depends on self.training; kept whole so it follows train()/eval()",
+            ))
     return traced, mode_dependent
 
 
@@ -377,7 +385,7 @@ def _via_splice(
         what = "fails the self-check" if isinstance(e, VerifyError) else f"could not be assembled ({first})"
         traced.opaque = opaque_with(traced.opaque, {
             d.path: f"the fx conversion with its torch.export graph spliced in {what}" for d in done
-        } or {n.target: f"splicing its torch.export graph failed ({first})" for n in nodes})
+        } or {module_path(n): f"splicing its torch.export graph failed ({first})" for n in nodes})
         return None
 
 

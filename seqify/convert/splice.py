@@ -1,4 +1,5 @@
-"""Splice: submodules fx could not trace, captured by torch.export and inlined into the fx graph (auto per submodule)."""
+"""Splice: submodules fx could not trace, captured by torch.export and inlined into the fx graph (auto per
+submodule)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def _excluded(model: nn.Module, path: str, leaf_types: tuple[type, ...], leaf_pa
     for p, m in _inside(model, path):
         if p != path and any(getattr(m, h, None) for h in HOOK_DICTS):
             return True
-        if p != path and (isinstance(m, leaf_types) or p in leaf_paths or (depth is not None and p.count(".") + 1 >= depth)):
+        too_deep = depth is not None and p.count(".") + 1 >= depth
+        if p != path and (isinstance(m, leaf_types) or p in leaf_paths or too_deep):
             return True
     return False
 
@@ -91,7 +93,9 @@ def _projection(user: fx.Node, node: fx.Node) -> Any:
         and user.args[0] is node and not user.kwargs and not isinstance(user.args[1], fx.Node)
     ):
         return user.args[1]
-    raise _Refused(f"its result is used whole by {user.name} ({user.op} {getattr(user.target, '__name__', user.target)})")
+    raise _Refused(
+        f"its result is used whole by {user.name} ({user.op} {getattr(user.target, '__name__', user.target)})"
+    )
 
 
 def _uses(node: fx.Node, structure: Any, output: bool) -> list[tuple[fx.Node, Any]]:
@@ -226,6 +230,7 @@ def _copy(traced: Traced, n: fx.Node, copies: dict[fx.Node, fx.Node], constants:
         new.target = f"{path}.{n.target}"
     elif n.target in (check_bool, check_equal):
         value, expected, expr, where = new.args
+        assert isinstance(where, str)  # a guard call's last argument is the text naming its place
         new.args = (value, expected, f"{path}: {expr}", where)
         traced.guards.append(Guard(f"{path}: {expr}", expected, where))
     stack = dict(outer)
@@ -236,7 +241,9 @@ def _copy(traced: Traced, n: fx.Node, copies: dict[fx.Node, fx.Node], constants:
     return new
 
 
-def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_modes: bool) -> tuple[list[Spliced], dict[str, str]]:
+def splice(
+    traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_modes: bool
+) -> tuple[list[Spliced], dict[str, str]]:
     """Replace each opaque call in ``nodes`` (of ``traced``, changed in place) by its submodule's torch.export
     graph, captured on the arguments that call gets when the source runs on ``example_inputs``.
 
@@ -266,7 +273,8 @@ def splice(traced: Traced, example_inputs: Any, nodes: list[fx.Node], *, check_m
             _splice_one(traced, node, exported, feeds, index)
         except Exception as e:  # the call stays opaque; the reason goes into the summary
             first = str(e).splitlines()[0] if str(e) else ""
-            failed[path] = f"torch.export could not capture it either ({first if isinstance(e, _Refused) else f'{type(e).__name__}: {first}'})"
+            cause = first if isinstance(e, _Refused) else f"{type(e).__name__}: {first}"
+            failed[path] = f"torch.export could not capture it either ({cause})"
             continue
         done.append(Spliced(path, why[path].type, why[path].reason, mode_dependent))
     called = {str(n.target) for n in traced.graph.nodes if n.op == "call_module"}

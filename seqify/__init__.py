@@ -3,7 +3,7 @@
 from typing import Any
 
 from seqify import skip
-from seqify._version import __version__
+from seqify._version import __version__ as __version__
 from seqify.api import pipeline
 from seqify.convert import convert
 from seqify.errors import *  # noqa: F403
@@ -17,11 +17,18 @@ from seqify.pipe.config import PipeConfig
 from seqify.tools.run_file import Config, pipeline_from_config
 from seqify.tuning import tune
 
-__all__ = ["convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm", "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip", "zoo", "measure", "plot", "tune", "PipeConfig", "Config", "pipeline_from_config", "checkpoint", "compat", *_errors]
+# Submodules imported on first use (module __getattr__ below): they build on everything else.
+_LAZY = ("zoo", "measure", "plot", "checkpoint", "compat")
+
+__all__ = [
+    "convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm",
+    "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip",
+    "tune", "PipeConfig", "Config", "pipeline_from_config", *_LAZY, *_errors,
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("zoo", "measure", "plot", "checkpoint", "compat"):  # imported on first use: they build on everything else
+    if name in _LAZY:
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -45,7 +45,7 @@ def _names(pipe: Any, j: int, count: int) -> list[str]:
     return list(pipe.model._modules)[start:start + count]
 
 
-def _state(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return model.original_state_dict() if isinstance(model, Sequential) else model.state_dict()
 
 
@@ -77,7 +77,9 @@ def load_state_dict(directory: str | os.PathLike[str], map_location: Any = "cpu"
     takes it, whatever the balance it was saved with."""
     path = os.path.join(directory, INDEX)
     if not os.path.isfile(path):
-        raise StateDictError(f"{directory} holds no {INDEX}; save a pipeline's stages there with seqify.checkpoint.save(pipe, dir)")
+        raise StateDictError(
+            f"{directory} holds no {INDEX}; save a pipeline's stages there with seqify.checkpoint.save(pipe, dir)"
+        )
     with open(path) as f:
         index = json.load(f)
     merged: OrderedDict[str, torch.Tensor] = OrderedDict()

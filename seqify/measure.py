@@ -281,7 +281,9 @@ class Sweep:
             lines.append(f"  one device, no pipeline: {self.baseline.samples_per_s:8.2f} samples/s")
         for p in self.points:
             ratio = f", {p.samples_per_s / self.baseline.samples_per_s:.2f}x one device" if self.baseline else ""
-            lines.append(f"  chunks {p.chunks:3d}: {p.samples_per_s:8.2f} samples/s ({p.seconds * 1e3:.0f} ms per step{ratio})")
+            lines.append(
+                f"  chunks {p.chunks:3d}: {p.samples_per_s:8.2f} samples/s ({p.seconds * 1e3:.0f} ms per step{ratio})"
+            )
         return "\n".join(lines)
 
 

@@ -215,7 +215,9 @@ def plot_skips(model: Any, plan: Any = None, path: str | os.PathLike[str] | None
 
     handles = [Line2D([], [], color="grey", linewidth=0.9, label="skip inside a partition"),
                Line2D([], [], color="grey", linewidth=2.2, label="skip crossing a cut")]
-    handles += [Line2D([], [], color=colors[j], linewidth=4, label=f"stashed in partition {j}") for j in range(len(balance))]
+    handles += [
+        Line2D([], [], color=colors[j], linewidth=4, label=f"stashed in partition {j}") for j in range(len(balance))
+    ]
     ax.legend(handles=handles, fontsize=8, loc="upper center", ncol=min(6, len(handles)), framealpha=0.95)
     source = getattr(model, "source", type(model).__name__)
     cuts_text = f" in {len(balance)} partitions, {crossing} crossing a cut" if len(balance) > 1 else ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -27,7 +27,7 @@ class SplitPoint(Enum):
     END = 2
 
 
-SplitSpec = Union[Mapping[str, Any], Iterable[str]]
+SplitSpec = Mapping[str, Any] | Iterable[str]
 
 
 def _paths(model: nn.Sequential) -> list[tuple[str, ...]]:
@@ -118,7 +118,8 @@ def pipeline(
     if mb_kwargs is not None and not isinstance(mb_kwargs, dict):
         raise SplitPointError(
             f"mb_kwargs={mb_kwargs!r}: the third argument is the example's keyword arguments (a dict), as in torch's "
-            "pipeline(module, mb_args, mb_kwargs, split_spec); pass split points as split_spec=... or split_points=[...]"
+            "pipeline(module, mb_args, mb_kwargs, split_spec); pass split points as split_spec=... or "
+            "split_points=[...]"
         )
     if split_points is not None:
         if split_spec is not None:
@@ -220,7 +221,8 @@ class ScheduleGPipe:
 
         def per_micro_batch(out: Any, tgt: Any) -> torch.Tensor:
             loss = loss_fn(out, tgt)  # type: ignore[misc]
-            seen.append((loss.detach(), pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)))
+            detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+            seen.append((loss.detach(), detached))
             return loss / n if self.scale_grads else loss
 
         pipe.step(x, target, per_micro_batch, reduction="sum")
@@ -232,7 +234,8 @@ class ScheduleGPipe:
         outs = [o for _, o in seen]
         leaves = [pytree.tree_flatten(o)[0] for o in outs]
         spec = pytree.tree_flatten(outs[0])[1]
-        return pytree.tree_unflatten([torch.cat(ts) if isinstance(ts[0], torch.Tensor) else ts[0] for ts in zip(*leaves)], spec)
+        joined = [torch.cat(ts) if isinstance(ts[0], torch.Tensor) else ts[0] for ts in zip(*leaves)]
+        return pytree.tree_unflatten(joined, spec)
 
     def _losses(self, out: Any, target: Any) -> list[torch.Tensor]:
         """``loss_fn`` of each micro-batch's output and target, split as the pipeline split the input."""

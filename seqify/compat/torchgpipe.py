@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, Union
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -17,8 +17,10 @@ from seqify.skip.layout import verify
 
 __all__ = ["GPipe", "balance_by_time", "balance_by_size", "verify_skippables"]
 
-Device = Union[torch.device, int, str]
-TensorOrTensors = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+Device = torch.device | int | str
+TensorOrTensors = torch.Tensor | tuple[torch.Tensor, ...]
+
+_CUDA = torch.device("cuda")  # the default device of the balance helpers (torch.device is immutable)
 
 _AUTO = (
     "let seqify pick one: balance_by_time(partitions, module, sample) or "
@@ -79,8 +81,12 @@ class GPipe(Pipeline):
         except BalanceError as e:
             raise CompatError(f"{e}; or {_AUTO}" if str(e).startswith("balance") else str(e)) from None
 
+    def _sequentials(self) -> list[nn.Sequential]:
+        """The partitions, as the nn.Sequential each is (nn.ModuleList types its items as plain modules)."""
+        return [cast(nn.Sequential, p) for p in self.partitions]
+
     def __len__(self) -> int:
-        return sum(len(p) for p in self.partitions)
+        return sum(len(p) for p in self._sequentials())
 
     def __getitem__(self, index: int) -> nn.Module:
         layers = list(self)
@@ -90,7 +96,7 @@ class GPipe(Pipeline):
             raise IndexError(f"layer index {index} out of range for {len(layers)} layers") from None
 
     def __iter__(self) -> Iterator[nn.Module]:
-        for partition in self.partitions:
+        for partition in self._sequentials():
             yield from partition
 
 
@@ -109,7 +115,7 @@ def balance_by_time(
     sample: TensorOrTensors,
     *,
     timeout: float = 1.0,
-    device: Device = torch.device("cuda"),
+    device: Device = _CUDA,
 ) -> list[int]:
     """torchgpipe's ``balance_by_time``: layers per partition, from each layer's measured forward+backward
     time on ``device`` for ``sample`` (a mini-batch). seqify times every layer as the median of runs and
@@ -140,7 +146,7 @@ def balance_by_size(
     *,
     chunks: int = 1,
     param_scale: float = 2.0,
-    device: Device = torch.device("cuda"),
+    device: Device = _CUDA,
 ) -> list[int]:
     """torchgpipe's ``balance_by_size``: layers per partition, from each layer's memory: its activations
     for one micro-batch of ``input`` (a mini-batch split in ``chunks``) plus ``param_scale`` times its
@@ -173,8 +179,10 @@ def verify_skippables(module: nn.Sequential) -> None:
     layer. Raises :class:`seqify.CompatSkipError`: a :class:`seqify.SkipError` and a ``TypeError``, as
     torchgpipe raises."""
     if not isinstance(module, nn.Sequential):
-        raise CompatSkipError(f"verify_skippables checks an nn.Sequential, not {type(module).__name__}; convert it first "
-                        "(seqify.convert(model)), which checks its skips itself")
+        raise CompatSkipError(
+            f"verify_skippables checks an nn.Sequential, not {type(module).__name__}; convert it first "
+            "(seqify.convert(model)), which checks its skips itself"
+        )
     try:
         verify(module)
     except SkipError as e:

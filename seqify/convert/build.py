@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from seqify.convert.kinds import CONST, TENSOR
+from seqify.convert.kinds import CONST, TENSOR, module_path
 from seqify.convert.linearize import Plan, Step
 from seqify.frontend.fx.autograd import GRAD_MODE
 from seqify.frontend.outside import Held, find, outside, registered, unregistered_error
@@ -174,10 +174,11 @@ class _Builder:
             kwargs = {k: _map(v, arg) for k, v in node.kwargs.items()}
             grad = node.meta.get(GRAD_MODE)
             if node.op == "call_module":
-                target = module_names.get(node.target)
+                path = module_path(node)
+                target = module_names.get(path)
                 if target is None:
-                    target = module_names[node.target] = _safe(node.target.rpartition(".")[2], taken)
-                    modules[target] = self.traced.model.get_submodule(node.target)
+                    target = module_names[path] = _safe(path.rpartition(".")[2], taken)
+                    modules[target] = self.traced.model.get_submodule(path)
                 ops.append(Op(node.name, "call_module", target, args, kwargs, grad))
             else:
                 ops.append(Op(node.name, node.op, node.target, args, kwargs, grad))
@@ -200,7 +201,7 @@ class _Builder:
             and len(h.args) == 1 and step.carried_in == [h.args[0]] and step.carried_out == [h]
             and self.plan.kinds[h] == TENSOR and GRAD_MODE not in h.meta  # a region's call runs in its mode
         ):
-            return self.traced.model.get_submodule(h.target)
+            return self.traced.model.get_submodule(module_path(h))
         return None
 
 

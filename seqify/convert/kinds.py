@@ -15,12 +15,21 @@ from torch import nn
 from seqify.frontend.traced import UNKNOWN, value_of
 from seqify.model.guard import check_bool, check_equal
 
-__all__ = ["TENSOR", "CONTAINER", "AUX", "CONST", "classify", "is_projection"]
+__all__ = ["TENSOR", "CONTAINER", "AUX", "CONST", "classify", "is_projection", "module_path"]
 
 TENSOR = "tensor"  # a tensor: may be carried between layers
 CONTAINER = "container"  # a tuple/list/dict holding tensors
 AUX = "aux"  # any other Python value (sizes, dtypes, None, ...): computed where needed or skipped
 CONST = "const"  # get_attr: a parameter, buffer or constant the layer holds
+
+
+
+def module_path(node: fx.Node) -> str:
+    """The submodule path a ``call_module`` node calls (fx types targets as callables or strings; a
+    ``call_module`` target is always the string)."""
+    assert node.op == "call_module" and isinstance(node.target, str), node.format_node()
+    return node.target
+
 
 _AUX_METHODS = {
     "size", "dim", "ndimension", "numel", "nelement", "element_size", "item", "tolist", "stride",
@@ -97,7 +106,7 @@ def _rule(node: fx.Node, kinds: dict[fx.Node, str], root: nn.Module) -> str:
     if node.op == "get_attr":
         return CONST
     if node.op == "call_module":
-        module = root.get_submodule(node.target)
+        module = root.get_submodule(module_path(node))
         if isinstance(module, _CONTAINER_MODULES) or getattr(module, "return_indices", False):
             return CONTAINER
         return TENSOR

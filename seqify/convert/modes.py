@@ -16,7 +16,8 @@ def _signature(node: fx.Node) -> tuple[Any, ...]:
         return "<node>" if isinstance(a, fx.Node) else repr(a)
 
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
-    return (node.op, target, repr(fx.node.map_aggregate(node.args, constant)), repr(fx.node.map_aggregate(node.kwargs, constant)))
+    args = repr(fx.node.map_aggregate(node.args, constant))
+    return (node.op, target, args, repr(fx.node.map_aggregate(node.kwargs, constant)))
 
 
 def _scope(node: fx.Node) -> str:

@@ -128,7 +128,9 @@ def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], 
         return fn(*_fresh(args), **_fresh(kwargs))
 
 
-def _leaf_outputs(model: nn.Module, modules: dict[int, str], call: Callable[[], Any]) -> tuple[Any, dict[str, list[Any]]]:
+def _leaf_outputs(
+    model: nn.Module, modules: dict[int, str], call: Callable[[], Any]
+) -> tuple[Any, dict[str, list[Any]]]:
     """Run ``call`` recording the outputs of the given modules (by path, in call order)."""
     seen: dict[str, list[Any]] = defaultdict(list)
     handles = []

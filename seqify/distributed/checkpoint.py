@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,7 @@ from torch import nn
 
 from seqify.distributed.rank import RankStage
 from seqify.errors import StateDictError
+from seqify.model.sequential import Sequential
 
 __all__ = ["save", "load", "merge", "stage_file"]
 
@@ -35,12 +36,13 @@ def _places(stage: RankStage) -> OrderedDict[str, list[torch.Tensor]]:
         places = (places,) if isinstance(places[0], str) else places
         for path, name in places:
             if path == "<unused>":  # state the source's forward never reads: the first stage keeps it
-                module: nn.Module | None = model._unused if stage.is_first else None
+                # a state map is a seqify.Sequential's, which keeps that state in _unused
+                module: nn.Module | None = cast(Sequential, model)._unused if stage.is_first else None
             else:
                 module = part.get_submodule(path) if path.split(".")[0] in layers else None
             if module is None:
                 continue
-            t = module._parameters.get(name)
+            t: torch.Tensor | None = module._parameters.get(name)
             t = module._buffers[name] if t is None else t
             if t is not None and all(t is not s for s in found.get(key, [])):
                 found.setdefault(key, []).append(t)

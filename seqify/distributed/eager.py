@@ -84,16 +84,17 @@ class RankRun:
         else:
             self.link.send(key, value, rank)
 
-    def _send(self, p: int, i: int, y: Any, stashed: dict[Any, Any], w: _Work) -> None:
+    def _send(self, p: int, i: int, y: Any, stashed: dict[Any, Any], leaves_of: dict[int, list[torch.Tensor]]) -> None:
         """Hand partition ``p``'s outputs for micro-batch ``i`` on: the carried value to ``p + 1``, each
-        stashed skip to the partition that pops it (noting their leaves in ``w`` for the backward)."""
+        stashed skip to the partition that pops it (noting their leaves by route in ``leaves_of``, the
+        ``stashed`` of the micro-batch's work, for the backward)."""
         if p < self.last:
             self._put((ACTIVATION, p, i), y, p + 1)
         for r in self.s.routes:
             if r.src == p:
                 value = stashed[self.s.skip_key(r)]
                 self._put((SKIP, r.index, i), value, r.dst)
-                w.stashed[r.index] = leaves(value)
+                leaves_of[r.index] = leaves(value)
 
     def _get(self, key: Key, partition: int) -> Any:
         rank = self.s.rank_of_partition(partition)
@@ -128,7 +129,7 @@ class RankRun:
             y, stashed = checkpointed(runner.fresh, x, skips, norms=s.norms[p])
         else:
             y, stashed = runner(x, skips)
-        self._send(p, i, y, stashed, w)
+        self._send(p, i, y, stashed, w.stashed)
         if p == self.last:
             if self.loss is None:
                 self.outputs[i] = y

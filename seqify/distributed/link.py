@@ -205,7 +205,9 @@ class Link:
 
     def _recv(self, t: torch.Tensor, src: int, what: str) -> None:
         with peer(self.me, src, what):
-            dist.irecv(t, src, group=self._group(src < self.rank)).wait()
+            work = dist.irecv(t, src, group=self._group(src < self.rank))
+            assert work is not None  # None only where this rank is outside the group, and both groups hold all ranks
+            work.wait()
 
     def _next(self, src: int, wanted: Key) -> tuple[Key, Any]:
         """The next message from ``src``, whichever it is.

@@ -28,7 +28,7 @@ class Route:
 class RankStage(Protocol):
     """The partitions one rank holds (:class:`seqify.distributed.DistributedStage`), as its executors see them."""
 
-    model: nn.Module
+    model: nn.Sequential  # the whole model every rank builds (a seqify.Sequential when converted)
     partition: nn.Sequential
     balance: list[int]
     index: int
@@ -38,9 +38,9 @@ class RankStage(Protocol):
     device: torch.device
     routes: list[Route]
     runners: dict[int, Stage]
-    norms: dict[int, list[Any]]
+    norms: dict[int, list[nn.modules.batchnorm._NormBase]]
     params: dict[int, list[nn.Parameter]]
-    _programs: dict[int, Any]  # partition -> its RankPrograms (graphs=True)
+    _programs: dict[int, Any]  # partition -> its RankPrograms (graphs=True; replay imports this module)
 
     @property
     def is_first(self) -> bool: ...

@@ -268,7 +268,7 @@ class ProgramRun(RankRun):
             y, stashed = s._programs[p].forward(i, x, skips, needs_grad=p > 0)
         except GraphError as e:  # say which rank, too
             raise GraphError(f"{s.me}: {e}") from e
-        self._send(p, i, y, stashed, w)
+        self._send(p, i, y, stashed, w.stashed)
         if p == self.last:  # the loss on leaves: a program's outputs carry no autograd history
             assert self.loss is not None
             w.out = [t.detach().requires_grad_(t.is_floating_point()) for t in leaves(y)]

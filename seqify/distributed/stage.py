@@ -138,6 +138,8 @@ class DistributedStage(nn.Module):
     the fixed programs of ``graphs=True``.
     """
 
+    model: nn.Sequential  # a plain attribute (set with object.__setattr__): this rank registers only its layers
+
     def __init__(
         self,
         model: nn.Sequential,
@@ -204,7 +206,7 @@ class DistributedStage(nn.Module):
         """A runner per owned partition, popping and stashing the skips that cross into and out of it, with
         its normalisation layers and trained parameters."""
         self.runners: dict[int, Stage] = {}
-        self.norms: dict[int, list[Any]] = {}
+        self.norms: dict[int, list[nn.modules.batchnorm._NormBase]] = {}
         self.params: dict[int, list[nn.Parameter]] = {}
         for p, part in parts.items():
             pops = tuple(self._key[r.index] for r in self.routes if r.dst == p)
@@ -403,7 +405,7 @@ class DistributedStage(nn.Module):
             g.copy_(reduced)
 
     @torch.no_grad()
-    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+    def forward(self, *inputs: Any) -> Any:
         """Inference over the pipeline: the output (source structure) on the last partition's rank, None elsewhere."""
         micro = self._micro_inputs(inputs if len(inputs) != 1 else inputs[0]) if self.is_first else []
         sizes = self._sizes(micro)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,8 @@ class Sequential(nn.Sequential):
     checkpoint keys.
     """
 
+    _unused: _Unused  # a plain attribute (set with object.__setattr__), not a submodule
+
     def __init__(
         self,
         layers: OrderedDict[str, nn.Module],
@@ -131,7 +133,7 @@ class Sequential(nn.Sequential):
         training: bool,
         mode_dependent: bool,
         source: str,
-        flattened: list[tuple[str, nn.Module]] = (),  # type: ignore[assignment]
+        flattened: Sequence[tuple[str, nn.Module]] = (),
     ) -> None:
         super().__init__(layers)
         self.input_spec = inputs
@@ -188,11 +190,11 @@ class Sequential(nn.Sequential):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = self.flatten_inputs(*args, **kwargs)
         inputs = x
-        name = ""
+        name = ""  # the layer running, for the error note
         try:
             with use_tracker(SkipTracker()):
-                for name, layer in self._modules.items():
-                    x = layer(x)
+                for name in self._modules:
+                    x = self._modules[name](x)
         except Exception as e:
             self._failed(e, name, inputs)
             raise
@@ -284,8 +286,9 @@ class Sequential(nn.Sequential):
         """The tensor of source key ``key`` (several when a pipeline gave other devices copies of it)."""
         found: dict[int, torch.Tensor] = {}
         for module, name in self._locate(key):
-            t = module._parameters.get(name)
+            t: torch.Tensor | None = module._parameters.get(name)
             t = module._buffers[name] if t is None else t
+            assert t is not None  # the state map names only slots that hold a tensor
             found.setdefault(id(t), t)
         return list(found.values())
 

@@ -37,7 +37,9 @@ def bind_examples(forward: Any, name: str, example_inputs: Any) -> dict[str, Any
             return dict(sig.bind_partial(**example_inputs).arguments)
         if isinstance(example_inputs, (tuple, list)):
             return dict(sig.bind_partial(*example_inputs).arguments)
-        raise TypeError(f"example_inputs must be a tensor, a tuple of arguments or a dict, not {type(example_inputs).__name__}")
+        raise TypeError(
+            f"example_inputs must be a tensor, a tuple of arguments or a dict, not {type(example_inputs).__name__}"
+        )
     except TypeError as e:
         keyword_only = [p.name for p in sig.parameters.values() if p.kind == inspect.Parameter.KEYWORD_ONLY]
         hint = (
@@ -64,7 +66,9 @@ class Param:
     def describe(self) -> str:
         if not self.dynamic:
             return f"{self.name}={self.baked[0]!r} (fixed)"
-        return f"{self.name}: tensor" if self.spec is None else f"{self.name}: structure of {sum(self.tensor_leaves)} tensors"
+        if self.spec is None:
+            return f"{self.name}: tensor"
+        return f"{self.name}: structure of {sum(self.tensor_leaves)} tensors"
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,4 +1,5 @@
-"""Size skips: skip values computed from tensor shapes alone (a batch size carried to a reshape), fixed per input shape."""
+"""Size skips: skip values computed from tensor shapes alone (a batch size carried to a reshape), fixed per input
+shape."""
 
 from __future__ import annotations
 

@@ -175,7 +175,9 @@ def costs(
     raise BalanceError(f"by={by!r} is not a cost model; use one of {', '.join(repr(b) for b in BY)}")
 
 
-def default_transfer_cost(by: str, *, bandwidth: float = LINK_BANDWIDTH, flops_per_byte: float = FLOPS_PER_BYTE) -> float:
+def default_transfer_cost(
+    by: str, *, bandwidth: float = LINK_BANDWIDTH, flops_per_byte: float = FLOPS_PER_BYTE
+) -> float:
     """Cost of one byte crossing a cut, in the unit of ``by``.
 
     ``time``: ``2 / bandwidth`` seconds (activations forward, gradients backward); ``flops``:

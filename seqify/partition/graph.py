@@ -27,7 +27,8 @@ def dataflow(
         g.add_edge(i, i + 1, key="carried", kind="carried", name="carried", bytes=int(output_bytes[i]))
     for j, route in enumerate(routes):
         g.add_edge(
-            route.stash, route.pop, key=f"skip{j}", kind="skip", name=route.name, bytes=int(skip_bytes.get(route.key, 0))
+            route.stash, route.pop, key=f"skip{j}", kind="skip", name=route.name,
+            bytes=int(skip_bytes.get(route.key, 0)),
         )
     return g
 

@@ -114,7 +114,9 @@ class PartitionPlan:
         )
         if self.memory_cap is not None:
             head += f", memory cap {self.memory_cap / _MB:.1f} MB"
-        rows = [("stage", "layers", "first", "last", "cost", "params MB", "activations MB", "in-cut MB", "in-cut skips")]
+        rows = [
+            ("stage", "layers", "first", "last", "cost", "params MB", "activations MB", "in-cut MB", "in-cut skips")
+        ]
         for s in self.stages:
             cut = "-" if s.index == 0 else f"{s.in_bytes / _MB:.3f}" if self.measured else "?"
             skips = "-" if s.index == 0 else "clean" if s.clean else f"{len(s.in_skips)}: " + ", ".join(s.in_skips)

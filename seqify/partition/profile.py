@@ -50,7 +50,10 @@ def device_of(device: str | torch.device | None) -> torch.device:
     dev = torch.device("cpu" if device is None else device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise BalanceError(f"device={str(device)!r} but CUDA is not available here; profile with device='cpu' or balance by='flops'")
+            raise BalanceError(
+                f"device={str(device)!r} but CUDA is not available here; profile with device='cpu' or balance "
+                "by='flops'"
+            )
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -87,9 +87,13 @@ def _fake_module(m: nn.Module, mode: Any, clones: dict[int, nn.Module]) -> nn.Mo
     if clone is not None:
         return clone
     clone = copy.copy(m)
-    clone.__dict__["_parameters"] = {k: None if v is None else _fake_parameter(v, mode) for k, v in m._parameters.items()}
+    clone.__dict__["_parameters"] = {
+        k: None if v is None else _fake_parameter(v, mode) for k, v in m._parameters.items()
+    }
     clone.__dict__["_buffers"] = {k: None if v is None else mode.from_tensor(v) for k, v in m._buffers.items()}
-    clone.__dict__["_modules"] = {k: None if v is None else _fake_module(v, mode, clones) for k, v in m._modules.items()}
+    clone.__dict__["_modules"] = {
+        k: None if v is None else _fake_module(v, mode, clones) for k, v in m._modules.items()
+    }
     for hooks in _HOOKS:
         if hooks in clone.__dict__:
             clone.__dict__[hooks] = OrderedDict()

@@ -238,7 +238,9 @@ def _check(
         raise BalanceError(f"memory_cap={cap}: give the bytes a stage may hold (>= 0), or None for no cap")
 
 
-def _no_fit(memory: Sequence[float] | None, cap: float | None, partitions: int, names: Sequence[str]) -> NoPlanFitsError:
+def _no_fit(
+    memory: Sequence[float] | None, cap: float | None, partitions: int, names: Sequence[str]
+) -> NoPlanFitsError:
     assert memory is not None and cap is not None
     smallest = solve(memory, partitions).bottleneck
     largest = max(range(len(memory)), key=lambda i: memory[i])

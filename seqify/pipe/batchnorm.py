@@ -23,6 +23,10 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     """
 
     chunks: int
+    tracked: int  # micro-batches folded in since the last commit
+    count: int  # elements per channel behind ``mean`` and ``m2``
+    mean: torch.Tensor | None  # per-channel mean so far (float64); None before the first micro-batch
+    m2: torch.Tensor | None  # per-channel sum of squared deviations so far (float64)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -48,6 +52,7 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         if self.tracked == 0:
             self.count, self.mean, self.m2 = n, mean, var * n
         else:  # Chan et al.: combine two sets' means and sums of squared deviations
+            assert self.mean is not None and self.m2 is not None  # set by the first micro-batch
             total = self.count + n
             delta = mean - self.mean
             self.mean = self.mean + delta * (n / total)
@@ -61,7 +66,9 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _commit(self) -> None:
         count, mean, m2 = self.count, self.mean, self.m2
         self._reset_tracking()
-        assert self.running_mean is not None and self.running_var is not None and mean is not None
+        # a tracking BatchNorm has its running statistics; a commit follows at least one micro-batch
+        assert self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None
+        assert mean is not None and m2 is not None
         self.num_batches_tracked.add_(1)
         momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         unbiased = m2 / max(count - 1, 1)
@@ -105,7 +112,8 @@ def one_sample(error: BaseException, modules: nn.Module, chunks: int, sizes: lis
     name = next((n for n, m in modules.named_modules() if m is bn), None) if bn is not None else None
     layer = f"the {type(bn).__name__} layer {name!r}" if bn is not None else "a BatchNorm layer"
     batch = sum(sizes)
-    split = (f"clamped to {batch} micro-batches" if chunks > batch else f"{len(sizes)} micro-batches") + " of one sample"
+    split = f"clamped to {batch} micro-batches" if chunks > batch else f"{len(sizes)} micro-batches"
+    split += " of one sample"
     return MicroBatchError(
         f"chunks={chunks} on a batch of {batch} samples ({split}) leaves {layer} one value per channel to compute "
         f"training statistics from, which torch refuses ({error}). Use chunks={max(1, batch // 2)} or fewer "

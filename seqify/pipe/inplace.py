@@ -85,7 +85,10 @@ def mutated_roots(
 
 
 def _walk(
-    modules: list[nn.Module], carry: frozenset[Hashable], skips: dict[Hashable, frozenset[Hashable]], mutated: set[Hashable]
+    modules: list[nn.Module],
+    carry: frozenset[Hashable],
+    skips: dict[Hashable, frozenset[Hashable]],
+    mutated: set[Hashable],
 ) -> frozenset[Hashable]:
     from seqify.model.layer import Layer, Ref
     from seqify.skip.skippable import Skippable, pop_keys, stash_keys
@@ -96,7 +99,8 @@ def _walk(
             for key, name in m.pops:
                 env[name] = skips.get(key, _NONE)
 
-            def roots(a: Any) -> frozenset[Hashable]:
+            # called only within this layer's iteration: env is this layer's
+            def roots(a: Any, env: dict[str, frozenset[Hashable]] = env) -> frozenset[Hashable]:
                 if isinstance(a, Ref):
                     return env.get(a.name, _NONE)
                 if isinstance(a, (tuple, list)):

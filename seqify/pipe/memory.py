@@ -120,7 +120,10 @@ def measure(stages: Sequence[Stage], x: Any) -> list[PartitionMemory]:
             seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
             saved_bytes = 0
 
-            def pack(t: torch.Tensor) -> torch.Tensor:
+            # a saved-tensor hook of this partition's forward only (below, in the same iteration)
+            def pack(
+                t: torch.Tensor, own: set[int] = own, seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = seen
+            ) -> torch.Tensor:
                 nonlocal saved_bytes
                 key = _key(t)
                 if t.untyped_storage().data_ptr() not in own and key not in seen:

@@ -74,7 +74,8 @@ def gather(outputs: list[Any], names: Callable[[], list[str] | None] | None = No
         hint = ""
         if scalar is not None:
             known = names() if names is not None else None
-            where = known[scalar] if known and scalar < len(known) else (f"at position {scalar}" if len(tensors) > 1 else "")
+            at = f"at position {scalar}" if len(tensors) > 1 else ""
+            where = known[scalar] if known and scalar < len(known) else at
             hint = (f". The output{' ' + where if where else ''} is a scalar, such as a loss reduced over the whole "
                     "batch, which micro-batches cannot make: leave out what asks for it (labels=...) or convert a "
                     "wrapper whose forward returns only batched outputs, and compute the loss on the pipeline's "

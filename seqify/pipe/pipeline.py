@@ -53,6 +53,8 @@ class Pipeline(nn.Module):
     :class:`~.schedule.Schedule`.
     """
 
+    model: nn.Sequential  # a plain attribute (set with object.__setattr__): the partitions register the layers
+
     def __init__(
         self,
         model: nn.Sequential,

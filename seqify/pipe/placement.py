@@ -6,7 +6,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -52,7 +52,9 @@ def resolve_devices(gpus: int | None, devices: Sequence[Any] | None, partitions:
                 ) from None
             if device.type == "cuda":
                 if not torch.cuda.is_available():
-                    raise DeviceError(f"device {device} does not exist: CUDA is not available here; use devices=['cpu', ...]")
+                    raise DeviceError(
+                        f"device {device} does not exist: CUDA is not available here; use devices=['cpu', ...]"
+                    )
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 if index >= torch.cuda.device_count():
                     raise DeviceError(
@@ -100,7 +102,9 @@ def _counts(balance: Any, layers: int) -> list[int]:
                 raise TypeError
             counts.append(operator.index(b))
         except TypeError:
-            raise BalanceError(f"balance={list(balance)!r}: every entry must be a whole number of layers, not {b!r}") from None
+            raise BalanceError(
+                f"balance={list(balance)!r}: every entry must be a whole number of layers, not {b!r}"
+            ) from None
     return counts
 
 
@@ -223,7 +227,7 @@ def place(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.
         _place(parts, devices)
     tied.home(ties, devices)
     if deferred_batch_norm:
-        parts = [defer_batch_norm(p, chunks) for p in parts]
+        parts = [cast(nn.Sequential, defer_batch_norm(p, chunks)) for p in parts]  # a copy of the same type
     pops: list[list[SkipKey]] = [[] for _ in parts]
     stashes: list[list[SkipKey]] = [[] for _ in parts]
     skip_partitions: dict[SkipKey, tuple[int, int]] = {}

@@ -16,8 +16,9 @@ try:  # private helpers of torch.distributed.pipelining (torch >= 2.5): optional
         construct_reverse_graph,
         get_param_groups,
     )
+    _PARAM_GROUPS = True
 except ImportError:  # pragma: no cover - older or trimmed torch: W walks the whole graph again
-    get_param_groups = None
+    _PARAM_GROUPS = False
 
 __all__ = ["NOW", "Later", "accumulate", "input_grads", "weight_grads", "weight_values"]
 
@@ -56,7 +57,7 @@ def _plan(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
     """Which weights B differentiates along with the inputs, and torch's parameter groups of the rest
     (weights with the boundary nodes they meet the inputs' path at), or None where some owed weight
     the outputs reach is in no group."""
-    if get_param_groups is None or not inputs or not params:
+    if not _PARAM_GROUPS or not inputs or not params:
         return [False] * len(params), None
     roots = [n for n in map(_node, outs) if n is not None]
     reverse = construct_reverse_graph(roots)

@@ -55,11 +55,11 @@ class Stage:
     def __call__(self, x: Any, skips: dict[SkipKey, Any]) -> tuple[Any, dict[SkipKey, Any]]:
         tracker = SkipTracker()
         tracker.values.update(skips)
-        i = 0
+        i = 0  # the layer running, for the error below
         try:
             with use_tracker(tracker):
-                for i, layer in enumerate(self.modules):
-                    x = layer(x)
+                for i in range(len(self.modules)):
+                    x = self.modules[i](x)
         except Exception as e:
             wrapped = annotate(e, f"in pipeline partition {self.index} ({self.device}), layer {self.names[i]!r}")
             if wrapped is None:

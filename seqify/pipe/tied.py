@@ -78,7 +78,8 @@ def check(ties: Sequence[Tie], parts: Sequence[nn.Sequential], graphs: bool, dev
     apart = {id(t) for t in crossing(ties, devices)}
     for tie in ties:
         j, layers = next(iter(tie.slots.items()))
-        where = f"parameter {tie.name} (partition {tie.owner}) is also used by layer {next(iter(layers))!r} (partition {j})"
+        where = (f"parameter {tie.name} (partition {tie.owner}) is also used by layer {next(iter(layers))!r} "
+                 f"(partition {j})")
         if graphs and id(tie) in apart:
             raise TiedParameterError(
                 f"{where}, on another device; graphs=True replays captured graphs, which cannot reach a parameter "
@@ -139,7 +140,8 @@ class _WithCopies:
         for (m, name), p in self.slots:
             if id(p) not in copies:
                 copies[id(p)] = p.to(self.device, copy=True)
-            m._parameters[name] = copies[id(p)]
+            # torch types the slot as a Parameter, but any tensor in it is used: the copy keeps the call differentiable
+            m._parameters[name] = copies[id(p)]  # type: ignore[assignment]
         try:
             return self.layer(x)
         finally:
@@ -170,7 +172,9 @@ def across(model: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
     return find(parts)
 
 
-def refuse_across_processes(model: nn.Sequential, balance: Sequence[int], placement: Sequence[int] | None = None) -> None:
+def refuse_across_processes(
+    model: nn.Sequential, balance: Sequence[int], placement: Sequence[int] | None = None
+) -> None:
     """One process per pipeline rank (``seqify.distributed``) keeps no copy in step with another process's
     parameter: a weight that layers of partitions on two ranks use is refused there (``placement``: each
     partition's rank, default one partition per rank). Partitions of one rank share it as one module would."""

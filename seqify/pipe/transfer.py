@@ -22,7 +22,9 @@ def refuse_meta(value: Any, what: str, device: torch.device, names: list[str] | 
         if names and isinstance(value, torch.Tensor) and len(names) == 1:
             where = f"{what} {names[0]!r}"
         elif names and type(value) is tuple and len(names) == len(value):
-            where = f"{what} {names[path[0].idx]!r}"
+            key = path[0]
+            assert isinstance(key, pytree.SequenceKey)  # a tuple's top-level keys are its indices
+            where = f"{what} {names[key.idx]!r}"
         raise DeviceError(
             f"{where} of shape {tuple(t.shape)} is on the meta device: a shape without data, which cannot be "
             f"copied to {device}, where the pipeline takes it. Pass a tensor holding data (on the CPU or any GPU: "
@@ -76,7 +78,11 @@ class Transfer:
         return moved
 
     def __call__(
-        self, value: Any, device: torch.device, ready: torch.cuda.Event | None = None, memo: dict[int, Any] | None = None
+        self,
+        value: Any,
+        device: torch.device,
+        ready: torch.cuda.Event | None = None,
+        memo: dict[int, Any] | None = None,
     ) -> Any:
         """``value`` on ``device``. With ``memo`` (one dict per destination and step), a tensor sent twice
         (as the carried value and as a skip, say) arrives as one tensor, so an in-place change through

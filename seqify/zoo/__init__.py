@@ -20,7 +20,6 @@ the language models pipelines train most, built from a transformers config witho
 from __future__ import annotations
 
 import builtins
-from typing import List
 
 from seqify.zoo.amoebanet import AmoebaNetD, amoebanet
 from seqify.zoo.catalog import ENTRIES, Entry, ZooError, build, entry, get, load_weights, names, sample

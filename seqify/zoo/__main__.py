@@ -40,7 +40,8 @@ ids}` for another); their hints cut only between decoder layers, where there are
 over 4 decoder layers cut anywhere).
 
 Columns: parameters, layers and skips of the conversion; the default input the plans are computed on
-(batch 1, or 2 where BatchNorm needs two values per channel); and the recommended balance (layers per stage) for 2, 4 and 8 GPUs: the exact by-FLOPs plan
+(batch 1, or 2 where BatchNorm needs two values per channel); and the recommended balance (layers \
+per stage) for 2, 4 and 8 GPUs: the exact by-FLOPs plan
 from `seqify.balance(seq, n, sample, by="flops")` (fake tensors, no compute), with its imbalance (largest
 stage cost / mean stage cost) in parentheses. `seqify.zoo.hints(name, n)` returns the same lists. FLOPs
 miss memory-bound layers (BatchNorm, activations): on GPUs, `balance="time"` with a real sample usually
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m seqify.zoo", description=__doc__)
     p.add_argument("names", nargs="*", help="zoo models (default: all)")
     p.add_argument("--write", action="store_true", help=f"write {DOC} and {HINTS_FILE.name} (all models only)")
-    p.add_argument("--check", action="store_true", help="check every model converts and pipelines exactly (small sizes)")
+    p.add_argument("--check", action="store_true",
+                   help="check every model converts and pipelines exactly (small sizes)")
     args = p.parse_args(argv)
     names = args.names or list(ENTRIES)
     from seqify.errors import ZooError
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         v = versions()
         DOC.parent.mkdir(parents=True, exist_ok=True)
         extra = f", transformers {_transformers_version()}" if _transformers_version() else ""
-        DOC.write_text(INTRO + f"\nComputed with torch {v['torch']}, torchvision {v['torchvision']}{extra}.\n\n" + text + "\n")
+        computed = f"\nComputed with torch {v['torch']}, torchvision {v['torchvision']}{extra}.\n\n"
+        DOC.write_text(INTRO + computed + text + "\n")
         print(f"wrote {DOC} and {HINTS_FILE}")
     else:
         print(text)

@@ -146,7 +146,8 @@ def _catalogue() -> dict[str, Entry]:
         ({"n_embd": 16, "n_layer": 2, "n_head": 2, "vocab_size": 64}, 8),
         gpt2, vocab=lambda **kw: vocab_size("gpt2", **kw), blocks=r"transformer_h_(\d+)(?:_|$)",
         frontend="export", extra="hf",
-        about="GPT2LMHeadModel from a GPT2Config: preset='tiny' (default), '124m', '355m', '774m' or '1.5b', or config fields",
+        about=("GPT2LMHeadModel from a GPT2Config: preset='tiny' (default), '124m', '355m', '774m' or '1.5b', or "
+               "config fields"),
     )
     return out
 

@@ -29,7 +29,9 @@ from seqify.partition.cost import LayerCosts
 from seqify.partition.walk import layers
 from seqify.zoo.catalog import build, entry, sample
 
-__all__ = ["Facts", "facts", "plan", "hints", "block_cuts", "signature", "HINTS_FILE", "GPUS", "cached_table", "versions"]
+__all__ = [
+    "Facts", "facts", "plan", "hints", "block_cuts", "signature", "HINTS_FILE", "GPUS", "cached_table", "versions",
+]
 
 HINTS_FILE = Path(__file__).with_name("hints.json")
 #: The GPU counts whose plans ship in hints.json.
@@ -185,7 +187,9 @@ def plan(name: str, gpus: int, by: str = "flops", size: int | None = None, **kwa
     For models with repeated blocks (``llama``, ``gpt2``: decoder layers), stages start only at block
     boundaries (the way hand-cut pipelines split transformers), where the model has enough of them."""
     if by not in ("flops", "params"):
-        raise ValueError(f"hints are static: by='flops' or by='params'; for by={by!r} call seqify.balance on your device")
+        raise ValueError(
+            f"hints are static: by='flops' or by='params'; for by={by!r} call seqify.balance on your device"
+        )
     e = entry(name)
     _, measured, lays = _measure(name, by, size, _key(kwargs))
     cuts = block_cuts(list(lays.names), e.blocks) if e.blocks else None

@@ -29,7 +29,8 @@ def rows(names: Sequence[str] | None = None, *, show: bool = True) -> list[dict[
                 "family": e.family,
                 "source": e.source,
                 "task": e.task,
-                "input": f"{f.batch}x{f.size} token ids" if e.tokens else f"{f.batch}x{e.in_channels}x{f.size}x{f.size}",
+                "input": (f"{f.batch}x{f.size} token ids" if e.tokens
+                          else f"{f.batch}x{e.in_channels}x{f.size}x{f.size}"),
                 "params": f.params,
                 "layers": f.layers,
                 "skips": f.skips,

@@ -101,7 +101,9 @@ def _storages(values: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)}
 
 
-def _changes_held_value(stage: Stage, x: Any, skips: dict[SkipKey, Any], pending: dict[SkipKey, tuple[Any, Any]]) -> bool:
+def _changes_held_value(
+    stage: Stage, x: Any, skips: dict[SkipKey, Any], pending: dict[SkipKey, tuple[Any, Any]]
+) -> bool:
     """Whether ``stage`` changes in place an input that a skip still waiting for a later partition holds
     too. A checkpointed stage runs on copies of the inputs it changes (recomputation needs the originals),
     so that later reader would not see the change the source makes: such a step runs uncheckpointed."""

@@ -35,6 +35,8 @@ class Flat(nn.Module):
     kept as this micro-batch's constants, ``kept`` for those it stashes and ``given`` for those it pops,
     fixed like everything else in a program built for one input shape."""
 
+    stage: Stage  # a plain attribute (set with object.__setattr__): the stage's layers are registered once, as layers
+
     def __init__(self, stage: Stage, carried: int | None, sized: frozenset[SkipKey] = frozenset(),
                  checkpoint: Callable[..., Any] | None = None) -> None:
         super().__init__()

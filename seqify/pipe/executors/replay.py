@@ -191,7 +191,7 @@ class Replay:
             for d in set(self.devices):
                 self.transfer.stream(d).wait_stream(torch.cuda.current_stream(d))
 
-    def _pull(self, pairs: list[tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]], device: torch.device,
+    def _pull(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]], device: torch.device,
               backward: bool) -> None:
         """Copy each source, made by program (i, j), into its buffer on ``device``. Between GPUs the copy
         runs on the source GPU's copy stream once the program's event has passed (torch runs a peer copy
@@ -432,7 +432,7 @@ class _Step(torch.autograd.Function):
     """The whole pipeline step as one autograd node: its backward drives the backward programs."""
 
     @staticmethod
-    def forward(ctx: Any, replay: Replay, m: int, anchor: torch.Tensor, *flat: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, replay: Replay, m: int, anchor: torch.Tensor, *flat: torch.Tensor) -> Any:
         per = len(flat) // m
         outs = replay.forward([tuple(flat[i * per:(i + 1) * per]) for i in range(m)])
         ctx.replay, ctx.step, ctx.m, ctx.per = replay, replay.step, m, per

@@ -81,7 +81,8 @@ class _Run:
 class ScheduledStep:
     """Runs one training step of ``stages`` in the order of a :class:`Schedule`."""
 
-    def __init__(self, stages: Sequence[Stage], transfer: Transfer, norms: Sequence[Sequence[nn.Module]],
+    def __init__(self, stages: Sequence[Stage], transfer: Transfer,
+                 norms: Sequence[Sequence[nn.modules.batchnorm._NormBase]],
                  deferred: Sequence[DeferredBatchNorm]) -> None:
         self.stages = stages
         self.transfer = transfer

@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from seqify.convert.build import RESERVED, build
+from seqify.convert.kinds import module_path
 from seqify.convert.linearize import Plan, linearize
 from seqify.convert.modes import exported_mode_dependent, mode_differences
 from seqify.convert.splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
@@ -383,7 +384,7 @@ def _via_splice(
         what = "fails the self-check" if isinstance(e, VerifyError) else f"could not be assembled ({first})"
         traced.opaque = opaque_with(traced.opaque, {
             d.path: f"the fx conversion with its torch.export graph spliced in {what}" for d in done
-        } or {n.target: f"splicing its torch.export graph failed ({first})" for n in nodes})
+        } or {module_path(n): f"splicing its torch.export graph failed ({first})" for n in nodes})
         return None
 
 

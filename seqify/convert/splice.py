@@ -229,6 +229,7 @@ def _copy(traced: Traced, n: fx.Node, copies: dict[fx.Node, fx.Node], constants:
         new.target = f"{path}.{n.target}"
     elif n.target in (check_bool, check_equal):
         value, expected, expr, where = new.args
+        assert isinstance(where, str)  # a guard call's last argument is the text naming its place
         new.args = (value, expected, f"{path}: {expr}", where)
         traced.guards.append(Guard(f"{path}: {expr}", expected, where))
     stack = dict(outer)

@@ -59,7 +59,12 @@ class Plan:
 
 def _inputs(node: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
-    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
+
+    def note(n: fx.Node) -> fx.Node:
+        found.append(n)
+        return n
+
+    fx.node.map_arg((node.args, node.kwargs), note)
     return list(dict.fromkeys(found))
 
 

@@ -110,7 +110,8 @@ def source_error(
 
 def raises_itself(name: str, error: Exception | str) -> SourceRaisesError:
     """The error for example inputs the source itself cannot run: the inputs are wrong, not the conversion."""
-    what = error if isinstance(error, str) else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    first = str(error).splitlines()[0] if str(error) else ""
+    what = error if isinstance(error, str) else f"{type(error).__name__}: {first}"
     return SourceRaisesError(
         f"the source {name} itself raises on the example inputs: {what}. Pass example_inputs the source model "
         "runs on (e.g. token ids below the vocabulary size, the shapes and options its forward expects)"

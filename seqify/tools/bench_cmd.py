@@ -85,9 +85,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
     print(plan)
     common = dict(devices=parts, balance=plan.balance, chunks=chunks, steps=args.steps, checkpoint="never",
                   label=args.model)
-    eager = measure.sweep(seq, x, y, warm=args.warm, **common)  # type: ignore[arg-type]
+    eager = measure.sweep(seq, x, y, warm=args.warm, **common)
     print(eager)
-    graphed = measure.sweep(seq, x, y, warm=args.warm + 1, graphs=True, baseline=False, **common)  # type: ignore[arg-type]
+    graphed = measure.sweep(seq, x, y, warm=args.warm + 1, graphs=True, baseline=False, **common)
     graphed.baseline = eager.baseline  # the first warm-up step captures the graphs
     print(graphed)
     return OK

@@ -117,7 +117,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     if not args.no_layers:
         section(f"layers ({len(seq)})")
         part_of = [str(j) for j, n in enumerate(plan.balance) for _ in range(n)] if plan else []
-        rows = [("#", "stage", "name", "type", "params", "what")]
+        rows: list[tuple[str, ...]] = [("#", "stage", "name", "type", "params", "what")]
         # by index, as the plan counts: a module used twice (ResNet's shared ReLU) is two layers, which
         # named_children() would list once
         for i, (name, layer) in enumerate(seq._modules.items()):

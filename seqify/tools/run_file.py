@@ -58,7 +58,8 @@ class Config:
         if data.get("balance") is not None and data.get("by") is not None:
             raise ConfigError(f"{where}: give balance = [layer counts] or by = \"time\" (a strategy), not both")
         if data.get("by") in ("time", "memory", "flops") and not data.get("sample_shape"):
-            raise ConfigError(f"{where}: by = {data['by']!r} measures the model on an input; add sample_shape = [8, 3, 224, 224]")
+            raise ConfigError(f"{where}: by = {data['by']!r} measures the model on an input; "
+                              "add sample_shape = [8, 3, 224, 224]")
         return cls(**data)
 
     @classmethod

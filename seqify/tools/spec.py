@@ -143,13 +143,15 @@ def _transformers(spec: str, name: str, kwargs: dict[str, Any]) -> Model:
     cls = getattr(transformers, name, None)
     config_class = getattr(cls, "config_class", None)
     if not isinstance(cls, type) or not issubclass(cls, nn.Module) or config_class is None:
-        raise _fail(spec, f"transformers has no model class {name!r} (e.g. LlamaForCausalLM, BertModel, GPT2LMHeadModel)")
+        raise _fail(spec, f"transformers has no model class {name!r} "
+                          "(e.g. LlamaForCausalLM, BertModel, GPT2LMHeadModel)")
     kwargs.setdefault("use_cache", False)
     try:
         config = config_class(**kwargs)
         module = cls(config)
     except Exception as e:
-        raise _fail(spec, f"building {name}({config_class.__name__}(**{kwargs})) failed: {type(e).__name__}: {e}") from e
+        built = f"{name}({config_class.__name__}(**{kwargs}))"
+        raise _fail(spec, f"building {built} failed: {type(e).__name__}: {e}") from e
     vocab = getattr(config, "vocab_size", None) if getattr(config, "image_size", None) is None else None
     size = 16 if vocab else int(getattr(config, "image_size", 224))
     return Model(module, spec, channels=int(getattr(config, "num_channels", 3)), size=size, vocab=vocab)

@@ -40,7 +40,8 @@ def fingerprint(model: nn.Module) -> str:
 
 
 def _describe(sample: Any) -> list[Any]:
-    return [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t) for t in pytree.tree_leaves(sample)]
+    leaves = pytree.tree_leaves(sample)
+    return [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t) for t in leaves]
 
 
 def _device_names(devices: Sequence[torch.device]) -> list[str]:

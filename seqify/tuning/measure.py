@@ -7,7 +7,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -76,7 +76,7 @@ def step_seconds(model: nn.Module, sample: Any, devices: Sequence[torch.device],
         sync(devices)
         start = time.perf_counter()
         if scheduled:
-            model.step(sample, None, _scored, reduction="mean")
+            cast(Pipeline, model).step(sample, None, _scored, reduction="mean")
         else:
             loss(call(model, sample)).backward()
         sync(devices)
@@ -137,10 +137,10 @@ def calibrate(devices: Sequence[torch.device], *, split: bool = True, replayed: 
         big = torch.zeros(16 << 20, device=pair[0])  # 64 MB
         latency = _copy_seconds(small, pair)
         bandwidth = big.numel() * big.element_size() / max(_copy_seconds(big, pair) - latency, 1e-9)
-    chain = replayed and split and first.type == "cuda"
+    chained = replayed and split and first.type == "cuda"
     return Calibration(task_s=task, launch_s=launch, copy_latency_s=latency, copy_bytes_per_s=bandwidth,
                        host_serial=host_serial, split_backward=split_backward(first) if split else 1.0,
-                       split_replayed=chain_split(first) if chain else 1.0)
+                       split_replayed=chain_split(first) if chained else 1.0)
 
 
 def chain_split(device: torch.device) -> float:
@@ -182,7 +182,7 @@ def model_split(model: nn.Module, sample: Any, device: torch.device, *, rounds: 
         return None
 
 
-def _split_ratio(run: Any, x: torch.Tensor, weights: list[torch.Tensor], device: torch.device, *,
+def _split_ratio(run: Any, x: torch.Tensor, weights: Sequence[torch.Tensor], device: torch.device, *,
                  boundary: bool, rounds: int = 4) -> float:
     """(split backward) / (whole backward) seconds of the scalar ``run()`` returns, forward subtracted."""
 

@@ -24,7 +24,7 @@ from seqify.tuning.predict import Calibration, Candidate, LayerModel, predict
 __all__ = ["layer_model", "anchor", "fit_host"]
 
 
-def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int, sizes: Sequence[int] = (),
+def layer_model(model: nn.Sequential, sample: Any, device: torch.device, *, lo: int, sizes: Sequence[int] = (),
                 show: bool = True, repeats: int = 2) -> tuple[LayerModel, LayerCosts]:
     """Profile every layer at the sample's batch, at ``lo`` samples and at each of ``sizes`` (the
     micro-batches the candidates run); per layer, those times with straight lines between them
@@ -48,7 +48,7 @@ def layer_model(model: nn.Module, sample: Any, device: torch.device, *, lo: int,
     return replace(fitted, kept_per_sample=kept), hi
 
 
-def anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
+def anchor(model: nn.Sequential, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
             *, steps: int, warm: int) -> tuple[LayerModel, tuple[int, int] | None]:
     """Scale the layer times so the model on one device predicts its measured step: profiling a layer
     alone adds or hides per-call costs a whole step does not have (on CPU, an autograd call per layer).
@@ -80,7 +80,7 @@ def anchor(model: nn.Module, sample: Any, device: torch.device, layers: LayerMod
     return _scale(model, part, device, layers, cal, batch // k, measured, steps=steps, warm=warm), bounds
 
 
-def _fitting(model: nn.Module, sample: Any, device: torch.device, *, steps: int, warm: int) -> float | None:
+def _fitting(model: nn.Sequential, sample: Any, device: torch.device, *, steps: int, warm: int) -> float | None:
     """:func:`step_seconds` of ``model`` alone on ``device``, or ``None`` where it runs out of memory (returning
     from the handler drops its traceback, which holds the failed step's activations)."""
     try:
@@ -89,7 +89,7 @@ def _fitting(model: nn.Module, sample: Any, device: torch.device, *, steps: int,
         return None
 
 
-def _scale(model: nn.Module, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
+def _scale(model: nn.Sequential, sample: Any, device: torch.device, layers: LayerModel, cal: Calibration, batch: int,
            measured: float, *, steps: int, warm: int) -> LayerModel:
     """``layers`` scaled so that ``sample`` (``batch`` samples) on ``device`` alone predicts its steps:
     ``measured`` eager seconds and, on a GPU, the replayed step (:func:`anchor`)."""
@@ -104,7 +104,7 @@ def _scale(model: nn.Module, sample: Any, device: torch.device, layers: LayerMod
     return fit_host(layers, alone, cal, batch, measured)
 
 
-def _replayed(model: nn.Module, sample: Any, device: torch.device, *, steps: int, warm: int) -> float | None:
+def _replayed(model: nn.Sequential, sample: Any, device: torch.device, *, steps: int, warm: int) -> float | None:
     """Seconds of a training step of the whole model on ``device`` replayed as captured CUDA graphs: the
     GPU's work with no host issue in it. ``None`` where it cannot be captured or does not fit."""
     pipe = None
@@ -130,8 +130,9 @@ def fit_host(layers: LayerModel, alone: Candidate, cal: Calibration, batch: int,
     """``layers`` with the host's issue times (``host_s``) scaled so that ``alone`` (the model eagerly on one
     device) predicts ``measured`` seconds: profiling issues each layer's backward as an autograd call of its
     own, which a whole step does not pay per layer, while small kernels can take longer to issue in a full
-    step than alone (measurements: docs/design/cost-model.md). The times are found by bisection (the prediction grows with them); a step the GPU's
-    work alone already explains keeps them at most as profiled, down to where the host stops binding."""
+    step than alone (measurements: docs/design/cost-model.md). The times are found by bisection (the
+    prediction grows with them); a step the GPU's work alone already explains keeps them at most as
+    profiled, down to where the host stops binding."""
     if not layers.host_s:
         return layers
 
@@ -152,7 +153,7 @@ def fit_host(layers: LayerModel, alone: Candidate, cal: Calibration, batch: int,
     return layers.host_scaled(lo)
 
 
-def _accumulated(model: nn.Module, sample: Any, device: torch.device,
+def _accumulated(model: nn.Sequential, sample: Any, device: torch.device,
                  batch: int) -> tuple[int, tuple[int, int] | None] | None:
     """The smallest k = 2, 4, ... such that ``device`` trains ``sample`` as k accumulated micro-batches, and
     the peak bytes it allocated and reserved doing so (``None`` on the CPU: no peaks): what one device holds

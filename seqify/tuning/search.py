@@ -155,7 +155,7 @@ def _cached(key: str, layers: int) -> PipeConfig | None:
         return None  # an entry from another version: measure again
 
 
-def _measured(model: nn.Module, sample: Any, placed: list[torch.device], fixed: dict[str, Any], batch: int, *,
+def _measured(model: nn.Sequential, sample: Any, placed: list[torch.device], fixed: dict[str, Any], batch: int, *,
               steps: int, warm: int, show: bool) -> _Costs:
     """Calibrate the executor, profile every layer at each micro-batch size a candidate runs, anchor the layer
     times to the model's measured step on one device (whose peak bytes bound the timed candidates, with the
@@ -180,7 +180,7 @@ def _measured(model: nn.Module, sample: Any, placed: list[torch.device], fixed: 
     return _Costs(cal, layers, hi, bound)
 
 
-def _predicted(model: nn.Module, sample: Any, placed: list[torch.device], fixed: dict[str, Any], costs: _Costs,
+def _predicted(model: nn.Sequential, sample: Any, placed: list[torch.device], fixed: dict[str, Any], costs: _Costs,
                batch: int) -> list[Trial]:
     """Every candidate predicted once per distinct run, those within the memory cap, best predicted first."""
     found = space.candidates(model, sample, costs.hi, placed, fixed, costs.cal.copy_bytes_per_s, costs.layers)
@@ -215,7 +215,7 @@ def _predicted(model: nn.Module, sample: Any, placed: list[torch.device], fixed:
     return fits
 
 
-def _no_candidate(model: nn.Module, placed: list[torch.device], fixed: dict[str, Any]) -> TuneError:
+def _no_candidate(model: nn.Sequential, placed: list[torch.device], fixed: dict[str, Any]) -> TuneError:
     """Why the fixed options leave no candidate, and what to do."""
     given = {k: v for k, v in fixed.items() if v is not None}
     schedule = fixed["schedule"]
@@ -235,7 +235,7 @@ def _no_candidate(model: nn.Module, placed: list[torch.device], fixed: dict[str,
                      f"with the fixed options {given}")
 
 
-def _time_best(model: nn.Module, sample: Any, placed: list[torch.device], fits: list[Trial],
+def _time_best(model: nn.Sequential, sample: Any, placed: list[torch.device], fits: list[Trial],
                bound: tuple[int | None, int | None], *, top: int, steps: int, warm: int,
                show: bool) -> tuple[list[Trial], list[Trial]]:
     """Time the candidates :func:`to_time` picks, and where each held more than ``bound`` the next best too;
@@ -253,7 +253,7 @@ def _time_best(model: nn.Module, sample: Any, placed: list[torch.device], fits: 
     return confirmed, timed
 
 
-def _with_overlap(model: nn.Module, sample: Any, placed: list[torch.device], best: Trial, costs: _Costs, batch: int,
+def _with_overlap(model: nn.Sequential, sample: Any, placed: list[torch.device], best: Trial, costs: _Costs, batch: int,
                   confirmed: list[Trial], timed: list[Trial], *, memory_cap: float | None, steps: int, warm: int,
                   show: bool) -> Trial:
     """``best`` timed once more with two streams per GPU (its twin joins ``confirmed`` and ``timed``); the twin
@@ -282,8 +282,8 @@ def _config(best: Trial, confirmed: list[Trial], fits: list[Trial], timed: list[
                       trials=tuple(shown), key=key)
 
 
-def _confirm(model: nn.Module, sample: Any, placed: list[torch.device], timed: list[Trial], *, steps: int, warm: int,
-             show: bool) -> list[Trial]:
+def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], timed: list[Trial], *, steps: int,
+             warm: int, show: bool) -> list[Trial]:
     """``timed`` with measured step seconds and, on GPUs, the peak bytes each device allocated while the
     pipeline was built, captured and ran its steps (from an emptied cache); a candidate that runs out of
     memory is left out."""

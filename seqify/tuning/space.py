@@ -61,7 +61,7 @@ def layout(schedule: str, devices: Sequence[torch.device], loops: int) -> tuple[
     return order, merged if gpus and len(first) < len(names) else placement
 
 
-def balances(model: nn.Module, sample: Any, hi: LayerCosts, parts: int, by: Sequence[str],
+def balances(model: nn.Sequential, sample: Any, hi: LayerCosts, parts: int, by: Sequence[str],
            bandwidth: float) -> dict[str, tuple[int, ...]]:
     """The optimal balance of each strategy for ``parts`` partitions."""
     lays = walk_layers(model)
@@ -97,7 +97,7 @@ def _at(hi: LayerCosts, layers: LayerModel, batch: int, m: int) -> LayerCosts:
     return replace(hi, cost=tuple(m * layers.seconds(i, i + 1, b) for i in range(len(hi))))
 
 
-def candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[torch.device], fixed: dict[str, Any],
+def candidates(model: nn.Sequential, sample: Any, hi: LayerCosts, devices: list[torch.device], fixed: dict[str, Any],
                 bandwidth: float, layers: LayerModel | None = None) -> list[tuple[Candidate, str, int]]:
     """Every configuration to predict: per loops and micro-batch count, each balance strategy's plan (by
     time at that micro-batch size where ``layers`` has it: ResNet-101's batch-256 times cut it at [92, 253],
@@ -126,6 +126,7 @@ def candidates(model: nn.Module, sample: Any, hi: LayerCosts, devices: list[torc
         else:
             sched_set = list(valid)
         if given:
+            assert balance is not None  # given: the caller fixed a balance
             if len(balance) != parts:
                 continue
             fixed_plans: dict[str, tuple[int, ...]] = {"given": tuple(balance)}

@@ -91,7 +91,7 @@ def clean(gm: fx.GraphModule, model: nn.Module, kwargs: dict[str, Any]) -> tuple
         if isinstance(value, torch.Tensor):
             inputs.append(node)
         else:
-            node.replace_all_uses_with(value)  # type: ignore[arg-type]
+            node.replace_all_uses_with(value)
             graph.erase_node(node)
     held: list[Held] | None = None
     for node in graph.nodes:
@@ -160,7 +160,12 @@ def _runs(graph: fx.Graph) -> Iterator[tuple[str, str, list[fx.Node]]]:
 
 def _inputs(node: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
-    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
+
+    def note(n: fx.Node) -> fx.Node:
+        found.append(n)
+        return n
+
+    fx.node.map_arg((node.args, node.kwargs), note)
     return found
 
 

@@ -1,4 +1,4 @@
-"""Regions in export graphs: autocast-off regions captured whatever the caller's autocast, grad-mode regions exception-safe."""
+"""Regions in export graphs: autocast-off regions whatever the caller's autocast, grad-mode regions exception-safe."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ _ASSERT = torch.ops.aten._assert_tensor_metadata.default
 
 
 def _all_float32(model: nn.Module, example: Any) -> bool:
-    tensors = [*model.parameters(), *model.buffers(), *(x for x in pytree.tree_leaves(example) if isinstance(x, torch.Tensor))]
+    inputs = [x for x in pytree.tree_leaves(example) if isinstance(x, torch.Tensor)]
+    tensors = [*model.parameters(), *model.buffers(), *inputs]
     return all(t.dtype == torch.float32 for t in tensors if t.is_floating_point())
 
 
@@ -35,7 +36,8 @@ def neutral_autocast(model: nn.Module, example: Any) -> Iterator[None]:
     regions (``wrap_with_autocast``), which replay as the source's under any autocast and as no-ops
     without. Models with other floating dtypes are captured as they are.
     """
-    devices = sorted({x.device.type for x in pytree.tree_leaves(example) if isinstance(x, torch.Tensor)} & {"cpu", "cuda"})
+    kinds = {x.device.type for x in pytree.tree_leaves(example) if isinstance(x, torch.Tensor)}
+    devices = sorted(kinds & {"cpu", "cuda"})
     devices = [d for d in devices if not torch.is_autocast_enabled(d)]
     if not devices or not _all_float32(model, example):
         yield

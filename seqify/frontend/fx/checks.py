@@ -82,7 +82,8 @@ def check_decorated(model: nn.Module, cause: BaseException) -> None:
     chain, f = [], forward
     while f is not inner:
         code = getattr(f, "__code__", None)  # functools.wraps copies the wrapped names: the code has its own
-        chain.append(f"{getattr(code, 'co_qualname', getattr(f, '__qualname__', repr(f)))} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code else repr(f))
+        name = getattr(code, "co_qualname", getattr(f, "__qualname__", repr(f)))
+        chain.append(f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code else repr(f))
         f = f.__wrapped__  # type: ignore[attr-defined]
     raise DecoratedForwardError(
         f"{name}.forward is wrapped by a decorator ({' -> '.join(chain)}) that takes (self, *args, **kwargs) "

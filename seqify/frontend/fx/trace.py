@@ -100,7 +100,7 @@ def trace(
     inner = passthrough(model, example_inputs)
     cls, wrapped = type(model), type(model).__dict__.get("forward")
     if inner is not None:
-        cls.forward = inner  # type: ignore[method-assign]
+        cls.forward = inner
     try:
         for _ in range(64):
             try:
@@ -121,7 +121,7 @@ def trace(
             if wrapped is None:
                 del cls.forward
             else:
-                cls.forward = wrapped  # type: ignore[method-assign]
+                cls.forward = wrapped
     for ph in graph.nodes:
         if ph.op == "placeholder" and str(ph.target).startswith("*") and ph.users:
             raise UntraceableError(

@@ -52,7 +52,7 @@ class _Proxy(fx.Proxy):
 
     tracer: Tracer
 
-    def __getattr__(self, k: str) -> _Attribute:
+    def __getattr__(self, k: str) -> _Attribute:  # type: ignore[override]  # ours asks for concrete values
         return _Attribute(self, k)
 
     def __len__(self) -> int:
@@ -157,7 +157,7 @@ class Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
 
-    def create_proxy(  # type: ignore[override]
+    def create_proxy(
         self,
         kind: str,
         target: Any,
@@ -289,7 +289,8 @@ class Tracer(fx.Tracer):
 
         try:
             if node.op == "get_attr":
-                obj = self.constants[node.target] if node.target in self.constants else self._attr(node.target)
+                target = str(node.target)  # a get_attr node names an attribute path
+                obj = self.constants[target] if target in self.constants else self._attr(target)
                 node.meta["val"] = self._fake(obj) if isinstance(obj, torch.Tensor) else obj
                 return
             args = fx.node.map_arg(node.args, val)
@@ -302,10 +303,11 @@ class Tracer(fx.Tracer):
             if unknown or node.op not in ("call_function", "call_method"):
                 return
             with self.fake_mode:
+                fn: Any = node.target  # call_function: the callable; call_method: the method's name
                 if node.op == "call_function":
-                    result = node.target(*args, **kwargs)
+                    result = fn(*args, **kwargs)
                 else:
-                    result = getattr(args[0], node.target)(*args[1:], **kwargs)
+                    result = getattr(args[0], fn)(*args[1:], **kwargs)
             node.meta["val"] = result
         except Exception as e:  # unknown value: later steps fall back to rules
             node.meta["val_error"] = first_line(e)
@@ -392,7 +394,8 @@ class Tracer(fx.Tracer):
 
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
         n = self.concrete_len(obj)
-        return iter([obj[i] for i in range(n)])
+        items: Any = obj  # a proxy indexes by position as the value it stands for would
+        return iter([items[i] for i in range(n)])
 
     def keys(self, obj: fx.Proxy) -> Any:
         value = self._value(obj, "keys()")

@@ -59,7 +59,7 @@ def anchor(model: nn.Sequential, sample: Any, device: torch.device, layers: Laye
     (the bounds of :func:`~seqify.tuning.search.lean`; ``None`` on the CPU). Where the batch does not fit one
     device whole, the bounds are those of one device accumulating it in the fewest micro-batches that fit
     (:func:`_accumulated`), and the steps that anchor the times are of one such micro-batch (weak scaling's
-    batches: until 2026-11-26 their times stayed as profiled)."""
+    batches are anchored too, not left as profiled)."""
     model = model.to(device).train()  # the sample is on ``device`` already (tune puts it there)
     with measure.peaks([device]) as got:
         measured = _fitting(model, sample, device, steps=steps, warm=warm)

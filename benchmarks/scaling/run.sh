@@ -73,8 +73,8 @@ tests() {
     > "$R/gpu-check.log" 2>&1
   tail -3 "$R/gpu-check.log"
 }
-# STEPS: model names and busy / hand-picked / tests / families / probe / tune-tests / channels-last, in the order to run (the first ones get the device time:
-# the GPU tests and the short steps go before the Llama, the longest); MODELS: the models, in that order
+# STEPS: model names and busy / hand-picked / tests / families / probe / tune-tests / channels-last, in the order to
+# run (short steps first, the Llama, the longest, last); MODELS: the models, in that order
 if [ -n "${MODELS:-}" ]; then order="tests $MODELS hand-picked busy"; else order="tests resnet101 amoebanet_d unet hand-picked busy llama"; fi
 for step in ${STEPS:-$order}; do
   case $step in

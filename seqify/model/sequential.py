@@ -193,8 +193,8 @@ class Sequential(nn.Sequential):
         name = ""  # the layer running, for the error note
         try:
             with use_tracker(SkipTracker()):
-                for name in self._modules:
-                    x = self._modules[name](x)
+                for name, layer in self._modules.items():  # noqa: B007  (name: read where a layer fails)
+                    x = layer(x)
         except Exception as e:
             self._failed(e, name, inputs)
             raise

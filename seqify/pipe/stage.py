@@ -58,8 +58,8 @@ class Stage:
         i = 0  # the layer running, for the error below
         try:
             with use_tracker(tracker):
-                for i in range(len(self.modules)):
-                    x = self.modules[i](x)
+                for i, layer in enumerate(self.modules):  # noqa: B007  (i: read where a layer fails)
+                    x = layer(x)
         except Exception as e:
             wrapped = annotate(e, f"in pipeline partition {self.index} ({self.device}), layer {self.names[i]!r}")
             if wrapped is None:

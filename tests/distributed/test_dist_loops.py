@@ -3,7 +3,6 @@ real gloo processes in float64, losses, gradients, outputs and checkpoints equal
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -13,17 +12,12 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers import dist_worker as worker
+from helpers.procs import free_port
 from seqify.distributed.link import SKIP, SKIP_GRAD
 from seqify.schedule.actions import Action, Schedule, make, needs
 
 pytestmark = pytest.mark.timeout(120)
 BALANCE = [3, 3, 4, 4]  # Skippy's 14 layers: every skip crosses partitions (see dist_worker.Skippy)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(tmp: Path, world: int, balance: list[int], schedule: Any, loops: int, chunks: int = 4, batch: int = 8,

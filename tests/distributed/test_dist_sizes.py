@@ -16,7 +16,7 @@ import seqify.distributed as sd
 from seqify.distributed.sizes import decode, encode, is_size
 from seqify.skip.layout import routes
 from seqify.model.stash_sizes import size_skips
-from test_dist_loops import free_port
+from helpers.procs import free_port
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(120)

@@ -308,7 +308,7 @@ def test_distributed_steps_weigh_padded_targets_over_ranks_and_replicas(tmp_path
     import torch.multiprocessing as mp
 
     from helpers import dist_worker as worker
-    from test_dist_loops import free_port
+    from helpers.procs import free_port
 
     mp.spawn(worker.padded_spawned, args=(world, free_port(), str(tmp_path), balance, schedule, loops, 2, graphs),
              nprocs=world, join=True)

@@ -4,6 +4,8 @@ imports another that imports it back, deferred and type-only imports included.""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,16 @@ def test_the_contract_can_fail() -> None:
     """The checker sees an upward import: the converted model's layer does not know about pipelines."""
     assert layer_of("seqify.model.sequential") < layer_of("seqify.pipe.pipeline")
     assert "seqify.model.sequential" in GRAPH["seqify.pipe.pipeline"]
+
+
+#: Packages that take seconds to import and that seqify needs only on some paths (torch.export's tracing,
+#: zero bubble's split backward, a model family): every torchrun rank and CLI call would pay for them.
+HEAVY = ("torch._dynamo", "torch.distributed.pipelining", "torch.distributed.tensor", "transformers", "diffusers",
+         "timm", "matplotlib", "hypothesis")
+
+
+def test_importing_seqify_loads_no_heavy_optional_package() -> None:
+    code = ("import sys, seqify, seqify.distributed, seqify.tools.cli, seqify.zoo\n"
+            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "", f"importing seqify loads {done.stdout.strip()}: import them where used"

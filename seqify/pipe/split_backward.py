@@ -10,24 +10,28 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-try:  # private helpers of torch.distributed.pipelining (torch >= 2.5): optional, checked below
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        construct_reverse_graph,
-        get_param_groups,
-    )
-    _PARAM_GROUPS = True
-except ImportError:  # pragma: no cover - older or trimmed torch: W walks the whole graph again
-    _PARAM_GROUPS = False
-
 __all__ = ["NOW", "Later", "accumulate", "input_grads", "weight_grads", "weight_values"]
+
+
+@functools.cache
+def _pipelining() -> Any:
+    """torch.distributed.pipelining's private backward helpers (torch >= 2.5), or None (W then walks the
+    whole graph again). Imported at first use, not with seqify: the package imports DTensor and dynamo,
+    seconds at every process start."""
+    try:
+        from torch.distributed.pipelining import _backward
+    except ImportError:  # pragma: no cover - older or trimmed torch
+        return None
+    return _backward
 
 
 def _node(t: torch.Tensor) -> Any:
     """``t``'s autograd node (a leaf's gradient accumulator), also where gradients are off (a replayed
     step runs under ``torch.no_grad()``; finding a leaf's accumulator takes a view that records one)."""
     with torch.enable_grad():
-        return _get_grad_fn_or_grad_acc(t)
+        if t.requires_grad and t.grad_fn is None:
+            return t.view_as(t).grad_fn.next_functions[0][0]
+        return t.grad_fn
 
 
 #: Autograd nodes whose backward yields their weights' gradients with the input's, from the same
@@ -57,16 +61,17 @@ def _plan(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
     """Which weights B differentiates along with the inputs, and torch's parameter groups of the rest
     (weights with the boundary nodes they meet the inputs' path at), or None where some owed weight
     the outputs reach is in no group."""
-    if not _PARAM_GROUPS or not inputs or not params:
+    helpers = _pipelining()
+    if helpers is None or not inputs or not params:
         return [False] * len(params), None
     roots = [n for n in map(_node, outs) if n is not None]
-    reverse = construct_reverse_graph(roots)
+    reverse = helpers.construct_reverse_graph(roots)
     nodes = [_node(p) for p in params]
     now = [_now(n, reverse) for n in nodes]
     reached = [n for n, b in zip(nodes, now) if not b and (n in reverse or n in roots)]  # owed, reached
     if not reached:
         return now, []
-    groups = get_param_groups([n for n in map(_node, inputs) if n is not None], reached, reverse)
+    groups = helpers.get_param_groups([n for n in map(_node, inputs) if n is not None], reached, reverse)
     covered = {n for g in groups for n in g["params"]}
     if covered != set(reached) or any(not g["intermediates"] for g in groups):
         return now, None

@@ -99,7 +99,8 @@ class BalanceError(SeqifyError):
 
 
 class DeviceError(SeqifyError):
-    """A device that does not exist, or fewer devices than partitions."""
+    """A device that does not exist, fewer devices than partitions, an input on the meta device, or a move
+    (``pipe.to(device)``, ``.cuda()``, ``.cpu()``) of a built pipeline to devices other than its own."""
 
 
 class SharedParameterError(SeqifyError):

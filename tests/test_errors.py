@@ -504,6 +504,17 @@ def test_pipeline_layout_mistakes(row: str) -> None:
         seqify.pipeline(three_layers(), **options)
 
 
+def test_moving_a_built_pipeline_to_another_device() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    with raises(seqify.DeviceError, "pipe.to('meta')", "placed on [cpu, cpu], to meta", "nothing was moved",
+                "Build the pipeline again", "devices=[...]", "pipe.double()"):
+        pipe.to("meta", torch.float64)
+    assert {(p.device.type, p.dtype) for p in pipe.parameters()} == {("cpu", torch.float32)}
+    with raises(seqify.DeviceError, "pipe.cuda()", "to cuda", "Build the pipeline again"):
+        pipe.cuda()
+    assert pipe.cpu().double() is pipe  # its own devices, a cast in place
+
+
 def test_backward_of_an_older_replayed_step() -> None:
     """graphs=True keeps one step's activations in fixed memory (exercised here with eager programs)."""
     pipe = seqify.pipeline(three_layers(), devices=CPU2, balance=[2, 1], chunks=2, checkpoint="never")

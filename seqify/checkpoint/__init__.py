@@ -1,13 +1,4 @@
-"""Checkpoints that resume training exactly: model, optimizer, scheduler, step and RNG under the source model's keys.
-
-A checkpoint is a folder. ``tensors/`` holds every tensor (the model's state under the source model's keys,
-the optimizer's state under ``optimizer/KEY/NAME``) as a ``torch.distributed.checkpoint`` (DCP) folder, which
-later serves torchrun ranks that each save and load their own keys; ``state.pt`` holds the rest (optimizer
-groups, scheduler, RNG states, step, ``extra``), read with ``torch.load(weights_only=True)``, because DCP
-unpickles non-tensor values with ``weights_only=False``; ``seqify.json`` says what was saved. No file
-depends on the balance, so a checkpoint loads into a pipeline of any partitioning, into the converted model,
-or into the source model. DCP's own ``.metadata`` file is a pickle: load checkpoints you trust.
-"""
+"""Checkpoints that resume training exactly: model, optimizer, scheduler, step and RNG under the source's keys."""
 
 from __future__ import annotations
 

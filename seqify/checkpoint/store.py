@@ -1,8 +1,4 @@
-"""A checkpoint folder: tensors through torch.distributed.checkpoint, other state weights-only, metadata in JSON.
-
-The folder is written whole under a temporary name beside it and renamed into place, so a folder by the
-checkpoint's name is always complete: a save that dies leaves the previous checkpoint (or none).
-"""
+"""A checkpoint folder: tensors through torch.distributed.checkpoint, the rest weights-only, metadata in JSON."""
 
 from __future__ import annotations
 

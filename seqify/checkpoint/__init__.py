@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ def save(
     numpy). The folder is written under a temporary name and renamed, replacing an earlier checkpoint there.
     Returns the files written."""
     model = holder(pipe)
+    step = _step(step)
     tensors = {MODEL + k: t for k, t in model_state(model).items()}
     keys = [k[len(MODEL):] for k in tensors]
     named = None if optimizer is None else named_state(optimizer, parameter_names(model))
@@ -65,6 +67,15 @@ def save(
         "scheduler": None if scheduler is None else scheduler.state_dict(),
     }
     return store.write(directory, tensors, state, _meta(pipe, model, keys, optimizer, scheduler, step, rng_state))
+
+
+def _step(step: Any) -> int | None:
+    if step is None:
+        return None
+    try:
+        return operator.index(step)
+    except TypeError:
+        raise CheckpointError(f"step={step!r}: give the number of steps taken, an int (or None)") from None
 
 
 def _optimizer_key(key: str, name: str) -> str:

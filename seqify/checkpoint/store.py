@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from seqify.errors import CheckpointError
 
 __all__ = ["FORMAT", "META", "STATE", "TENSORS", "LEGACY_INDEX", "write", "read_meta", "read_state",
-           "tensor_shapes", "read_tensors", "is_checkpoint"]
+           "tensor_shapes", "read_tensors"]
 
 FORMAT = "seqify.checkpoint/2"
 META = "seqify.json"  # what was saved and by what: read first, written last
@@ -49,8 +49,11 @@ def _plain_bytes(state: Mapping[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def is_checkpoint(directory: str | os.PathLike[str]) -> bool:
-    return os.path.isfile(os.path.join(directory, META)) or os.path.isfile(os.path.join(directory, LEGACY_INDEX))
+def _only_checkpoint(directory: str) -> bool:
+    """Whether every entry of ``directory`` is a checkpoint's (this layout's, or seqify 0.1's stage files)."""
+    names = set(os.listdir(directory))
+    legacy = {n for n in names if n.startswith("stage_") and n.endswith(".pt")} | {LEGACY_INDEX}
+    return names <= {META, STATE, TENSORS} or (LEGACY_INDEX in names and names <= legacy)
 
 
 def write(directory: str | os.PathLike[str], tensors: dict[str, torch.Tensor], state: Mapping[str, Any],
@@ -81,9 +84,9 @@ def _check_target(final: str) -> None:
     """Refuse to replace a folder that holds anything but a checkpoint."""
     if os.path.exists(final) and not os.path.isdir(final):
         raise CheckpointError(f"{final} is a file: give seqify.checkpoint.save a folder name")
-    if os.path.isdir(final) and os.listdir(final) and not is_checkpoint(final):
+    if os.path.isdir(final) and not _only_checkpoint(final):
         raise CheckpointError(
-            f"{final} holds files that are not a seqify checkpoint, and saving replaces the whole folder: "
+            f"{final} holds files that are not a seqify checkpoint's, and saving replaces the whole folder: "
             "save into a new or empty folder (e.g. a subfolder per step)"
         )
 

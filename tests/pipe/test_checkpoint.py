@@ -150,7 +150,14 @@ def test_a_folder_of_other_files_is_not_replaced(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(seqify.CheckpointError, match="new or empty folder"):
         checkpoint.save(nn.Linear(2, 2), tmp_path)
+    (tmp_path / "index.json").write_text("{}")  # beside a checkpoint of seqify 0.1: still the user's file
+    with pytest.raises(seqify.CheckpointError, match="new or empty folder"):
+        checkpoint.save(nn.Linear(2, 2), tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    checkpoint.save(nn.Linear(2, 2), tmp_path / "ck", step=torch.tensor(4))
+    assert checkpoint.load(nn.Linear(2, 2), tmp_path / "ck").step == 4
+    with pytest.raises(seqify.CheckpointError, match="step=0.5"):
+        checkpoint.save(nn.Linear(2, 2), tmp_path / "ck", step=0.5)
 
 
 def test_a_checkpoint_of_seqify_0_1_still_loads(tmp_path: Path) -> None:

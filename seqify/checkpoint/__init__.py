@@ -14,7 +14,7 @@ from torch import nn
 
 from seqify._version import __version__
 from seqify.checkpoint import rng, store
-from seqify.checkpoint.export import export, load_exported
+from seqify.checkpoint.exported import export, load_exported
 from seqify.checkpoint.keys import balance_of, holder, model_state, parameter_names, places, stage_keys
 from seqify.checkpoint.optim import NamedState, check_named_state, load_named_state, named_state
 from seqify.errors import CheckpointError, StateDictError

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_tied import TinyGPT
 from torch import nn
 
 import seqify
 from seqify import checkpoint
 from seqify.checkpoint import store
-from test_tied import TinyGPT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,8 +167,8 @@ def test_a_checkpoint_of_seqify_0_1_still_loads(tmp_path: Path) -> None:
     state = model.state_dict()
     torch.save({k: state[k] for k in ("0.weight", "0.bias")}, tmp_path / "stage_0.pt")
     torch.save({k: state[k] for k in ("1.weight", "1.bias")}, tmp_path / "stage_1.pt")
-    (tmp_path / "index.json").write_text(json.dumps({"balance": [1, 1], "stages": [
-        {"file": "stage_0.pt", "keys": ["0.weight", "0.bias"]}, {"file": "stage_1.pt", "keys": ["1.weight", "1.bias"]}]}))
+    stages = [{"file": f"stage_{j}.pt", "keys": [f"{j}.weight", f"{j}.bias"]} for j in range(2)]
+    (tmp_path / "index.json").write_text(json.dumps({"balance": [1, 1], "stages": stages}))
     pipe = seqify.pipeline(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)), devices=CPU2, balance=[1, 1])
     checkpoint.load(pipe, tmp_path)
     x = torch.randn(2, 3)

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from helpers import resume
 from helpers.procs import child_env
 

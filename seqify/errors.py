@@ -13,6 +13,7 @@ __all__ = [
     "SpecializationError",
     "ModeError",
     "StateDictError",
+    "CheckpointError",
     "SkipError",
     "BalanceError",
     "DeviceError",
@@ -88,6 +89,12 @@ class ModeError(SeqifyError):
 class StateDictError(SeqifyError, RuntimeError):
     """A checkpoint does not match the model's keys, shapes or value types (a ``RuntimeError`` too, as
     torch's ``load_state_dict`` raises)."""
+
+
+class CheckpointError(StateDictError):
+    """A checkpoint that cannot be written or read as asked: a folder that holds none, a format this seqify
+    does not read, state missing that the call asks for (optimizer, scheduler), a value
+    ``torch.load(weights_only=True)`` would refuse, or a folder of other files in the way."""
 
 
 class SkipError(SeqifyError):

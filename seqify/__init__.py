@@ -1,5 +1,6 @@
 """seqify: any PyTorch net becomes an exact, pipeline-ready nn.Sequential that runs across GPUs."""
 
+import logging
 from typing import Any
 
 from seqify import skip
@@ -16,6 +17,10 @@ from seqify.pipe import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomp
 from seqify.pipe.config import PipeConfig
 from seqify.tools.run_file import Config, pipeline_from_config
 from seqify.tuning import tune
+
+# The library logs to "seqify" and its children (seqify.frontend, seqify.tuning, seqify.pipe, seqify.distributed);
+# what is shown, and where, is the application's choice (logging.basicConfig(level=logging.INFO)).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # Submodules imported on first use (module __getattr__ below): they build on everything else.
 _LAZY = ("zoo", "measure", "plot", "checkpoint", "compat")

@@ -13,6 +13,7 @@ __all__ = [
     "SpecializationError",
     "ModeError",
     "StateDictError",
+    "CheckpointError",
     "SkipError",
     "BalanceError",
     "DeviceError",
@@ -90,6 +91,12 @@ class StateDictError(SeqifyError, RuntimeError):
     torch's ``load_state_dict`` raises)."""
 
 
+class CheckpointError(StateDictError):
+    """A checkpoint that cannot be written or read as asked: a folder that holds none, a format this seqify
+    does not read, state missing that the call asks for (optimizer, scheduler), a value
+    ``torch.load(weights_only=True)`` would refuse, or a folder of other files in the way."""
+
+
 class SkipError(SeqifyError):
     """Skip connections are stashed or popped in an invalid order or number."""
 
@@ -99,7 +106,8 @@ class BalanceError(SeqifyError):
 
 
 class DeviceError(SeqifyError):
-    """A device that does not exist, or fewer devices than partitions."""
+    """A device that does not exist, fewer devices than partitions, an input on the meta device, or a move
+    (``pipe.to(device)``, ``.cuda()``, ``.cpu()``) of a built pipeline to devices other than its own."""
 
 
 class SharedParameterError(SeqifyError):

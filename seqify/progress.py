@@ -1,4 +1,4 @@
-"""progress: a dependency-free progress bar on stderr on a terminal, a line now and then in a log."""
+"""progress: a dependency-free progress bar on stderr on a terminal, a line now and then in a log; rank 0 only."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-__all__ = ["progress", "shown"]
+__all__ = ["progress", "rank", "shown"]
 
 T = TypeVar("T")
 
@@ -17,9 +17,21 @@ _LINE_AFTER = 3.0  # seconds: without a terminal, waits shorter than this print 
 _LINE_EVERY = 10.0  # seconds between lines without a terminal
 
 
+def rank() -> int:
+    """This process's rank under torchrun: torch.distributed's once a process group is up, else ``RANK`` (0
+    outside torchrun). torch is not imported here: a process that never imported torch.distributed has no group."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def shown(enabled: bool = True) -> bool:
-    """Whether a bar would be drawn: ``enabled``, and stderr is a terminal or ``SEQIFY_PROGRESS=1``."""
-    if not enabled:
+    """Whether a bar would be drawn: ``enabled`` on rank 0, and stderr is a terminal or ``SEQIFY_PROGRESS=1``."""
+    if not enabled or rank() != 0:
         return False
     if os.environ.get("SEQIFY_PROGRESS") == "1":
         return True
@@ -31,8 +43,10 @@ def progress(iterable: Iterable[T], total: int, desc: str = "", enabled: bool = 
     """Yield from ``iterable`` and draw ``desc [####    ] i/total`` on stderr as it goes.
 
     The bar needs ``enabled`` and stderr a TTY (or ``SEQIFY_PROGRESS=1``); otherwise, if ``enabled``, waits
-    over a few seconds print a plain line every ten seconds (``SEQIFY_PROGRESS=0`` silences both).
+    over a few seconds print a plain line every ten seconds (``SEQIFY_PROGRESS=0`` silences both). Under
+    torchrun only rank 0 draws either: the other ranks would repeat its lines, interleaved.
     """
+    enabled = enabled and rank() == 0
     if not shown(enabled):
         if enabled and os.environ.get("SEQIFY_PROGRESS") != "0":
             yield from _lines(iterable, total, desc)

@@ -409,6 +409,75 @@ def test_source_checkpoint_loaded_with_load_state_dict() -> None:
     assert isinstance(pytest.raises(RuntimeError, seq.load_state_dict, source_keys).value, seqify.StateDictError)
 
 
+def test_checkpoint_folder_without_a_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from seqify import checkpoint
+
+    with raises(seqify.CheckpointError, str(tmp_path / "none"), "seqify.json is missing", "seqify.checkpoint.save"):
+        checkpoint.load(Lin(), tmp_path / "none")
+    checkpoint.save(Lin(), tmp_path / "ck")
+    (tmp_path / "ck" / "state.pt").unlink()
+    with raises(seqify.StateDictError, "state.pt is missing", "copy the whole checkpoint folder"):
+        checkpoint.load(Lin(), tmp_path / "ck")
+
+
+def test_checkpoint_of_another_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from seqify import checkpoint
+
+    checkpoint.save(seqify.pipeline(seqify.convert(Lin()), devices=CPU2, balance=[2, 2]), tmp_path / "ck")
+    other = nn.Sequential(nn.Linear(4, 4))
+    with raises(seqify.StateDictError, "holds the state of Lin", "missing keys ['0.bias', '0.weight']",
+                "unexpected keys ['f.bias'", "same model (any balance)", "load_state_dict(folder)"):
+        checkpoint.load(other, tmp_path / "ck")
+    wider = Lin(5)
+    before = wider.f.weight.clone()
+    with raises(seqify.StateDictError, "f.weight: checkpoint (4, 4) vs model (5, 5)", "configuration it was saved"):
+        checkpoint.load(wider, tmp_path / "ck")
+    assert torch.equal(wider.f.weight, before)  # checked before anything loads
+
+
+def test_checkpoint_optimizer_or_scheduler_that_does_not_fit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from seqify import checkpoint
+
+    model = Lin()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    checkpoint.save(model, tmp_path / "bare")
+    with raises(seqify.CheckpointError, "holds no optimizer state", "optimizer="):
+        checkpoint.load(model, tmp_path / "bare", opt)
+    with raises(seqify.CheckpointError, "holds no scheduler state", "scheduler="):
+        checkpoint.load(model, tmp_path / "bare", scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    checkpoint.save(model, tmp_path / "ck", opt, torch.optim.lr_scheduler.StepLR(opt, 1))
+    with raises(seqify.CheckpointError, "holds SGD optimizer state", "this optimizer is Adam", "build SGD"):
+        checkpoint.load(model, tmp_path / "ck", torch.optim.Adam(model.parameters()))
+    with raises(seqify.CheckpointError, "holds StepLR scheduler state", "this scheduler is ExponentialLR"):
+        checkpoint.load(model, tmp_path / "ck", scheduler=torch.optim.lr_scheduler.ExponentialLR(opt, 0.5))
+    split = torch.optim.SGD([{"params": model.f.parameters()}, {"params": model.g.parameters()}], lr=0.1)
+    with raises(seqify.StateDictError, "1 parameter group(s) and this one has 2", "same groups"):
+        checkpoint.load(model, tmp_path / "ck", split)
+    with raises(seqify.StateDictError, "group 0", "saved, absent here: ['g.bias', 'g.weight']"):
+        checkpoint.load(model, tmp_path / "ck", torch.optim.SGD(model.f.parameters(), lr=0.1))
+    with raises(seqify.CheckpointError, "not the model's", "pipe.parameters()"):
+        checkpoint.load(model, tmp_path / "ck", torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1))
+
+
+def test_checkpoint_save_that_cannot_be_written(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from seqify import checkpoint
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.txt").write_text("")
+    with raises(seqify.CheckpointError, str(tmp_path / "run"), "new or empty folder"):
+        checkpoint.save(Lin(), tmp_path / "run")
+    with raises(seqify.CheckpointError, "weights_only=True", "plain values"):
+        checkpoint.save(Lin(), tmp_path / "ck", extra=Lin())
+
+
+def test_export_without_safetensors(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from seqify import checkpoint
+
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails, as when not installed
+    with raises(seqify.CheckpointError, "safetensors", "pip install safetensors"):
+        checkpoint.export(Lin(), tmp_path / "lin.safetensors")
+
+
 # -- hand-written skips -------------------------------------------------------------------------------
 
 
@@ -502,6 +571,17 @@ def test_pipeline_layout_mistakes(row: str) -> None:
         pytest.skip("this machine has that many GPUs")
     with raises(kind, *phrases):
         seqify.pipeline(three_layers(), **options)
+
+
+def test_moving_a_built_pipeline_to_another_device() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    with raises(seqify.DeviceError, "pipe.to('meta')", "placed on [cpu, cpu], to meta", "nothing was moved",
+                "Build the pipeline again", "devices=[...]", "pipe.double()"):
+        pipe.to("meta", torch.float64)
+    assert {(p.device.type, p.dtype) for p in pipe.parameters()} == {("cpu", torch.float32)}
+    with raises(seqify.DeviceError, "pipe.cuda()", "to cuda", "Build the pipeline again"):
+        pipe.cuda()
+    assert pipe.cpu().double() is pipe  # its own devices, a cast in place
 
 
 def test_backward_of_an_older_replayed_step() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ from seqify.frontend.traced import Opaque, Traced
 from seqify.model.sequential import ExportedInfo, Sequential
 
 __all__ = ["convert", "Plan", "linearize", "build"]
+
+log = logging.getLogger("seqify.frontend")
 
 
 def _unwrapped(model: Any) -> Any:
@@ -129,7 +132,22 @@ def convert(
     leaf_types, leaf_paths = _check_options(model, leaf_types, leaf_paths, depth)
     # Conversion runs the source (traces, the self-check): whatever that draws or writes is put back.
     with torch.random.fork_rng(devices=_accelerators(model)), buffers_kept(model, parameters=True):
-        return _convert(model, example_inputs, leaf_types, leaf_paths, depth, check_modes, frontend, verify)
+        seq = _convert(model, example_inputs, leaf_types, leaf_paths, depth, check_modes, frontend, verify)
+    _report(model, seq)
+    return seq
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _report(model: nn.Module, seq: Sequential) -> None:
+    """Log which frontend made the layers and every submodule kept whole (``seq.opaque``), and why."""
+    name = type(model).__name__
+    log.info("converted %s: %d layers, made by the %s frontend", name, len(seq), seq.frontend)
+    for o in seq.opaque:
+        log.info("converted %s: %s kept whole as layer %r: %s", name, o.path or "the model", o.layer, o.reason)
 
 
 def _accelerators(model: nn.Module) -> list[int]:
@@ -166,6 +184,9 @@ def _convert(model: nn.Module, example_inputs: Any, leaf_types: tuple[type, ...]
                     fixed = _export_the_wrong_part(model, example_inputs, e, check_modes=check_modes)
                 if fixed is None:
                     raise
+                log.warning("converting %s: the fx frontend's layers fail the self-check (%s); the submodule "
+                            "around it is made by the export frontend instead: %s", type(model).__name__,
+                            _first_line(e), ", ".join(x.path for x in fixed.exported))
                 return fixed
         if frontend == "auto" and verify and example_inputs is not None and not (leaf_types or leaf_paths or
                                                                                   depth is not None):
@@ -184,6 +205,8 @@ def _convert(model: nn.Module, example_inputs: Any, leaf_types: tuple[type, ...]
                 f"converting {type(model).__name__} with torch.fx failed: {type(e).__name__}: {e}"
             ) from e
         fx_error = e
+    log.info("converting %s: the fx frontend failed (%s); falling back to the export frontend",
+             type(model).__name__, _first_line(fx_error))
     try:
         return _via_export(model, example_inputs, check_modes=check_modes, verify=verify)
     except SeqifyError as e:
@@ -254,6 +277,8 @@ def _batch_free(model: nn.Module, seq: Sequential, example_inputs: Any, *, check
             return seq  # exported as given, fixed at one sample (a one-sample example twice over is checked)
     except SeqifyError:
         return seq  # fx's result is right where its guards hold: better than none, or a wrong one
+    log.info("converting %s: fx's shape guards refuse a batch of another size (a micro-batch of one, say); the "
+             "export frontend's graph, which serves both, is used", type(model).__name__)
     return other
 
 
@@ -378,10 +403,16 @@ def _via_splice(
         seq.exported = _exported(seq, done)
         if verify:
             check(traced.model, seq, example_inputs, frontend=seq.frontend)
+        for info in seq.exported:
+            log.info("converting %s: %s (%s) is made by the export frontend (%d layers); fx: %s",
+                     type(traced.model).__name__, info.path, info.type, len(info.layers), info.reason)
         return seq
     except Exception as e:  # whatever went wrong, the fx conversion with these submodules whole stands
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         what = "fails the self-check" if isinstance(e, VerifyError) else f"could not be assembled ({first})"
+        log.warning("converting %s: the fx conversion with export graphs spliced in %s; the submodules %s stay "
+                    "whole", type(traced.model).__name__, what, ", ".join(d.path for d in done) or
+                    ", ".join(module_path(n) for n in nodes))
         traced.opaque = opaque_with(traced.opaque, {
             d.path: f"the fx conversion with its torch.export graph spliced in {what}" for d in done
         } or {module_path(n): f"splicing its torch.export graph failed ({first})" for n in nodes})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from seqify.pipe.stage import Stage
 from seqify.skip.namespace import SkipKey
 
 __all__ = ["RankPrograms", "ProgramRun", "program_step"]
+
+log = logging.getLogger("seqify.distributed")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -94,6 +97,7 @@ class RankPrograms:
             return checkpointing(self.runner, self.runner.index, self.graphs)
         except Unreplayable as e:
             self.graphs = False
+            log.warning("partition %d: %s; its programs run eagerly instead", self.runner.index, e)
             warnings.warn(f"seqify.distributed(graphs=True): {e}; its programs run eagerly instead", GraphWarning,
                           stacklevel=2)
             return checkpointing(self.runner, self.runner.index, False)

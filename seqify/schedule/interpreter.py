@@ -16,6 +16,10 @@ Design note: what the skeleton guarantees.
 * Per action: ``with hooks.around(action):`` the kind's handler, then ``hooks.after(action)``; ``begin()``
   before the first action and ``end()`` after the last. An exception from a handler or hook propagates as
   it is (no ``end``): undoing a half-run step is the executor's business.
+* Profiling: while a torch profiler runs, each action's handler and ``after`` run inside a
+  ``torch.profiler.record_function`` range named by :func:`range_name` (``PP:0F1``: partition 0's forward of
+  micro-batch 1, as torch.distributed.pipelining names its ranges); with none running, no range is made
+  (one check per action).
 * Handlers are looked up by name on the object at each call of :func:`interpret` (a class's methods
   patched by a test are the ones called).
 * Adding a kind is one entry in :data:`HANDLERS` (and the kind in :mod:`.actions`): every executor that
@@ -30,10 +34,12 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import torch
+
 from seqify.errors import ScheduleError
 from seqify.schedule.actions import Action
 
-__all__ = ["HANDLERS", "Handler", "Hooks", "handlers_for", "interpret"]
+__all__ = ["HANDLERS", "Handler", "Hooks", "handlers_for", "interpret", "range_name"]
 
 #: Action kind -> the name of the method that runs it, ``method(partition, microbatch)``: the one table.
 HANDLERS: dict[str, str] = {"F": "forward", "B": "backward", "W": "weights"}
@@ -57,6 +63,20 @@ class Hooks:
 
     def end(self) -> None:
         """After the last action (only when every action ran)."""
+
+
+def range_name(action: Action) -> str:
+    """The profiler range of ``action``: ``PP:{partition}{kind}{microbatch}`` (``PP:2B0``, ``PP:1W3``); the
+    kind is the schedule's (a split schedule's B computes the input gradients, its W the weights')."""
+    return f"PP:{action.partition}{action.kind}{action.microbatch}"
+
+
+def _profiled(action: Action) -> AbstractContextManager[Any]:
+    """A profiler range around ``action`` while a profiler runs (record_function costs microseconds even
+    with none running, so none is made then)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(range_name(action))
+    return nullcontext()
 
 
 def _name(executor: object) -> str:
@@ -88,7 +108,7 @@ def interpret(actions: Sequence[Action], executor: object, name: str | None = No
     hooks = executor if isinstance(executor, Hooks) else Hooks()
     hooks.begin()
     for a in actions:
-        with hooks.around(a):
+        with hooks.around(a), _profiled(a):
             table[a.kind](a.partition, a.microbatch)
             hooks.after(a)
     hooks.end()

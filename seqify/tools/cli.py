@@ -141,12 +141,15 @@ def _demo_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
 
 def _convert_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
     """``seqify convert SPEC -o FILE``: convert, check and save."""
-    p = add("convert", help="convert the model SPEC names and save it (torch.save)",
+    p = add("convert", help="convert the model SPEC names, check it and save its weights",
             description="Build the model, convert it, check the conversion on a random input (eval forward "
-            "bit-equal; exit code 1 if not) and save the seqify.Sequential with torch.save. Load it with "
-            "torch.load(path, weights_only=False) where seqify is installed.")
+            "bit-equal; exit code 1 if not) and save the source model's weights under its own keys with how "
+            "it was converted (SPEC, --arg values, input shape, layer names): torch.load(FILE) reads it "
+            "(weights only); a FILE ending in .safetensors is written as safetensors. Load it back by building "
+            "the model, model.load_state_dict(torch.load(FILE)['state_dict']) and seqify.convert(model).")
     _model_options(p)
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to save, e.g. model.pt")
+    p.add_argument("-o", "--output", required=True, metavar="FILE",
+                   help="where to save, e.g. model.pt (torch.save) or model.safetensors")
     p.add_argument("--no-check", action="store_true", help="skip the exactness check")
     p.set_defaults(run=convert_cmd)
 

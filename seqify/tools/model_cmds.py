@@ -4,6 +4,7 @@ it, save it or show what the conversion made."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from seqify._version import __version__
 from seqify.convert import convert
 from seqify.convert.verify import bit_equal
 from seqify.errors import BalanceError, SampleError, SeqifyError, SpecError, UntraceableError
@@ -18,7 +20,7 @@ from seqify.tools.advice import DATA_DEPENDENT, costs_depend_on_data, data_depen
 from seqify.tools.console import NOT_EXACT, OK, section
 from seqify.tools.tuning_options import tune_for
 
-__all__ = ["load", "convert_spec", "convert_cmd", "inspect_cmd"]
+__all__ = ["load", "convert_spec", "converted_record", "convert_cmd", "inspect_cmd"]
 
 def load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
     from seqify.tools import spec
@@ -79,9 +81,44 @@ def _run_check(module: torch.nn.Module, seq: Any, x: torch.Tensor) -> bool:
     return ok
 
 
+FORMAT = "seqify.convert/1"
+
+
+def converted_record(args: argparse.Namespace, seq: Any, x: torch.Tensor, example: bool) -> dict[str, Any]:
+    """What ``convert -o`` saves: the source model's state under its own keys and how the conversion was made,
+    as plain values and tensors that ``torch.load(path)`` (weights only) reads."""
+    return {
+        "format": FORMAT,
+        "seqify": __version__,
+        "spec": args.spec,
+        "args": list(args.arg or []),
+        "input_shape": list(x.shape),
+        "input_dtype": str(x.dtype).removeprefix("torch."),
+        "example": example,
+        "seed": args.seed,
+        "source": seq.source,
+        "layers": [name for name, _ in seq.named_layers()],
+        "state_dict": seq.original_state_dict(),
+    }
+
+
+def _save(record: dict[str, Any], seq: Any, out: str) -> None:
+    """``record`` to ``out``: a safetensors file (the rest of the record in its header) for a ``.safetensors``
+    path, else ``torch.save`` of the record."""
+    if out.endswith(".safetensors"):
+        from seqify.checkpoint import export
+
+        header = {k: json.dumps(v) for k, v in record.items() if k not in ("state_dict", "format")}
+        header["convert"] = FORMAT  # the header's "format" is the export's
+        export(seq, out, metadata=header)
+    else:
+        torch.save(record, out)
+
+
 def convert_cmd(args: argparse.Namespace) -> int:
     model, x = load(args)
-    seq = convert_spec(model.module, x, args.example or model.example)
+    example = bool(args.example or model.example)
+    seq = convert_spec(model.module, x, example)
     print(for_cli(seq.summary()))
     ok = True
     if not args.no_check:
@@ -93,9 +130,12 @@ def convert_cmd(args: argparse.Namespace) -> int:
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         raise SeqifyError(f"cannot write {out}: folder {folder} does not exist")
-    torch.save(seq, out)
-    print(f"saved to {out} ({os.path.getsize(out) / 2**20:.1f} MB); load it with "
-          f"torch.load({out!r}, weights_only=False)")
+    _save(converted_record(args, seq, x, example), seq, out)
+    how = (f"seqify.checkpoint.load_exported({out!r})" if out.endswith(".safetensors")
+           else f"torch.load({out!r})['state_dict']")
+    print(f"saved to {out} ({os.path.getsize(out) / 2**20:.1f} MB): the source model's weights under its own keys "
+          f"and how it was converted. Load them back: build the model, model.load_state_dict({how}), then "
+          f"seqify.convert(model{', example_inputs=...' if example else ''})")
     return OK
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,6 +23,8 @@ from seqify.tuning import measure, profile, space
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 
 __all__ = ["tune", "BAND", "to_time", "lean", "options"]
+
+log = logging.getLogger("seqify.tuning")
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,10 @@ def tune(
     key = tune_cache.key(model, sample, placed, fixed)
     hit = _cached(key, len(model)) if cache else None
     if hit is not None:
+        log.info("tune: cache hit (key %s in %s): %s", key, tune_cache.cache_path(), hit.without_trials())
         return hit
+    if cache:
+        log.info("tune: cache miss (key %s in %s): measuring", key, tune_cache.cache_path())
     batch = measure.batch_size(sample)
     # every candidate, and the one-device anchor, is timed from the batch on the first device: a batch left
     # elsewhere would add its copy to the candidates' times and to no prediction
@@ -124,8 +130,10 @@ def tune(
             best = _with_overlap(model, sample, placed, best, costs, batch, confirmed, timed, memory_cap=memory_cap,
                                  steps=steps, warm=warm, show=show)
     cfg = _config(best, confirmed, fits, timed, placed, batch, key)
+    log.info("tune: chose %s (of %d candidates that fit, %d timed)", cfg.without_trials(), len(fits), len(confirmed))
     if cache:
         tune_cache.write(key, cfg)
+        log.debug("tune: cached under key %s in %s", key, tune_cache.cache_path())
     return cfg
 
 
@@ -152,7 +160,8 @@ def _cached(key: str, layers: int) -> PipeConfig | None:
         cfg = PipeConfig.from_dict(hit)
         return cfg if sum(cfg.balance) == layers else None
     except (SeqifyError, TypeError, KeyError):
-        return None  # an entry from another version: measure again
+        log.info("tune: the cached entry under key %s is one this version cannot read; measuring again", key)
+        return None
 
 
 def _measured(model: nn.Sequential, sample: Any, placed: list[torch.device], fixed: dict[str, Any], batch: int, *,

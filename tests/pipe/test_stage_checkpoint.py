@@ -1,4 +1,5 @@
-"""seqify.checkpoint (per-stage save/load under the source's keys) and seqify.Config (a run in a file)."""
+"""seqify.checkpoint's first call forms (save and load a pipeline's state under the source's keys, any balance)
+and seqify.Config (a run in a file)."""
 
 from __future__ import annotations
 
@@ -43,19 +44,20 @@ def perturbed(seed: int) -> Net:
     return net.eval()
 
 
-def test_save_writes_each_stage_under_the_source_keys_and_loads_back(tmp_path: Path) -> None:
+def test_save_keeps_the_source_keys_and_loads_back(tmp_path: Path) -> None:
     source = perturbed(1)
     x = torch.randn(2, 3, 8, 8)
     seq = seqify.convert(copy.deepcopy(source))
     pipe = seqify.pipeline(seq, devices=CPU2, balance=[3, len(seq) - 3])
     files = checkpoint.save(pipe, tmp_path)
-    assert sorted(os.path.basename(f) for f in files) == ["index.json", "stage_0.pt", "stage_1.pt"]
-    stages = [torch.load(tmp_path / f"stage_{j}.pt", weights_only=True) for j in range(2)]
+    assert sorted(os.path.basename(f) for f in files) == [".metadata", "__0_0.distcp", "seqify.json", "state.pt"]
+    stages = checkpoint.stage_keys(pipe)
     assert set(stages[0]) | set(stages[1]) == set(source.state_dict()) and not set(stages[0]) & set(stages[1])
     assert {"stem.weight", "bn.running_mean", "spare.weight"} <= set(stages[0]) and "head.weight" in stages[1]
-    for part in stages:
-        for k, v in part.items():
-            assert torch.equal(v, source.state_dict()[k]), k
+    state = checkpoint.load_state_dict(tmp_path)
+    assert list(state) == list(source.state_dict())
+    for k, v in state.items():
+        assert torch.equal(v, source.state_dict()[k]), k
 
     # into the source model, and into a pipeline with another balance, from fresh weights
     fresh = perturbed(2)
@@ -67,7 +69,7 @@ def test_save_writes_each_stage_under_the_source_keys_and_loads_back(tmp_path: P
         assert torch.equal(fresh(x), expected) and torch.equal(other(x), expected)
 
 
-def test_a_tied_weight_is_saved_once_with_its_first_stage_and_stays_tied(tmp_path: Path) -> None:
+def test_a_tied_weight_goes_with_its_first_stage_and_stays_tied(tmp_path: Path) -> None:
     from test_tied import TinyGPT
 
     torch.manual_seed(0)
@@ -76,8 +78,7 @@ def test_a_tied_weight_is_saved_once_with_its_first_stage_and_stays_tied(tmp_pat
     seq = seqify.convert(copy.deepcopy(source), (idx,))
     pipe = seqify.pipeline(seq, devices=CPU2, balance=[3, len(seq) - 3])
     checkpoint.save(pipe, tmp_path)
-    index = json.loads((tmp_path / "index.json").read_text())
-    assert {"wte.weight", "lm_head.weight"} <= set(index["stages"][0]["keys"])
+    assert {"wte.weight", "lm_head.weight"} <= set(checkpoint.stage_keys(pipe)[0])
     torch.manual_seed(1)
     target = TinyGPT()
     target.load_state_dict(checkpoint.load_state_dict(tmp_path))
@@ -104,8 +105,8 @@ def test_missing_checkpoint_files_say_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(seqify.StateDictError, match="seqify.checkpoint.save"):
         checkpoint.load(pipe, tmp_path)
     checkpoint.save(pipe, tmp_path)
-    (tmp_path / "stage_1.pt").unlink()
-    with pytest.raises(seqify.StateDictError, match="stage 1.*missing"):
+    (tmp_path / "tensors" / ".metadata").unlink()
+    with pytest.raises(seqify.CheckpointError, match="copy the whole checkpoint folder"):
         checkpoint.load(pipe, tmp_path)
 
 

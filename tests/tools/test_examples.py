@@ -53,6 +53,8 @@ PROMISES: dict[str, list[str]] = {
     "load_weights.py": ["outputs bit-equal to the trained model's: True",
                         "round trip into a plain torchvision model bit-equal: True"],
     "chunks_sweep.py": ["chunks   2:", "best:"],
+    "resume_training.py": ["resumed at step 2 on balance", "losses bit-equal to the uninterrupted run: True",
+                           "final weights bit-equal: True"],
     "resnet50_two_gpus.py": ["two CPU partitions", "Pipeline (seqify)", "Single device", "chunks: 4 instead of 6"],
     "torchrun_resnet.py": ["2 processes: 2 stages x 1 replicas", "step 0: loss", "chunks: 2 instead of 4"],
     "train_llama.py": ["frontend export", "schedule zb-h1", "step 0: loss", "step 1: loss",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,31 @@ def test_timeline_of_a_training_step() -> None:
         assert bw[(1, i)].start <= bw[(0, i)].start and bw[(1, i)].end <= bw[(0, i)].end
     assert max(b.end for b in tl.boxes) <= tl.seconds
     assert "partition 1 (cpu)" in str(tl)
+
+
+def test_timeline_as_a_chrome_trace(tmp_path: Path) -> None:
+    """One complete event per box, in microseconds, on one thread per partition: what chrome://tracing and
+    Perfetto read."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    pipe = seqify.pipeline(model, devices=["cpu", "cpu"], balance=[2, 1], chunks=3)
+    with measure.record(pipe, label="a step") as tl:
+        pipe(torch.randn(6, 8)).pow(2).sum().backward()
+    assert tl.of("recompute")  # checkpoint='except_last': three kinds of box
+    path = tmp_path / "trace.json"
+    tl.to_chrome_trace(path)
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(tl.boxes)
+    for e, b in zip(spans, tl.boxes):
+        assert (e["name"], e["cat"], e["tid"], e["args"]["micro_batch"]) == (f"{b.kind} mb{b.micro_batch}", b.kind,
+                                                                              b.partition, b.micro_batch)
+        assert e["ts"] == pytest.approx(b.start * 1e6) and e["dur"] == pytest.approx((b.end - b.start) * 1e6)
+        assert e["dur"] >= 0
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {0: "partition 0 (cpu)", 1: "partition 1 (cpu)"}
+    assert {e["pid"] for e in trace["traceEvents"]} == {0}
+    assert [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"] == ["a step"]
 
 
 def test_recording_changes_nothing() -> None:

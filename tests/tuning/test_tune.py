@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -143,6 +144,27 @@ def test_cache_hits_on_the_second_call(monkeypatch, cache_dir) -> None:
     assert calls == {"profile": 2, "steps": 6}
     seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False, cache=False)
     assert calls == {"profile": 3, "steps": 9}
+
+
+def test_the_tuner_logs_its_choice_and_the_cache(caplog, cache_dir) -> None:
+    _, seq, x = source_and_seq()
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "seqify.tuning" and r.levelno == logging.INFO]
+
+    with caplog.at_level(logging.INFO, logger="seqify"):
+        first = seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False)
+    miss, chose = logged()
+    assert miss == f"tune: cache miss (key {first.key} in {cache_dir / 'tune.json'}): measuring"
+    assert chose.startswith(f"tune: chose {first.without_trials()} (of ") and chose.endswith(", 1 timed)")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="seqify"):
+        again = seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False)
+    assert logged() == [f"tune: cache hit (key {first.key} in {cache_dir / 'tune.json'}): {again.without_trials()}"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="seqify"):
+        seqify.tune(seq, x, devices=CPU2, top=0, show=False, cache=False)
+    assert [m.split(" ")[1] for m in logged()] == ["chose"]  # no cache read or written: nothing said of it
 
 
 def test_saved_config_round_trips_and_rebuilds_the_same_pipeline(tmp_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,6 +21,8 @@ from seqify.pipe.transfer import Transfer
 from seqify.schedule.actions import Schedule, gpipe
 
 __all__ = ["GraphWarning", "Replayer"]
+
+log = logging.getLogger("seqify.pipe")
 
 
 class GraphWarning(UserWarning):
@@ -110,6 +113,11 @@ class Replayer:
         data-dependent shapes) or the step cannot be fixed programs (non-tensor outputs, aliasing
         values changed in place). With graphs=True say so, once."""
         self.error = traceback.format_exc()
+        why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if self.graphs:
+            log.warning("capturing CUDA graphs failed (%s); the pipeline runs eagerly from now on", why)
+        else:
+            log.info("the step cannot run as fixed programs (%s); it runs eagerly from now on", why)
         if self.graphs:
             self.graphs = False
             warnings.warn(

@@ -30,7 +30,8 @@ def _node(t: torch.Tensor) -> Any:
     step runs under ``torch.no_grad()``; finding a leaf's accumulator takes a view that records one)."""
     with torch.enable_grad():
         if t.requires_grad and t.grad_fn is None:
-            return t.view_as(t).grad_fn.next_functions[0][0]
+            view = t.view_as(t).grad_fn
+            return view.next_functions[0][0] if view is not None else None
         return t.grad_fn
 
 

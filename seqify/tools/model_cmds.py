@@ -97,6 +97,7 @@ def converted_record(args: argparse.Namespace, seq: Any, x: torch.Tensor, exampl
         "example": example,
         "seed": args.seed,
         "source": seq.source,
+        "frontend": seq.frontend,
         "layers": [name for name, _ in seq.named_layers()],
         "state_dict": seq.original_state_dict(),
     }

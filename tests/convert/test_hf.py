@@ -338,8 +338,9 @@ def test_cli_converts_a_transformers_spec(tmp_path: Any, capsys: pytest.CaptureF
     text = capsys.readouterr().out
     assert code == 0, text
     assert "export frontend" in text and "bit-equal to the source: True" in text
-    seq = torch.load(out, weights_only=False)
-    assert seq.frontend == "export"
+    saved = torch.load(out)  # torch's default, weights_only=True: plain values and tensors
+    assert saved["frontend"] == "export"
+    assert saved["layers"] and saved["state_dict"]["lm_head.weight"].shape == (64, 16)
 
 
 def test_self_check_leaves_the_source_alone() -> None:
@@ -620,7 +621,8 @@ def test_a_one_sample_example_converts_for_every_batch(family: str) -> None:
     model, kwargs = FAMILIES[family]()
     model.eval()
     one = pytree.tree_map(lambda v: v[:1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v, kwargs)
-    seq = seqify.convert(model, example_inputs=one, frontend="export")
+    # the family's own test checks the modes; here the batch (finding out the mode exports a second time)
+    seq = seqify.convert(model, example_inputs=one, frontend="export", check_modes=False)
     assert not any(g.expr.endswith("size(0)") for g in seq.guards), seq.guards
     with torch.no_grad():
         for batch in (one, kwargs, _bigger(kwargs)):

@@ -12,7 +12,11 @@ from seqify.pipe.memory import parse_bytes
 from seqify.pipe.placement import CHECKPOINT, STRATEGIES
 from seqify.schedule.actions import SCHEDULES, round_robin, v_shape
 
-__all__ = ["Trial", "PipeConfig", "trial_table", "megabytes"]
+__all__ = ["Trial", "PipeConfig", "OPTIONS", "trial_table", "megabytes"]
+
+#: The entries a person sets (the others are what the tuner adds); a run file may write them at its top level.
+OPTIONS = ("chunks", "loops", "balance", "by", "checkpoint", "graphs", "devices", "gpus", "schedule", "overlap",
+           "memory_cap", "deferred_batch_norm")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from seqify.errors import ConfigError
-from seqify.pipe.config import PipeConfig
+from seqify.pipe.config import OPTIONS, PipeConfig
 from seqify.pipe.files import read_table, refuse_unknown
 
 __all__ = ["Config", "Input", "pipeline_from_config"]
@@ -89,7 +89,7 @@ def _shape(data: dict[str, Any], where: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-#: Run-file entries outside the [pipeline] table (PipeConfig's entries may sit at the top level too).
+#: Run-file entries outside the [pipeline] table (its OPTIONS may sit at the top level too).
 _ENTRIES = ("model", "model_args", "input", "pipeline", "sample_shape")
 
 
@@ -121,8 +121,7 @@ class Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "the config") -> Config:
         """Check names, types and values; an unknown or wrong entry raises :class:`ConfigError` saying which."""
-        options = [f.name for f in fields(PipeConfig)]
-        refuse_unknown(data, [*_ENTRIES, *options], where)
+        refuse_unknown(data, [*_ENTRIES, *OPTIONS], where)
         model, model_args = data.get("model"), data.get("model_args", {})
         if model is None:
             raise ConfigError(f'{where}: no model; add model = "torchvision:resnet18" (or zoo:NAME, FILE.py:FACTORY)')
@@ -130,7 +129,7 @@ class Config:
             raise ConfigError(f'{where}: model = {model!r} should be a SPEC string, e.g. "torchvision:resnet18"')
         if not isinstance(model_args, dict):
             raise ConfigError(f"{where}: model_args = {model_args!r} should be a table, e.g. {{ num_classes = 10 }}")
-        pipeline = PipeConfig.from_dict(_pipeline_table(data, options, where), f"{where} [pipeline]")
+        pipeline = PipeConfig.from_dict(_pipeline_table(data, where), f"{where} [pipeline]")
         sample = _input_table(data, where)
         found = Input.from_dict(sample, f"{where} [input]") if sample is not None else None
         if found is None:
@@ -159,12 +158,12 @@ class Config:
         return pipeline(built.module, config=self.pipeline, example_inputs=sample, sample=sample), sample
 
 
-def _pipeline_table(data: dict[str, Any], options: list[str], where: str) -> dict[str, Any]:
+def _pipeline_table(data: dict[str, Any], where: str) -> dict[str, Any]:
     """The ``[pipeline]`` table with the options written at the top level merged in."""
     table = data.get("pipeline", {})
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: pipeline = {table!r} should be a table: write [pipeline] above its entries")
-    flat = {k: v for k, v in data.items() if k in options}
+    flat = {k: v for k, v in data.items() if k in OPTIONS}
     both = sorted(set(flat) & set(table))
     if both:
         raise ConfigError(f"{where}: {both} given at the top level and in [pipeline]: keep the [pipeline] ones")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import seqify
-from seqify.pipe.config import PipeConfig, Trial
+from seqify.pipe.config import OPTIONS, PipeConfig, Trial
 
 TRIAL = Trial(chunks=4, loops=2, by="time", checkpoint="never", graphs=True, schedule="interleaved",
               balance=(1, 2, 1, 1), predicted_s=0.125, measured_s=1e-05, memory_bytes=7, memory_per_device=(3, 4),
@@ -49,8 +49,9 @@ def test_the_options_are_pipeline_keywords() -> None:
     keywords = inspect.signature(seqify.pipeline).parameters
     options = EVERY.options()
     assert set(options) <= set(keywords)
-    tuner = {"by", "batch", "predicted_s", "measured_s", "memory_per_device", "trials", "key"}
-    assert {f.name for f in fields(PipeConfig)} - tuner <= set(options)
+    tuner = {"batch", "predicted_s", "measured_s", "memory_per_device", "trials", "key"}
+    assert set(OPTIONS) == {f.name for f in fields(PipeConfig)} - tuner
+    assert set(OPTIONS) - {"by"} == set(options)  # by is balance's strategy when balance is empty
 
 
 @pytest.mark.parametrize(

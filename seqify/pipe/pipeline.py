@@ -159,7 +159,9 @@ class Pipeline(nn.Module):
         more += ", graphs=True" + (", overlap=True" if self.overlap else "") if self.graphs else ""
         text = f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r}{more})"
         config = getattr(self, "config", None)
-        return text if config is None else f"{text}\ntuned: {config}"
+        if config is None:
+            return text
+        return f"{text}\n{'tuned' if config.batch else 'configured'}: {config}"
 
     def train(self, mode: bool = True) -> Pipeline:
         super().train(mode)

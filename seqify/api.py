@@ -13,7 +13,7 @@ from seqify.errors import BalanceError, EmptyModelError
 from seqify.pipe.config import PipeConfig
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.memory import parse_bytes
-from seqify.pipe.pipeline import Pipeline, build, from_config
+from seqify.pipe.pipeline import Pipeline, build, capped, from_config
 from seqify.pipe.placement import _check_meta
 from seqify.schedule.actions import Schedule
 from seqify.tuning import tune
@@ -87,9 +87,11 @@ def pipeline(
             activations the schedule keeps in flight, measured on ``sample`` or ``example_inputs``)
             fits, or raises :class:`~seqify.MemoryCapError` naming the smallest cap that works.
             ``pipe.plan_memory(sample)`` gives the prediction per device.
-        config: a :class:`PipeConfig` (``seqify.tune(...)`` or ``pipe.config``) or the path of one saved
-            with ``cfg.save(path)``: builds exactly that pipeline (its devices unless ``gpus``/``devices``
-            are given).
+        config: a :class:`PipeConfig` (``seqify.tune(...)``, ``pipe.config``, or written by hand) or the path
+            of a TOML or JSON file holding one (``cfg.to_file(path)``, or a run file's ``[pipeline]`` table):
+            its options replace these keywords. One that fixes chunks, balance and devices (as the tuner's
+            do) builds exactly that pipeline; ``gpus``/``devices``, ``schedule``, ``overlap`` and
+            ``memory_cap``, when given, override it.
         overlap: with ``graphs=True``, :meth:`Pipeline.step` replays each GPU's forwards on one CUDA stream
             and its backwards on another, issuing each forward before the backwards it would follow, so
             one micro-batch's forward runs beside another's backward. It pays where one micro-batch's
@@ -116,7 +118,16 @@ def pipeline(
     _check_meta([model])
     probe = sample if sample is not None else example_inputs
     if config is not None:
-        return from_config(model, config, gpus, devices, deferred_batch_norm, schedule, overlap)
+        cfg = config if isinstance(config, PipeConfig) else PipeConfig.load(config)
+        if cfg.fixed:
+            return capped(from_config(model, cfg, gpus, devices, deferred_batch_norm, schedule, overlap), memory_cap,
+                          probe)
+        given = dict(gpus=gpus, devices=devices, schedule=schedule, overlap=overlap, memory_cap=memory_cap,
+                     deferred_batch_norm=deferred_batch_norm)
+        pipe = pipeline(model, example_inputs=example_inputs, sample=sample, replay_options=replay_options,
+                        **_options(cfg, given))
+        pipe.config = pipe.config or cfg
+        return pipe
     fixed_schedule = schedule
     schedule = "gpipe" if schedule is None else schedule
     if chunks is None:
@@ -135,3 +146,13 @@ def pipeline(
                  deferred_batch_norm=deferred_batch_norm, graphs=graphs, loops=loops,
                  sample=probe, schedule=schedule, memory_cap=memory_cap, overlap=overlap,
                  replay_options=replay_options)
+
+
+def _options(cfg: PipeConfig, given: dict[str, Any]) -> dict[str, Any]:
+    """``cfg``'s options with those given to ``seqify.pipeline`` beside it in their place (``gpus`` and
+    ``devices`` replace both; ``deferred_batch_norm`` holds if either says it)."""
+    options = {**cfg.options(), **{k: v for k, v in given.items() if v is not None}}
+    if given["gpus"] is not None or given["devices"] is not None:
+        options.update(gpus=given["gpus"], devices=given["devices"])
+    options["deferred_batch_norm"] = cfg.deferred_batch_norm or given["deferred_batch_norm"]
+    return options

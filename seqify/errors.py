@@ -176,7 +176,8 @@ class TiedParameterError(SharedParameterError):
 
 
 class ConfigError(SeqifyError, ValueError):
-    """A run description (``seqify.pipeline_from_config``) with a missing, unknown or ill-typed entry."""
+    """A pipeline configuration (``seqify.PipeConfig``) or run file (``seqify.Config``) with a missing, unknown,
+    ill-typed or out-of-range entry, or a file that cannot be read."""
 
 
 class CompatSkipError(SkipError, TypeError):

@@ -1,13 +1,22 @@
-"""PipeConfig: a pipeline's chosen layout and schedule (what seqify.tune picks), JSON in and out."""
+"""PipeConfig: seqify.pipeline's options as one value (what seqify.tune picks, what a run file says), TOML or JSON."""
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["Trial", "PipeConfig", "trial_table", "megabytes"]
+from seqify.errors import ConfigError, MemoryCapError
+from seqify.pipe.files import read_table, refuse_unknown, write_table
+from seqify.pipe.memory import parse_bytes
+from seqify.pipe.placement import CHECKPOINT, STRATEGIES
+from seqify.schedule.actions import SCHEDULES, round_robin, v_shape
+
+__all__ = ["Trial", "PipeConfig", "OPTIONS", "trial_table", "megabytes"]
+
+#: The entries a person sets (the others are what the tuner adds); a run file may write them at its top level.
+OPTIONS = ("chunks", "loops", "balance", "by", "checkpoint", "graphs", "devices", "gpus", "schedule", "overlap",
+           "memory_cap", "deferred_batch_norm")
 
 
 @dataclass(frozen=True)
@@ -46,41 +55,62 @@ class Trial:
 
 @dataclass(frozen=True)
 class PipeConfig:
-    """How to run a model as a pipeline: pass it back as ``seqify.pipeline(model, config=cfg)``.
+    """How to run a model as a pipeline: ``seqify.pipeline``'s options, as ``seqify.tune`` chose them or as a
+    file says them. Pass it as ``seqify.pipeline(model, config=cfg)``.
 
-    ``devices``: one per device (partitions are placed round-robin ``loops`` times over them);
-    ``balance``: layers per partition (``len(devices) * loops`` entries); ``schedule``: the order
-    ``pipe.step`` runs (``pipe(x)`` with ``loss.backward()`` always runs GPipe's); ``batch``: the
-    mini-batch the choice was made for; ``predicted_s`` / ``measured_s``: the chosen candidate's step
-    time; ``memory_per_device``: its predicted peak bytes per pipeline device;
-    ``trials``: every candidate confirmed by timed steps plus the best predicted ones that were not
-    (the chosen one included); ``key``: the cache key it is stored under; ``overlap``: ``pipe.step``'s
-    graphs on two streams per GPU (``seqify.pipeline(overlap=True)``; the tuner keeps it where its best
-    candidate ran faster with it).
+    Options (each means what the keyword of :func:`seqify.pipeline` means): ``chunks`` (a number, or
+    ``"auto"``: tune the rest); ``loops``; ``balance``: layers per partition (``len(devices) * loops``
+    entries), empty to balance ``by`` a strategy ('params' when ``None``); ``checkpoint``; ``graphs``;
+    ``devices``: one per device (partitions are placed round-robin ``loops`` times over them), or ``gpus``,
+    or neither (every GPU, else CPU); ``schedule``: the order ``pipe.step`` runs (``None``: GPipe's, or the
+    tuner's choice with ``chunks="auto"``); ``overlap``; ``memory_cap``; ``deferred_batch_norm``.
+
+    What the tuner adds: ``batch``: the mini-batch the choice was made for (0 when written by hand);
+    ``predicted_s`` / ``measured_s``: the chosen candidate's step time; ``memory_per_device``: its predicted
+    peak bytes per pipeline device; ``trials``: every candidate confirmed by timed steps plus the best
+    predicted ones that were not (the chosen one included); ``key``: the cache key it is stored under.
+
+    Every entry is checked when the configuration is made: a wrong one raises :class:`~seqify.ConfigError`
+    naming it. :meth:`to_file` and :meth:`from_file` write and read TOML (``.toml``) or JSON.
     """
 
-    chunks: int
-    loops: int
-    balance: tuple[int, ...]
-    by: str
-    checkpoint: str
-    graphs: bool
-    devices: tuple[str, ...]
-    batch: int
-    predicted_s: float
+    chunks: int | str = 1
+    loops: int = 1
+    balance: tuple[int, ...] = ()
+    by: str | None = None
+    checkpoint: str = "except_last"
+    graphs: bool = False
+    devices: tuple[str, ...] = ()
+    batch: int = 0
+    predicted_s: float = 0.0
     measured_s: float | None = None
     schedule: str | None = None
     memory_per_device: tuple[int, ...] = ()
     overlap: bool = False
     trials: tuple[Trial, ...] = field(default=(), compare=False)
     key: str = field(default="", compare=False)
+    gpus: int | None = None
+    memory_cap: int | float | str | None = None
+    deferred_batch_norm: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value in _normalized(self).items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def fixed(self) -> bool:
+        """Whether it names one pipeline outright (chunks, balance and devices given; no memory cap to fit),
+        as the tuner's choices do: ``seqify.pipeline`` then builds it without measuring anything."""
+        return isinstance(self.chunks, int) and bool(self.balance) and bool(self.devices) and self.gpus is None \
+            and self.memory_cap is None
 
     @property
     def placement(self) -> tuple[int, ...]:
         """Each partition's device number: round-robin ``loops`` times over ``devices``, or a V (down the
         devices and back) for ZB-H1 with two partitions per device, as :func:`seqify.pipeline` places them."""
-        from seqify.schedule.actions import round_robin, v_shape
-
+        if not self.devices:
+            raise ConfigError("this configuration names no devices, so its placement is not known yet; add "
+                              "devices = [...] or build it with seqify.pipeline(model, config=cfg)")
         if self.schedule == "zb-h1" and self.loops == 2:
             return v_shape(len(self.devices))
         return round_robin(len(self.devices), self.loops)
@@ -91,70 +121,162 @@ class PipeConfig:
         return [self.devices[d] for d in self.placement]
 
     def options(self) -> dict[str, Any]:
-        """Keyword arguments of ``seqify.pipeline`` that build this configuration."""
-        return dict(devices=list(self.devices), loops=self.loops, balance=list(self.balance), chunks=self.chunks,
-                    checkpoint=self.checkpoint, graphs=self.graphs, schedule=self.schedule or "gpipe",
-                    overlap=self.overlap)
+        """Keyword arguments of ``seqify.pipeline`` that build this configuration. With ``chunks="auto"``,
+        options at their defaults (no ``schedule``, ``overlap`` off) are left to the tuner, as there."""
+        auto = self.chunks == "auto"
+        return dict(gpus=self.gpus, devices=list(self.devices) or None, loops=self.loops,
+                    balance=list(self.balance) or self.by, chunks=self.chunks, checkpoint=self.checkpoint,
+                    graphs=self.graphs, schedule=self.schedule if auto else self.schedule or "gpipe",
+                    overlap=(self.overlap or None) if auto else self.overlap, memory_cap=self.memory_cap,
+                    deferred_batch_norm=self.deferred_batch_norm)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PipeConfig:
-        """The inverse of :meth:`to_dict`; unknown keys are refused (a file from another tool)."""
-        from seqify.errors import TuneError
+    def from_dict(cls, data: dict[str, Any], where: str = "the pipeline configuration") -> PipeConfig:
+        """The inverse of :meth:`to_dict`, from any subset of the entries (the rest take their defaults);
+        ``balance`` may name a strategy (``"time"``) as in ``seqify.pipeline``. An unknown or wrong entry
+        raises :class:`~seqify.ConfigError` naming it and ``where``."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a table of entries, not a {type(data).__name__}")
+        refuse_unknown(data, [f.name for f in fields(cls)], where)
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
 
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        optional = ("trials", "key", "measured_s", "schedule", "memory_per_device", "overlap")
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
-        if unknown or missing:
-            raise TuneError(
-                f"not a seqify pipeline configuration (unknown keys {unknown}, missing {missing}); save one with "
-                "cfg.save(path) from seqify.tune(...) or pipe.config"
-            )
-        trials = tuple(Trial(**{**t, "balance": tuple(t["balance"]),
-                                "memory_per_device": tuple(t.get("memory_per_device", ())),
-                                "measured_peak": tuple(t.get("measured_peak", ())),
-                                "measured_reserved": tuple(t.get("measured_reserved", ()))})
-                       for t in data.get("trials", ()))
-        return cls(**{**data, "balance": tuple(data["balance"]), "devices": tuple(data["devices"]), "trials": trials,
-                      "memory_per_device": tuple(data.get("memory_per_device", ()))})
+    def to_file(self, path: str | os.PathLike[str]) -> None:
+        """Write the configuration: TOML to a ``.toml`` path, else JSON. :meth:`from_file` reads it back equal."""
+        write_table(path, self.to_dict())
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> PipeConfig:
+        """Read a configuration from TOML (a ``.toml`` path) or JSON: what :meth:`to_file` wrote, one written by
+        hand, or a run file's ``[pipeline]`` table (``seqify.Config``)."""
+        data = read_table(path, "pipeline configuration")
+        where = os.fspath(path)
+        if isinstance(data.get("pipeline"), dict) and "model" in data:  # a run file: its pipeline table
+            data, where = data["pipeline"], f"{where} [pipeline]"
+        return cls.from_dict(data, where)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the configuration as JSON."""
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
+        """:meth:`to_file`."""
+        self.to_file(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PipeConfig:
-        """Read a configuration :meth:`save` wrote."""
-        from seqify.errors import TuneError
-
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as e:
-            raise TuneError(f"cannot read a pipeline configuration from {os.fspath(path)!r} ({e}); pass the path "
-                            "cfg.save(path) wrote, or a PipeConfig") from None
-        if not isinstance(data, dict):
-            raise TuneError(f"{os.fspath(path)!r} holds no pipeline configuration (a JSON object is expected)")
-        return cls.from_dict(data)
+        """:meth:`from_file`."""
+        return cls.from_file(path)
 
     def without_trials(self) -> PipeConfig:
         return replace(self, trials=())
 
     def __str__(self) -> str:
-        measured = f", measured {self.measured_s * 1e3:.2f} ms" if self.measured_s is not None else ""
-        head = (f"PipeConfig: {len(self.devices)} devices ({', '.join(self.devices)}), chunks {self.chunks}, "
-                f"loops {self.loops}, balance by {self.by} {list(self.balance)}, checkpoint {self.checkpoint!r}, "
-                f"graphs {self.graphs}{', overlap' if self.overlap else ''}, schedule {self.schedule or 'gpipe'!r}; "
-                f"batch {self.batch}: predicted "
-                f"{self.predicted_s * 1e3:.2f} ms per step{measured}"
-                + (f", peak {megabytes(self.memory_per_device)} MiB per device" if self.memory_per_device else ""))
+        where = f"{len(self.devices)} devices ({', '.join(self.devices)})" if self.devices else \
+            f"{self.gpus} GPUs" if self.gpus else "default devices"
+        balance = f"balance by {self.by or 'params'}" + (f" {list(self.balance)}" if self.balance else "")
+        head = (f"PipeConfig: {where}, chunks {self.chunks}, loops {self.loops}, {balance}, "
+                f"checkpoint {self.checkpoint!r}, graphs {self.graphs}{', overlap' if self.overlap else ''}, "
+                f"schedule {self.schedule or 'gpipe'!r}"
+                + (f", memory cap {self.memory_cap}" if self.memory_cap is not None else "")
+                + (", deferred batch norm" if self.deferred_batch_norm else ""))
+        if self.batch:
+            measured = f", measured {self.measured_s * 1e3:.2f} ms" if self.measured_s is not None else ""
+            head += (f"; batch {self.batch}: predicted {self.predicted_s * 1e3:.2f} ms per step{measured}"
+                     + (f", peak {megabytes(self.memory_per_device)} MiB per device" if self.memory_per_device
+                        else ""))
         if not self.trials:
             return head
         return head + "\n" + trial_table(self.trials, chosen=self)
+
+
+#: Each entry's type: what a file may give for it (``None`` only where the default is ``None``).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "chunks": (int, str), "loops": (int,), "balance": (list, tuple, str), "by": (str,), "checkpoint": (str,),
+    "graphs": (bool,), "devices": (list, tuple), "batch": (int,), "predicted_s": (int, float),
+    "measured_s": (int, float), "schedule": (str,), "memory_per_device": (list, tuple), "overlap": (bool,),
+    "trials": (list, tuple), "key": (str,), "gpus": (int,), "memory_cap": (int, float, str),
+    "deferred_batch_norm": (bool,),
+}
+
+
+def _normalized(cfg: PipeConfig) -> dict[str, Any]:
+    """``cfg``'s entries checked (:class:`ConfigError` naming the first wrong one) and in their stored form:
+    tuples for lists, a strategy given as ``balance`` moved to ``by``, trials as :class:`Trial`."""
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    for f in fields(cfg):
+        if out[f.name] is not None or f.default is not None:
+            _check_type(f.name, out[f.name])
+    if isinstance(out["balance"], str):
+        out["by"], out["balance"] = _strategy(out["balance"], out["by"]), ()
+    out["balance"] = _counts("balance", out["balance"], 1)
+    out["memory_per_device"] = _counts("memory_per_device", out["memory_per_device"], 0)
+    out["devices"] = tuple(out["devices"])
+    out["predicted_s"] = float(out["predicted_s"])
+    out["measured_s"] = None if out["measured_s"] is None else float(out["measured_s"])
+    out["trials"] = tuple(t if isinstance(t, Trial) else _trial(t) for t in out["trials"])
+    _check_choices(out)
+    return out
+
+
+def _check_type(name: str, value: Any) -> None:
+    kinds = _TYPES[name]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ConfigError(f"{name} = {value!r} should be of type {' or '.join(k.__name__ for k in kinds)}")
+
+
+def _strategy(balance: str, by: str | None) -> str:
+    """A strategy given as ``balance``, as ``seqify.pipeline`` takes it: the configuration's ``by``."""
+    if balance not in STRATEGIES:
+        raise ConfigError(f"balance = {balance!r}: give layer counts per partition or one of {list(STRATEGIES)}")
+    if by not in (None, balance):
+        raise ConfigError(f"balance = {balance!r} and by = {by!r} name two strategies: keep one")
+    return balance
+
+
+def _counts(name: str, values: Any, least: int) -> tuple[int, ...]:
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < least for v in values):
+        raise ConfigError(f"{name} = {list(values)!r}: give whole numbers >= {least}")
+    return tuple(values)
+
+
+def _check_choices(out: dict[str, Any]) -> None:
+    """Entries whose value must be one of a few, or in a range."""
+    chunks = out["chunks"]
+    if chunks != "auto" and (isinstance(chunks, str) or chunks < 1):
+        raise ConfigError(f'chunks = {chunks!r}: give micro-batches per mini-batch (a whole number >= 1) or "auto"')
+    for name, least in (("loops", 1), ("gpus", 1), ("batch", 0)):
+        if out[name] is not None and out[name] < least:
+            raise ConfigError(f"{name} = {out[name]!r}: give a whole number >= {least}")
+    given = ("given",) if out["balance"] else ()  # the tuner's name for a balance it was handed
+    for name, choices in (("by", STRATEGIES + given), ("checkpoint", CHECKPOINT), ("schedule", SCHEDULES)):
+        if out[name] is not None and out[name] not in choices:
+            raise ConfigError(f"{name} = {out[name]!r}: choose one of {list(choices)}")
+    if not all(isinstance(d, str) and d for d in out["devices"]):
+        raise ConfigError(f"devices = {list(out['devices'])!r}: give device names such as \"cuda:0\" or \"cpu\"")
+    if out["gpus"] is not None and out["devices"]:
+        raise ConfigError(f"gpus = {out['gpus']} and devices = {list(out['devices'])}: give one of them")
+    if out["memory_cap"] is not None:
+        try:
+            parse_bytes(out["memory_cap"])
+        except MemoryCapError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _trial(data: Any) -> Trial:
+    """A :class:`Trial` from its :func:`dataclasses.asdict` form."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"trials: each trial is a table of entries, not {data!r}")
+    names = [f.name for f in fields(Trial)]
+    refuse_unknown(data, names, "a trial")
+    missing = sorted(f.name for f in fields(Trial) if f.name not in data and f.default is MISSING)
+    if missing:
+        raise ConfigError(f"a trial lacks {missing}: trials are written by seqify.tune; leave them out of a "
+                          "configuration written by hand")
+    tuples = ("balance", "memory_per_device", "measured_peak", "measured_reserved")
+    entries: dict[str, Any] = {k: tuple(v) if k in tuples else v for k, v in data.items()}
+    return Trial(**entries)
 
 
 def trial_table(trials: tuple[Trial, ...] | list[Trial], chosen: PipeConfig | None = None) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqify.errors import BalanceError, BoundaryError, DeviceError, MemoryCapError, ScheduleError
+from seqify.errors import BalanceError, BoundaryError, ConfigError, DeviceError, MemoryCapError, ScheduleError
 from seqify.model.sequential import Sequential, retie, tied_slots
 from seqify.pipe.batchnorm import DeferredBatchNorm, one_sample
 from seqify.pipe.config import PipeConfig
@@ -159,7 +159,9 @@ class Pipeline(nn.Module):
         more += ", graphs=True" + (", overlap=True" if self.overlap else "") if self.graphs else ""
         text = f"Pipeline([{parts}], chunks={self.chunks}, checkpoint={self.checkpoint!r}{more})"
         config = getattr(self, "config", None)
-        return text if config is None else f"{text}\ntuned: {config}"
+        if config is None:
+            return text
+        return f"{text}\n{'tuned' if config.batch else 'configured'}: {config}"
 
     def train(self, mode: bool = True) -> Pipeline:
         super().train(mode)
@@ -525,6 +527,9 @@ def from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str
     from seqify.errors import TuneError
 
     cfg = config if isinstance(config, PipeConfig) else PipeConfig.load(config)
+    if not cfg.fixed:
+        raise ConfigError(f"{cfg} leaves chunks, balance or devices open (or sets a memory cap): build it with "
+                          "seqify.pipeline(model, config=cfg), which chooses them")
     if overlap is not None and overlap != cfg.overlap:
         cfg = replace(cfg, overlap=overlap)
     if sum(cfg.balance) != len(model):
@@ -534,14 +539,19 @@ def from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str
             "seqify.tune(model, sample, ...)"
         )
     placed = cfg.partitions
+    if len(placed) != len(cfg.balance):
+        raise ConfigError(f"the configuration's balance {list(cfg.balance)} has {len(cfg.balance)} partitions but "
+                          f"its {len(cfg.devices)} devices with loops = {cfg.loops} place {len(placed)}: give "
+                          f"{len(placed)} layer counts, or other devices or loops")
     if gpus is not None or devices is not None:
         mine = resolve_devices(gpus, devices, None)
         if len(mine) != len(cfg.devices):
             raise TuneError(f"the configuration is for {len(cfg.devices)} devices ({', '.join(cfg.devices)}) but "
                             f"{len(mine)} were given; give {len(cfg.devices)}, or tune for these")
         placed = [str(mine[d]) for d in cfg.placement]
-    pipe = Pipeline(model, list(cfg.balance), resolve_devices(None, placed, None), chunks=cfg.chunks,
-                    checkpoint=cfg.checkpoint, deferred_batch_norm=deferred_batch_norm, graphs=cfg.graphs,
+    pipe = Pipeline(model, list(cfg.balance), resolve_devices(None, placed, None), chunks=int(cfg.chunks),
+                    checkpoint=cfg.checkpoint, deferred_batch_norm=deferred_batch_norm or cfg.deferred_batch_norm,
+                    graphs=cfg.graphs,
                     schedule=schedule if schedule is not None else (cfg.schedule or "gpipe"), placement=cfg.placement,
                     overlap=cfg.overlap)
     pipe.config = cfg

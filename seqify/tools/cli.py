@@ -1,4 +1,4 @@
-"""The ``seqify`` command: demo, convert, inspect, bench and zoo, with exit codes scripts can trust."""
+"""The ``seqify`` command: demo, convert, inspect, bench, zoo and run, with exit codes scripts can trust."""
 
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from seqify.tools.advice import for_cli
 from seqify.tools.bench_cmd import bench_cmd
 from seqify.tools.demo import demo
 from seqify.tools.model_cmds import convert_cmd, inspect_cmd
+from seqify.tools.run_cmd import run_cmd
 from seqify.tools.tuning_options import add_tune_options
 from seqify.tools.zoo_cmd import zoo_cmd
 
@@ -37,6 +38,7 @@ examples:
   seqify convert models.py:build_net --arg width=64 --shape 1x3x32x32 -o net.pt
   seqify zoo                                    list the zoo; seqify zoo --check checks every model
   seqify bench                                  pipeline throughput on GPUs (CPU: conversion speed)
+  seqify run run.toml                           the pipeline a run file describes, on its [input]
 
 {spec}
 
@@ -209,6 +211,17 @@ def _zoo_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.set_defaults(run=zoo_cmd)
 
 
+def _run_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """``seqify run FILE``: a run file."""
+    p = add("run", help="build the pipeline a run file (TOML or JSON) describes and run its [input] through it once")
+    p.add_argument("file", metavar="FILE", help="a .toml or .json run file: model, [input], [pipeline] (docs: Run "
+                                                "files)")
+    p.add_argument("--save-config", metavar="PATH",
+                   help="write the pipeline's configuration (the tuner's choice with chunks = \"auto\") to PATH "
+                        "(.toml or .json), for seqify.pipeline(model, config=PATH)")
+    p.set_defaults(run=run_cmd)
+
+
 def _parser() -> argparse.ArgumentParser:
     from seqify.tools.spec import SPEC_HELP
 
@@ -224,7 +237,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add = functools.partial(sub.add_parser, formatter_class=_Formatter)  # every subcommand: defaults shown
 
-    for subcommand in (_demo_parser, _convert_parser, _inspect_parser, _bench_parser, _zoo_parser):
+    for subcommand in (_demo_parser, _convert_parser, _inspect_parser, _bench_parser, _zoo_parser, _run_parser):
         subcommand(add)
     return parser
 

@@ -151,9 +151,9 @@ def test_pipeline_from_config(tmp_path: Path, kind: str) -> None:
     [
         ('model = "zoo:x"\nchunk = 2\n', "unknown entries ['chunk']"),
         ('chunks = 2\n', "no model"),
-        ('model = "zoo:x"\nchunks = "2"\n', "chunks = '2' should be of type int"),
-        ('model = "zoo:x"\nbalance = [1, 2]\nby = "params"\n', "not both"),
-        ('model = "zoo:x"\nby = "time"\n', "sample_shape"),
+        ('model = "zoo:x"\nchunks = "2"\n', "chunks = '2': give micro-batches"),
+        ('model = "zoo:x"\nbalance = "time"\nby = "params"\n', "two strategies"),
+        ('model = "zoo:x"\nby = "time"\n', "add an [input] table"),
         ('model = "zoo:x\n', "not valid TOML"),
     ],
 )

@@ -228,8 +228,8 @@ def test_config_for_another_model_is_refused() -> None:
     cfg = seqify.tune(seq, x, devices=CPU2, top=0, show=False)
     with pytest.raises(seqify.TuneError, match="tuned for another model"):
         seqify.pipeline(nn.Sequential(nn.Linear(6, 6), nn.ReLU()), config=cfg)
-    with pytest.raises(seqify.TuneError, match="not a seqify pipeline configuration"):
-        seqify.PipeConfig.from_dict({"chunks": 2})
+    with pytest.raises(seqify.ConfigError, match=r"unknown entries \['chunk'\]"):
+        seqify.PipeConfig.from_dict({"chunk": 2})
 
 
 def uniform(layers: int, seconds: float) -> LayerModel:

@@ -661,6 +661,15 @@ def test_loss_declarations_that_contradict_the_loss() -> None:
         pipe.step(x, x, nn.CTCLoss())
 
 
+def test_a_loss_scale_pipe_step_cannot_use() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    with raises(seqify.ScheduleError, "loss_scale='2'", "a number (1 / k", "torch.amp.GradScaler"):
+        pipe.step(x, x, F.mse_loss, loss_scale="2")
+    with raises(seqify.ScheduleError, "loss_scale=0.0", "finite number > 0"):
+        pipe.step(x, x, F.mse_loss, loss_scale=0)
+
+
 def test_clipping_what_is_not_a_pipeline_or_by_no_norm() -> None:
     pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
     with raises(seqify.OptionError, "clip_grad_norm_ got list", "pass the Pipeline", "torch.nn.utils.clip_grad_norm_"):

@@ -326,7 +326,7 @@ class Weigher:
 
     Over data-parallel replicas whose gradients are averaged, ``total`` adds a replica's divisor to the others'
     and each weight is ``replicas`` times the share of the global batch; :attr:`report` turns the summed
-    weighted losses back into this replica's own loss. ``scale`` (a loss scale, one tensor) multiplies each
+    weighted losses back into this replica's own loss. ``scale`` (a loss scale: a number or a tensor) multiplies each
     weighed loss, and so the gradients, as ``(scale * loss).backward()`` does on one device."""
 
     def __init__(self, loss_fn: LossFn, how: Reduction, targets: list[Any], sizes: list[int], probes: Probes, *,

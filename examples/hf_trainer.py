@@ -3,7 +3,7 @@
     python examples/hf_trainer.py --steps 3         # a quick run on a CPU
 
 The model is transformers' own GPT2LMHeadModel built from a tiny config (no download), converted by seqify's
-export frontend and cut into two partitions (here both on the CPU; list GPUs with --devices). The Trainer gets
+export frontend and cut into two partitions, both on the CPU. The Trainer gets
 the pipeline as its model, and ``PipelineTrainer`` overrides one method, ``training_step``: ``pipe.step`` runs
 the forward, the model's own causal-LM loss on each micro-batch and the backward, in the pipeline's schedule.
 Everything else is the Trainer's: data order, AdamW, the LR schedule, gradient clipping (``max_grad_norm``:
@@ -89,13 +89,13 @@ def logged(trainer: Trainer) -> list[tuple[float, float]]:
     return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
 
 
-def train_pipeline(source: GPT2LMHeadModel, steps: int, accumulation: int = 1, chunks: int = 2,
-                   devices: list[str] | None = None) -> tuple[PipelineTrainer, seqify.Pipeline]:
+def train_pipeline(source: GPT2LMHeadModel, steps: int, accumulation: int = 1,
+                   chunks: int = 2) -> tuple[PipelineTrainer, seqify.Pipeline]:
     """``source`` (left untouched) converted, cut into two partitions and trained by a PipelineTrainer."""
     model = copy.deepcopy(source)
     ids = dataset()[0]["input_ids"][None].repeat(2, 1)
     seq = seqify.convert(model, example_inputs={"input_ids": ids}, frontend="export")
-    pipe = seqify.pipeline(seq, devices=devices or ["cpu", "cpu"], chunks=chunks, schedule="1f1b")
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], chunks=chunks, schedule="1f1b")
     # The Trainer reads a model's loss_type to count the tokens a causal LM's loss averages over (labels[:, 1:])
     pipe.loss_type = model.loss_type
     with tempfile.TemporaryDirectory() as folder:
@@ -118,11 +118,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--devices", help="two comma-separated devices (default: cpu,cpu)")
     args = p.parse_args()
     source = build()
-    trainer, pipe = train_pipeline(source, args.steps, args.accumulation,
-                                   devices=args.devices.split(",") if args.devices else None)
+    trainer, pipe = train_pipeline(source, args.steps, args.accumulation)
     print(f"{pipe!r}")
     mine, theirs = logged(trainer), logged(train_plain(source, args.steps, args.accumulation))
     for step, ((loss, norm), (ref, ref_norm)) in enumerate(zip(mine, theirs)):

@@ -682,7 +682,8 @@ def test_clipping_a_stage_outside_its_job() -> None:
     import seqify.distributed as sd
 
     stage = sd.DistributedStage(seqify.convert(Lin()), [2, 2], index=0, device=torch.device("cpu"))
-    stage.partition[0].weight.grad = torch.ones(4, 4)
+    weight = next(stage.partition.parameters())
+    weight.grad = torch.ones_like(weight)
     with raises(seqify.DeviceError, "clip_grad_norm_ adds gradient norms over the job's processes", "2 ranks x 1",
                 "no process group", "seqify.distributed.stage() under torchrun", "on every rank"):
         seqify.clip_grad_norm_(stage, 1.0)

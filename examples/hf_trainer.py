@@ -10,9 +10,9 @@ Everything else is the Trainer's: data order, AdamW, the LR schedule, gradient c
 in one process torch's ``clip_grad_norm_`` sees every partition's gradients), gradient accumulation, logging.
 
 Why it is exact: the Trainer averages a causal LM's loss over the tokens of the whole accumulated batch
-(``num_items_in_batch``, the labels other than -100 after the shift). Each micro-batch's loss is the model's
-own loss function summed over that micro-batch's tokens and divided by that same count, so the micro-batch
-losses add up (``reduction='sum'``) to the loss the Trainer computes on the plain model, and their gradients
+(``num_items_in_batch``, the labels other than -100, counted as for the plain model). Each micro-batch's loss
+is the model's own loss function summed over that micro-batch's tokens and divided by that same count, so the
+micro-batch losses add up (``reduction='sum'``) to the loss the Trainer computes on the plain model, and their gradients
 to its gradients. The run below trains both and prints whether the losses and gradient norms agree.
 (``compute_loss`` alone cannot be overridden instead: the Trainer calls backward on what it returns, while a
 scheduled pipeline interleaves backwards with forwards; ``loss = lm_loss(pipe(ids))`` in ``compute_loss`` does
@@ -47,8 +47,8 @@ class PipelineTrainer(Trainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         ids, labels = inputs["input_ids"], inputs["labels"]
-        if num_items_in_batch is None:  # no accumulation count given: this batch's tokens
-            num_items_in_batch = (labels[:, 1:] != -100).sum()
+        if num_items_in_batch is None:  # the Trainer counts the labels of a model whose forward takes **kwargs
+            raise ValueError("PipelineTrainer needs the Trainer's num_items_in_batch: give the dataset 'labels'")
         loss_fn = functools.partial(micro_batch_loss, self.lm_loss, self.vocab_size, num_items_in_batch)
         assert isinstance(model, seqify.Pipeline)
         return model.step(ids, labels, loss_fn, reduction="sum")
@@ -96,7 +96,8 @@ def train_pipeline(source: GPT2LMHeadModel, steps: int, accumulation: int = 1,
     ids = dataset()[0]["input_ids"][None].repeat(2, 1)
     seq = seqify.convert(model, example_inputs={"input_ids": ids}, frontend="export")
     pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], chunks=chunks, schedule="1f1b")
-    # The Trainer reads a model's loss_type to count the tokens a causal LM's loss averages over (labels[:, 1:])
+    # The Trainer counts the tokens the loss averages over after the shift (labels[:, 1:]) for a model whose
+    # loss_type names a causal-LM loss, and all labels otherwise (GPT-2's is None): count as for the source
     pipe.loss_type = model.loss_type
     with tempfile.TemporaryDirectory() as folder:
         trainer = PipelineTrainer(model=pipe, args=arguments(folder, steps, accumulation), train_dataset=dataset(),

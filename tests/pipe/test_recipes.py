@@ -167,6 +167,26 @@ def test_grad_scaler_with_pipe_step() -> None:
         assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0 ** (9 if step else 10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_grad_scaler_under_autocast_on_the_cpu(dtype: torch.dtype) -> None:
+    """GradScaler("cpu") with float16 or bfloat16 autocast (a float32 model): the same loss, and gradients that
+    agree to the low precision's rounding (each micro-batch runs as the source's does, but the loss's gradient
+    reaches it through other float32 roundings than the whole batch's)."""
+    torch.manual_seed(0)
+    source = Net()
+    pipe = seqify.pipeline(seqify.convert(copy.deepcopy(source)), devices=["cpu", "cpu"], chunks=CHUNKS,
+                           schedule="1f1b", balance=[4, 3])
+    scalers = [torch.amp.GradScaler("cpu") for _ in range(2)]
+    x, y = batch(0)
+    with torch.autocast("cpu", dtype=dtype):
+        got = pipe.step(x.float(), y, F.cross_entropy, loss_scale=scalers[1])
+        expected = F.cross_entropy(by_micro_batch(source, (x.float(),), CHUNKS), y)
+    scalers[0].scale(expected).backward()
+    torch.testing.assert_close(got, expected.detach())
+    for a, b in zip(source.parameters(), pipe.model.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=2e-2 * float(a.grad.abs().max()))
+
+
 def test_evaluation_under_no_grad() -> None:
     """After a training step, pipe.eval() under torch.no_grad(): the source's eval outputs, bit for bit
     (BatchNorm reads its running statistics), and no autograd graph."""

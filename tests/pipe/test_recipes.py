@@ -118,12 +118,15 @@ def test_scheduler_and_clipping_train_like_the_source() -> None:
     assert_same(source, pipe)
 
 
-def test_gradient_accumulation_over_steps() -> None:
+@pytest.mark.parametrize("schedule,replay", [("zb-h1", False), ("zb-h1", True), ("gpipe", True)])
+def test_gradient_accumulation_over_steps(schedule: str, replay: bool) -> None:
     """Two mini-batches per optimizer step, each step's loss scaled by 1/2 (loss_scale=0.5), as
-    ``(loss / 2).backward()`` twice on the source; pipe.step returns the unscaled loss. (SGD: Adam would turn
-    the rounding noise of a gradient that is zero in exact arithmetic, the bias before BatchNorm's, into a
-    whole step of either sign.)"""
-    source, pipe = setup("zb-h1")
+    ``(loss / 2).backward()`` twice on the source; pipe.step returns the unscaled loss. Also through the
+    replay executor (what graphs=True runs; eager programs on the CPU), whose gpipe step is pipe(x) and one
+    backward. (SGD: Adam would turn the rounding noise of a gradient that is zero in exact arithmetic, the
+    bias before BatchNorm's, into a whole step of either sign.)"""
+    source, pipe = setup(schedule)
+    pipe._replay_eager = replay
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (source, pipe)]
     for step in range(2):
         for opt in opts:
@@ -138,6 +141,7 @@ def test_gradient_accumulation_over_steps() -> None:
         for opt in opts:
             opt.step()
     assert_same(source, pipe)
+    assert (pipe._graphed is not None) is replay, pipe.graph_error
 
 
 def test_grad_scaler_with_pipe_step() -> None:

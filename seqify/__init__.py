@@ -24,11 +24,13 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # Submodules imported on first use (module __getattr__ below): they build on everything else.
 _LAZY = ("zoo", "measure", "plot", "checkpoint", "compat")
+# Functions imported on first use, by the module that holds them (it imports seqify.distributed).
+_LAZY_FUNCTIONS = {"clip_grad_norm_": "seqify.distributed.clip"}
 
 __all__ = [
     "convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm",
     "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip",
-    "tune", "PipeConfig", "Config", "pipeline_from_config", *_LAZY, *_errors,
+    "tune", "PipeConfig", "Config", "pipeline_from_config", *_LAZY_FUNCTIONS, *_LAZY, *_errors,
 ]
 
 
@@ -37,4 +39,8 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY_FUNCTIONS:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY_FUNCTIONS[name]), name)
     raise AttributeError(f"module 'seqify' has no attribute {name!r}")

@@ -134,8 +134,8 @@ class MetaDeviceError(SeqifyError):
 
 
 class OptionError(SeqifyError):
-    """An argument of ``convert`` (``leaf_paths``, ``leaf_types``, ``depth``, the model itself) has the
-    wrong type or names something the model does not have."""
+    """An argument of ``convert`` (``leaf_paths``, ``leaf_types``, ``depth``, the model itself) or of
+    ``clip_grad_norm_`` (the model, ``norm_type``) has the wrong type or names something the model does not have."""
 
 
 class ZooError(SeqifyError):

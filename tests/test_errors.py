@@ -660,6 +660,36 @@ def test_loss_declarations_that_contradict_the_loss() -> None:
     with raises(seqify.LossError, "CTCLoss", "batch second", "ctc(out.transpose(0, 1), *t)"):
         pipe.step(x, x, nn.CTCLoss())
 
+
+def test_a_loss_scale_pipe_step_cannot_use() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    with raises(seqify.ScheduleError, "loss_scale='2'", "a number (1 / k", "torch.amp.GradScaler"):
+        pipe.step(x, x, F.mse_loss, loss_scale="2")
+    with raises(seqify.ScheduleError, "loss_scale=0.0", "finite number > 0"):
+        pipe.step(x, x, F.mse_loss, loss_scale=0)
+
+
+def test_clipping_what_is_not_a_pipeline_or_by_no_norm() -> None:
+    pipe = seqify.pipeline(Lin(), devices=CPU2, balance=[2, 2], chunks=2)
+    with raises(seqify.OptionError, "clip_grad_norm_ got list", "pass the Pipeline", "torch.nn.utils.clip_grad_norm_"):
+        seqify.clip_grad_norm_(list(pipe.parameters()), 1.0)
+    with raises(seqify.OptionError, "norm_type='two'", "a number such as 2.0, or 'inf'"):
+        seqify.clip_grad_norm_(pipe, 1.0, norm_type="two")
+
+
+def test_clipping_a_stage_outside_its_job() -> None:
+    import seqify.distributed as sd
+
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    stage = sd.DistributedStage(seqify.convert(Lin()), [2, 2], index=0, device=torch.device("cpu"))
+    weight = next(stage.partition.parameters())
+    weight.grad = torch.ones_like(weight)
+    with raises(seqify.DeviceError, "clip_grad_norm_ adds gradient norms over the job's processes", "2 ranks x 1",
+                "no process group", "seqify.distributed.stage() under torchrun", "on every rank"):
+        seqify.clip_grad_norm_(stage, 1.0)
+
 def test_balancing_on_a_sample_that_does_not_fit() -> None:
     model = three_layers()
     with raises(seqify.BalanceError, "layer 0 '0' (Linear) fails on the sample while profiling", "check that the sample fits"):

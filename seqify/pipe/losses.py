@@ -20,7 +20,7 @@ from torch.nn import _reduction
 from seqify.errors import LossError, ScheduleError
 from seqify.pipe.microbatch import split_like
 
-__all__ = ["Reduction", "reduction_of", "Probes", "Weigher", "scalar"]
+__all__ = ["Reduction", "reduction_of", "Probes", "Weigher", "scalar", "scale_of", "scaled"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 #: a micro-batch's target -> what ``loss_fn`` divides by on it (a number or a one-element tensor)
@@ -285,6 +285,38 @@ def _kept(loss_fn: Any) -> Iterator[None]:
             b.copy_(s)
 
 
+# -- a loss scale ------------------------------------------------------------------------------------------
+
+#: what pipe.step's backward multiplies each micro-batch's loss by: a number or a one-element tensor
+Scale = float | torch.Tensor
+
+
+def scale_of(loss_scale: Any, device: torch.device) -> Scale | None:
+    """``pipe.step``'s ``loss_scale`` as a factor: a number, a one-element tensor, or a GradScaler's current
+    scale (``scaler.scale`` of a one on ``device``, the last partition's: 1 when the scaler is disabled)."""
+    if loss_scale is None:
+        return None
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        factor: Scale = float(loss_scale)
+    elif isinstance(loss_scale, torch.Tensor) and loss_scale.numel() == 1:
+        factor = loss_scale.detach().reshape(())
+    elif callable(getattr(loss_scale, "scale", None)):
+        factor = loss_scale.scale(torch.ones((), device=device))
+    else:
+        raise ScheduleError(f"loss_scale={loss_scale!r}: pass a number (1 / k to average gradients over k "
+                            "accumulated steps), a one-element tensor or a torch.amp.GradScaler")
+    if isinstance(factor, float) and not (math.isfinite(factor) and factor > 0):  # a tensor is not read (no sync)
+        raise ScheduleError(f"loss_scale={factor}: the loss returned is divided back by it, so it must be a finite "
+                            "number > 0")
+    return factor
+
+
+def scaled(loss: torch.Tensor, scale: Scale, inverse: bool = False) -> torch.Tensor:
+    """``loss * scale`` (``loss / scale`` with ``inverse``), a tensor scale read on the loss's device."""
+    factor = scale.to(loss.device) if isinstance(scale, torch.Tensor) else scale
+    return loss / factor if inverse else loss * factor
+
+
 # -- one step's weights ------------------------------------------------------------------------------------
 
 
@@ -294,13 +326,15 @@ class Weigher:
 
     Over data-parallel replicas whose gradients are averaged, ``total`` adds a replica's divisor to the others'
     and each weight is ``replicas`` times the share of the global batch; :attr:`report` turns the summed
-    weighted losses back into this replica's own loss."""
+    weighted losses back into this replica's own loss. ``scale`` (a loss scale: a number or a tensor) multiplies each
+    weighed loss, and so the gradients, as ``(scale * loss).backward()`` does on one device."""
 
     def __init__(self, loss_fn: LossFn, how: Reduction, targets: list[Any], sizes: list[int], probes: Probes, *,
                  unflatten: Callable[[Any], Any] = lambda y: y, total: Callable[[Any], Any] | None = None,
-                 replicas: int = 1) -> None:
+                 replicas: int = 1, scale: Scale | None = None) -> None:
         self.loss_fn, self.targets, self.sizes, self.probes, self.unflatten = loss_fn, targets, sizes, probes, unflatten
         self.replicas = replicas
+        self.scale = scale  # what each weighed loss is multiplied by before its backward (a loss scale)
         # One micro-batch of one replica needs no weights: its loss is the batch's, however loss_fn reduces.
         self.kind = "sum" if how.kind == "probe" and len(sizes) == 1 and replicas == 1 else how.kind
         self.counts: list[float] | torch.Tensor = _counts(how, targets, sizes) if self.kind != "sum" else []
@@ -332,6 +366,10 @@ class Weigher:
         return self.counts[i] / self.total * self.replicas if self.counts[i] else None
 
     def __call__(self, out: Any, i: int) -> torch.Tensor:
+        loss = self._weighed(out, i)
+        return loss if self.scale is None else scaled(loss, self.scale)
+
+    def _weighed(self, out: Any, i: int) -> torch.Tensor:
         if self.kind == "probe":
             self.kind = self.probes.kind(self.loss_fn, out, self.sizes[i], self.targets, self.sizes, self.unflatten)
         w = self.weight(i)

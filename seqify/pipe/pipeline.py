@@ -21,7 +21,7 @@ from seqify.pipe.executors.replay import Replay, run
 from seqify.pipe.executors.replayed import GraphWarning, Replayer
 from seqify.pipe.executors.scheduled import ScheduledStep
 from seqify.pipe.inplace import INPUT, mutated_roots
-from seqify.pipe.losses import Count, Probes, Weigher, reduction_of
+from seqify.pipe.losses import Count, Probes, Weigher, reduction_of, scale_of, scaled
 from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
 from seqify.pipe.microbatch import gather, scatter, split_like
 from seqify.pipe.moves import moved_to, refuse_move
@@ -287,7 +287,8 @@ class Pipeline(nn.Module):
         return got
 
     def step(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
-             reduction: str | None = None, denominator: Count | None = None) -> torch.Tensor:
+             reduction: str | None = None, denominator: Count | None = None,
+             loss_scale: float | torch.Tensor | torch.amp.GradScaler | None = None) -> torch.Tensor:
         """One training step that owns the loss: forward, ``loss_fn(output, target)`` per micro-batch and
         backward, in the order of the pipeline's schedule. Gradients accumulate in ``.grad`` as
         ``loss_fn(model(x), target).backward()`` on one device would leave them; returns that loss, detached.
@@ -309,11 +310,17 @@ class Pipeline(nn.Module):
           the step's targets, put together, must give the sum of their losses or their mean by samples.
           A loss that is neither (a divisor the data decides, a loss that mixes samples) raises
           :class:`~seqify.LossError`, which says to pass ``denominator=`` or ``reduction=``.
+
+        ``loss_scale`` makes backward run on the loss times a factor, as ``(loss * s).backward()`` would: a
+        number (``1 / k`` to average gradients accumulated over ``k`` steps) or a ``torch.amp.GradScaler``
+        (its current scale, as ``scaler.scale(loss).backward()``; then ``scaler.unscale_``, ``scaler.step`` and
+        ``scaler.update`` as usual). The loss returned is the unscaled one.
         """
         if not (self.training and torch.is_grad_enabled()):
             raise ScheduleError("pipe.step trains: call pipe.train() and run it with gradients enabled (not under "
                                 "torch.no_grad()); for inference call pipe(x)")
         how = reduction_of(loss_fn, reduction, denominator)
+        factor = scale_of(loss_scale, self.devices[-1])
         model = self.model
         if isinstance(model, Sequential):
             carried = model.flatten_inputs(x) if not isinstance(x, tuple) else model.flatten_inputs(*x)
@@ -323,21 +330,23 @@ class Pipeline(nn.Module):
         if self.schedule == "gpipe" and (self.graphs or self._replay_eager):
             out = self(*x) if isinstance(x, tuple) and isinstance(model, Sequential) else self(x)
             loss = loss_fn(out, self._transfer(target, self.devices[-1]))
-            loss.backward()
+            (loss if factor is None else scaled(loss, factor)).backward()
             return loss.detach()
         batches = self._micro_batches(carried, stacklevel=3)
         sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
         targets = split_like(self._transfer(target, self.devices[-1]), sizes)
         unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
-        weigh = Weigher(loss_fn, how, targets, sizes, self._probes, unflatten=unflatten)
+        weigh = Weigher(loss_fn, how, targets, sizes, self._probes, unflatten=unflatten, scale=factor)
         schedule = self.schedule_for(len(batches))
         saved = self._save_statistics() if self._statistics else None
         try:
             replay = self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
             if replay is not None:
                 flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
-                return replay.train(flat, targets, weigh)
-            return self._stepper(schedule, batches, weigh, self._checkpoint_stop(len(batches)))
+                total = replay.train(flat, targets, weigh)
+            else:
+                total = self._stepper(schedule, batches, weigh, self._checkpoint_stop(len(batches)))
+            return total if factor is None else scaled(total, factor, inverse=True)
         except BaseException as e:
             if saved:
                 self._restore_statistics(saved)

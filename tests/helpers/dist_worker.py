@@ -372,5 +372,32 @@ def padded_spawned(rank: int, world: int, port: int, out: str, balance: list[int
     finally:
         torch.distributed.destroy_process_group()
 
+def clip_spawned(rank: int, world: int, port: int, out: str, balance: list[int], loops: int) -> None:
+    """One rank started by ``torch.multiprocessing.spawn``: one step of Skippy on its replica's shard, then
+    ``seqify.clip_grad_norm_`` by the 2-norm and, on the same gradients again, by the inf-norm; saves the
+    gradients before and after each (source names) and the totals."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))
+    try:
+        model = build("skippy").train()
+        schedule = "interleaved" if loops > 1 else "1f1b"
+        stage = sd.stage(seqify.convert(model), balance=balance, chunks=2, schedule=schedule, loops=loops)
+        names = {id(p): n for n, p in model.named_parameters()}
+        x, y = data("skippy", 8, 0)
+        shard = slice(stage.replica * 8 // stage.replicas, (stage.replica + 1) * 8 // stage.replicas)
+        stage.step(x[shard] if stage.is_first else None, y[shard] if stage.is_last else None, loss_fn=F.cross_entropy)
+        mine = [p for p in stage.partition.parameters() if p.grad is not None]
+        record: dict[str, Any] = {"replica": stage.replica, "grads": {names[id(p)]: p.grad.clone() for p in mine}}
+        for norm in (2.0, "inf"):
+            for p, g in zip(mine, record["grads"].values()):
+                p.grad.copy_(g)
+            total = seqify.clip_grad_norm_(stage, 1e-3, norm_type=norm)
+            record[norm] = (total, {names[id(p)]: p.grad.clone() for p in mine})
+        torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()

@@ -297,3 +297,21 @@ def features(program: Program) -> set[str]:
 def example_inputs(program: Program, batch: int = 3, seed: int = 0) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(batch, c, SIDE, SIDE, generator=g) for c in program.inputs)
+
+
+class Shares(nn.Module):
+    """Tensors several converted layers hold: tied weights, a weight read directly, BatchNorm's running mean
+    read by a later layer, a buffer read twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("offset", torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.a(x) + self.offset)
+        h = self.b(torch.relu(h + self.norm.running_mean)) + self.a.weight.sum(0)
+        return h * self.offset

@@ -8,10 +8,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.exactness import by_micro_batch
+from helpers.nets import Shares
 from torch import nn
 
 import seqify
-from helpers.exactness import by_micro_batch
 from seqify.model.sequential import tied_slots
 
 pytestmark = pytest.mark.timeout(120)
@@ -145,23 +146,6 @@ def test_a_failed_step_after_a_cast_restores_statistics_in_the_new_dtype() -> No
     with pytest.raises(RuntimeError, match="second micro-batch"):
         pipe.step(x.double() + 0.5, y, fails_second, reduction="sum")
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(pipe.buffers(), before))
-
-
-class Shares(nn.Module):
-    """A weight two layers hold, a buffer a later layer reads, a weight read directly."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.b.weight = self.a.weight
-        self.norm = nn.BatchNorm1d(4)
-        self.register_buffer("offset", torch.randn(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.a(x) + self.offset)
-        h = self.b(torch.relu(h + self.norm.running_mean)) + self.a.weight.sum(0)
-        return h * self.offset
 
 
 def test_a_cast_keeps_tensors_that_layers_share_shared() -> None:

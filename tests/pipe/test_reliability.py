@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.exactness import assert_unchanged, snapshot
+from helpers.nets import Shares
 from torch import nn
 from torchvision.models import resnet18
 
 import seqify
-from helpers.exactness import assert_unchanged, snapshot
 from seqify.model.sequential import tied_slots
 
 pytestmark = pytest.mark.timeout(120)
@@ -458,24 +459,6 @@ def test_pipeline_state_dict_round_trips(name: str) -> None:
     with torch.no_grad():
         assert torch.equal(other(x), pipe(x))
     assert other.state_dict().keys() == pipe.state_dict().keys()
-
-
-class Shares(nn.Module):
-    """Tensors several converted layers hold: tied weights, a weight read directly, BatchNorm's running mean
-    read by a later layer, a buffer read twice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.b.weight = self.a.weight
-        self.norm = nn.BatchNorm1d(4)
-        self.register_buffer("offset", torch.randn(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.a(x) + self.offset)
-        h = self.b(torch.relu(h + self.norm.running_mean)) + self.a.weight.sum(0)
-        return h * self.offset
 
 
 def test_moving_keeps_shared_tensors_shared() -> None:

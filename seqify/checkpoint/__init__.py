@@ -166,13 +166,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer | None, saved: dict[str, A
     """The saved optimizer state, checked to fit ``optimizer``; None without an optimizer."""
     if optimizer is None:
         return None
-    if saved["optimizer"] is None:
-        raise CheckpointError(f"{directory} holds no optimizer state: pass optimizer= to seqify.checkpoint.save")
-    if meta.get("optimizer") != type(optimizer).__name__:
-        raise CheckpointError(
-            f"{directory} holds {meta.get('optimizer')} optimizer state, and this optimizer is "
-            f"{type(optimizer).__name__}: build {meta.get('optimizer')} over the same parameters to resume"
-        )
+    _check_saved("optimizer", optimizer, saved, meta, directory, " over the same parameters")
     named = NamedState(plain=saved["optimizer"]["plain"], groups=saved["optimizer"]["groups"])
     check_named_state(optimizer, named, names, str(directory))
     return named
@@ -180,14 +174,19 @@ def _optimizer_state(optimizer: torch.optim.Optimizer | None, saved: dict[str, A
 
 def _check_scheduler(scheduler: Any, saved: dict[str, Any], meta: dict[str, Any],
                      directory: str | os.PathLike[str]) -> None:
-    if scheduler is None:
-        return
-    if saved["scheduler"] is None:
-        raise CheckpointError(f"{directory} holds no scheduler state: pass scheduler= to seqify.checkpoint.save")
-    if meta.get("scheduler") != type(scheduler).__name__:
+    if scheduler is not None:
+        _check_saved("scheduler", scheduler, saved, meta, directory, "")
+
+
+def _check_saved(what: str, obj: Any, saved: dict[str, Any], meta: dict[str, Any],
+                 directory: str | os.PathLike[str], over: str) -> None:
+    """The checkpoint holds ``what`` (optimizer, scheduler) state, saved from ``obj``'s class."""
+    if saved[what] is None:
+        raise CheckpointError(f"{directory} holds no {what} state: pass {what}= to seqify.checkpoint.save")
+    if meta.get(what) != type(obj).__name__:
         raise CheckpointError(
-            f"{directory} holds {meta.get('scheduler')} scheduler state, and this scheduler is "
-            f"{type(scheduler).__name__}: build {meta.get('scheduler')} to resume"
+            f"{directory} holds {meta.get(what)} {what} state, and this {what} is "
+            f"{type(obj).__name__}: build {meta.get(what)}{over} to resume"
         )
 
 

@@ -1,4 +1,5 @@
-"""Every torchvision classification, segmentation and video model converts exactly; detection fails clearly."""
+"""torchvision's classification, segmentation and video models convert exactly (every family; every size with
+SEQIFY_EVERY_SIZE=1); detection fails clearly."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torchvision import models
 
 import seqify
 from helpers.exactness import assert_exact
+from helpers.sizes import SIBLINGS, checked
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -31,12 +33,14 @@ SMALL: dict[str, tuple[dict, int]] = {
     "regnet_x_16gf": ({}, 32),
 }
 
-# Models that take 12-14 GB of memory each: run one after another on a single pytest-xdist worker
-# (tests/conftest.py picks --dist loadgroup), since two at once do not fit CI's 23 GiB machine.
+# Models that take 12-14 GB of memory each (sizes checked only with SEQIFY_EVERY_SIZE): one after another on a
+# single pytest-xdist worker (tests/conftest.py picks --dist loadgroup), since two at once do not fit 23 GiB.
 GIANTS = {"regnet_y_128gf", "vit_h_14", "regnet_y_32gf", "regnet_x_32gf", "vit_l_16", "vit_l_32"}
 
 
-def _grouped(names: list[str]) -> list[object]:
+def _checked(names: list[str]) -> list[object]:
+    """The models a run checks: every one with SEQIFY_EVERY_SIZE, else those that are no larger sibling."""
+    names = [n for n in names if checked(n)]
     return [pytest.param(n, marks=pytest.mark.xdist_group("giants")) if n in GIANTS else n for n in names]
 
 
@@ -44,6 +48,15 @@ CLASSIFICATION = models.list_models(module=models)
 SEGMENTATION = models.list_models(module=models.segmentation)
 VIDEO = models.list_models(module=models.video)
 DETECTION = models.list_models(module=models.detection)
+
+
+def test_every_sibling_names_a_checked_model_of_its_family() -> None:
+    """A sibling's stand-in is a model the suite checks, built by the same torchvision builder module."""
+    known = set(CLASSIFICATION + SEGMENTATION + VIDEO)
+    assert set(SIBLINGS) <= known, sorted(set(SIBLINGS) - known)
+    for big, small in SIBLINGS.items():
+        assert small in known and small not in SIBLINGS, (big, small)
+        assert models.get_model_builder(big).__module__ == models.get_model_builder(small).__module__, (big, small)
 
 
 def build(name: str, **kwargs: object) -> torch.nn.Module:
@@ -67,7 +80,7 @@ def round_trip(seq: seqify.Sequential, model: torch.nn.Module) -> None:
         assert torch.equal(loaded[k], v), f"{k} not loaded into the shared source tensor"
 
 
-@pytest.mark.parametrize("name", _grouped(CLASSIFICATION))
+@pytest.mark.parametrize("name", _checked(CLASSIFICATION))
 def test_classification(name: str) -> None:
     kwargs, res = SMALL.get(name, ({}, 64))
     model = build(name, **kwargs)
@@ -91,7 +104,7 @@ def test_classification(name: str) -> None:
     round_trip(seq, model)
 
 
-@pytest.mark.parametrize("name", SEGMENTATION)
+@pytest.mark.parametrize("name", _checked(SEGMENTATION))
 def test_segmentation(name: str) -> None:
     options = {"weights_backbone": None} if "lraspp" in name else {"weights_backbone": None, "aux_loss": True}
     model = build(name, **options)
@@ -103,7 +116,7 @@ def test_segmentation(name: str) -> None:
     round_trip(seq, model)
 
 
-@pytest.mark.parametrize("name", VIDEO)
+@pytest.mark.parametrize("name", _checked(VIDEO))
 def test_video(name: str) -> None:
     model = build(name)
     # mvit and s3d take 16 frames of 224x224 and no fewer (fixed positional embeddings, a fixed final pool).

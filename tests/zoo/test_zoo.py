@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 import torchvision
 
 import seqify
+from helpers.sizes import checked
 from seqify import zoo
 from seqify.zoo import plans
 
@@ -47,12 +48,14 @@ def _module_of(e: zoo.Entry) -> str:
     return "transformers.models" if e.extra == "hf" else "zoo."
 
 
-@pytest.mark.parametrize("name", zoo.list())
+@pytest.mark.parametrize("name", [n for n in zoo.list() if checked(n)])
 def test_entry_converts_and_pipelines_exactly(name: str) -> None:
     """One small configuration per entry, built once (building dominates for the big ones): in eval mode
     the conversion is bit-equal to its source, and a 2-partition CPU pipeline over 2 micro-batches is
     bit-equal to the source run on each micro-batch. Token models (Llama, GPT-2) take token ids, and are
-    converted for the sequence length of their small configuration."""
+    converted for the sequence length of their small configuration. A larger torchvision size is checked by
+    its family's smallest entry (helpers/sizes.py; every entry with SEQIFY_EVERY_SIZE=1), and
+    test_cached_hints_table checks every entry's layers and plans."""
     e = zoo.entry(name)
     if e.extra == "hf":
         pytest.importorskip("transformers")

@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from helpers import dist_worker as worker
-from helpers.procs import free_port
+from helpers.procs import free_port, spawn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +28,7 @@ def one_process(grads: dict[str, torch.Tensor], norm: Any) -> tuple[torch.Tensor
 def test_clipping_over_two_ranks_and_two_replicas_equals_one_process(tmp_path: Path) -> None:
     # 4 processes: 2 replicas of 2 ranks x 2 partitions (interleaved); each rank holds a part of the gradients,
     # each replica a copy of them
-    mp.spawn(worker.clip_spawned, args=(4, free_port(), str(tmp_path), [3, 3, 4, 4], 2), nprocs=4, join=True)
+    spawn(worker.clip_spawned, args=(4, free_port(), str(tmp_path), [3, 3, 4, 4], 2), nprocs=4, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     before = {n: g for r in results if r["replica"] == 0 for n, g in r["grads"].items()}
     assert len(before) == len(list(worker.build("skippy").parameters()))  # the ranks' parts make the whole model

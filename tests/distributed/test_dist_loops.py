@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from helpers import dist_worker as worker
-from helpers.procs import free_port
+from helpers.procs import free_port, spawn
 from seqify.distributed.link import SKIP, SKIP_GRAD
 from seqify.schedule.actions import Action, Schedule, make, needs
 
@@ -22,7 +21,7 @@ BALANCE = [3, 3, 4, 4]  # Skippy's 14 layers: every skip crosses partitions (see
 
 def run(tmp: Path, world: int, balance: list[int], schedule: Any, loops: int, chunks: int = 4, batch: int = 8,
         checkpoint: str = "never", ckpt: str = "") -> list[dict[str, Any]]:
-    mp.spawn(worker.spawned, args=(world, free_port(), str(tmp), "skippy", balance, schedule, loops, chunks, batch,
+    spawn(worker.spawned, args=(world, free_port(), str(tmp), "skippy", balance, schedule, loops, chunks, batch,
                                    checkpoint, ckpt), nprocs=world, join=True)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -164,7 +163,7 @@ def test_a_dying_rank_ends_its_peer_with_a_peer_error(tmp_path: Path, graphs: bo
     port = free_port()
     args = (2, port, str(tmp_path), "skippy", BALANCE, "zb-h1", 2, 4, 8, "never", "", 0, graphs)
     start = time.monotonic()
-    ctx = mp.start_processes(worker.spawned, args=args, nprocs=2, join=False, start_method="spawn")
+    ctx = spawn(worker.spawned, args=args, nprocs=2, join=False)
     for p in ctx.processes:
         p.join(90)
     took = time.monotonic() - start
@@ -189,7 +188,7 @@ def test_fixed_programs_with_two_partitions_per_rank_equal_one_process(tmp_path:
     # graphs=True on the CPU: each (partition, micro-batch) a fixed program (eager here, CUDA graphs on
     # GPUs) driven by the rank's schedule actions; a checkpointed program's backward recomputes its forward
     tmp = tmp_path
-    mp.spawn(worker.spawned, args=(2, free_port(), str(tmp), "skippy", BALANCE, schedule, 2, 4, 8, checkpoint, "",
+    spawn(worker.spawned, args=(2, free_port(), str(tmp), "skippy", BALANCE, schedule, 2, 4, 8, checkpoint, "",
                                    -1, True), nprocs=2, join=True)
     results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["owned"] for r in results] == owned
@@ -213,7 +212,7 @@ def test_a_weight_tied_within_one_rank_trains_like_one_process(tmp_path: Path, g
     q = n // 4
     balance = [q, q, q, n - 3 * q]
     ckpt = tmp_path / "ckpt"
-    mp.spawn(worker.spawned, args=(2, free_port(), str(tmp_path), "gpt2", balance, "zb-h1", 2, 4, 8, "never",
+    spawn(worker.spawned, args=(2, free_port(), str(tmp_path), "gpt2", balance, "zb-h1", 2, 4, 8, "never",
                                    str(ckpt), -1, graphs), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert "transformer.wte.weight" in results[0]["grads"][0]  # the tied weight and its gradient: rank 0's

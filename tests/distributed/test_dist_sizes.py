@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from helpers import dist_worker as worker
 import seqify
@@ -16,7 +15,7 @@ import seqify.distributed as sd
 from seqify.distributed.sizes import decode, encode, is_size
 from seqify.skip.layout import routes
 from seqify.model.stash_sizes import size_skips
-from helpers.procs import free_port
+from helpers.procs import free_port, spawn
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(120)
@@ -108,7 +107,7 @@ def test_one_rank_of_programs_holds_each_size_per_micro_batch_and_refuses_anothe
 def test_a_llama_whose_batch_size_skips_across_ranks_trains_like_one_process(
         tmp_path: Path, schedule: str, loops: int, balance: list[int], graphs: bool) -> None:
     # chunks=3 on a batch of 8: micro-batches of 3, 3 and 2, so each one's size is its own
-    mp.spawn(worker.spawned, args=(2, free_port(), str(tmp_path), "llama", balance, schedule, loops, 3, 8, "never",
+    spawn(worker.spawned, args=(2, free_port(), str(tmp_path), "llama", balance, schedule, loops, 3, 8, "never",
                                    "", -1, graphs), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     ref = reference(chunks=3)

@@ -305,12 +305,11 @@ def test_distributed_steps_weigh_padded_targets_over_ranks_and_replicas(tmp_path
                                                                         graphs: bool) -> None:
     """Gloo ranks (float64): each loss's gradients equal one process's on the global batch, what the loss
     divides by added over replicas; each replica's returned loss is its own shard's."""
-    import torch.multiprocessing as mp
-
+    
     from helpers import dist_worker as worker
-    from helpers.procs import free_port
+    from helpers.procs import free_port, spawn
 
-    mp.spawn(worker.padded_spawned, args=(world, free_port(), str(tmp_path), balance, schedule, loops, 2, graphs),
+    spawn(worker.padded_spawned, args=(world, free_port(), str(tmp_path), balance, schedule, loops, 2, graphs),
              nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     replicas = world * loops // len(balance)

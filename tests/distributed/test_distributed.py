@@ -1,4 +1,8 @@
-"""seqify.distributed on CPU: real torchrun, gloo processes; equal to one process; a failing rank ends the job."""
+"""seqify.distributed on CPU, gloo processes: equal to one process; a failing rank ends a real torchrun job.
+
+The equality checks fork their ranks from a server that has imported torch once (``procs.spawn``), each with
+the environment torchrun gives it; torchrun itself is run here for a failing rank, and by test_dist_nodes.py
+across two nodes."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import pytest
 import torch
 
 from helpers import dist_worker as worker
-from helpers.procs import child_env
+from helpers.procs import child_env, free_port, spawn
 
 pytestmark = pytest.mark.timeout(300)
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "dist_worker.py"
@@ -23,6 +27,11 @@ def torchrun(nproc: int, tmp: Path, *args: str, timeout: float = 240) -> subproc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--max-restarts=0", str(WORKER), "--out", str(tmp), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def ranks(nproc: int, tmp: Path, *args: str) -> None:
+    """The worker's ``main`` in ``nproc`` ranks on this machine, as ``torchrun --standalone`` would start it."""
+    spawn(worker.as_torchrun, (nproc, free_port(), ["--out", str(tmp), *args]), nprocs=nproc)
 
 
 def reference(name: str, chunks: int, batch: int, replicas: int) -> tuple[list[float], dict[str, torch.Tensor], torch.Tensor]:
@@ -72,9 +81,8 @@ def _reference(name: str, chunks: int, batch: int, replicas: int) -> tuple[list[
 def test_pipeline_over_processes_equals_one_process(
     tmp_path: Path, name: str, nproc: int, balance: str, checkpoint: str, schedule: str, loops: int
 ) -> None:
-    done = torchrun(nproc, tmp_path, "--model", name, "--balance", balance, "--chunks", "4", "--checkpoint", checkpoint,
-                    "--schedule", schedule, "--loops", str(loops))
-    assert done.returncode == 0, done.stderr[-3000:]
+    ranks(nproc, tmp_path, "--model", name, "--balance", balance, "--chunks", "4", "--checkpoint", checkpoint,
+          "--schedule", schedule, "--loops", str(loops))
     losses, grads, out = reference(name, chunks=4, batch=8, replicas=1)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(nproc)]
     assert sorted(r["stage"] for r in results) == list(range(nproc))
@@ -94,8 +102,7 @@ def test_pipeline_over_processes_equals_one_process(
 
 
 def test_data_parallel_replicas_of_a_pipeline(tmp_path: Path) -> None:
-    done = torchrun(4, tmp_path, "--model", "resnet18", "--balance", "30,39", "--chunks", "2", "--batch", "8")
-    assert done.returncode == 0, done.stderr[-3000:]
+    ranks(4, tmp_path, "--model", "resnet18", "--balance", "30,39", "--chunks", "2", "--batch", "8")
     losses, grads, _ = reference("resnet18", chunks=2, batch=8, replicas=2)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for r in results:

@@ -118,7 +118,16 @@ def loss_fn(name: str):  # type: ignore[no-untyped-def]
     return F.mse_loss if name == "unet" else F.cross_entropy
 
 
-def main() -> None:
+def as_torchrun(rank: int, world: int, port: int, argv: list[str]) -> None:
+    """:func:`main` in rank ``rank`` of ``world`` started by ``procs.spawn``, with the environment torchrun gives
+    a rank on one machine (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    main(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="resnet18")
     p.add_argument("--balance", default="params")
@@ -138,7 +147,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--graphs", action="store_true", help="fixed programs per micro-batch (CUDA graphs on GPUs)")
     p.add_argument("--bf16", action="store_true", help="train() steps under bf16 autocast")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.backend == "nccl":
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cudnn.deterministic = True

@@ -293,7 +293,8 @@ def _check_model(spots: OrderedDict[str, list[torch.Tensor]], shapes: dict[str, 
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer | None, saved: dict[str, Any], meta: dict[str, Any],
-                     names: dict[int, str], directory: str | os.PathLike[str], only: set[str] | None) -> NamedState | None:
+                     names: dict[int, str], directory: str | os.PathLike[str],
+                     only: set[str] | None) -> NamedState | None:
     """The saved optimizer state (of the keys ``only``, where given), checked to fit ``optimizer``; None
     without an optimizer."""
     if optimizer is None:

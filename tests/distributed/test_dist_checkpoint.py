@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import seqify
-import seqify.distributed as sd
 from helpers import dist_resume as job
 from helpers.dist_worker import Tiny
 from helpers.procs import child_env, free_port
+
+import seqify
+import seqify.distributed as sd
 from seqify import checkpoint
 
 pytestmark = pytest.mark.timeout(240)

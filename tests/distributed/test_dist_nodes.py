@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import dist_worker as worker
 from helpers.procs import child_env
+from torch import nn
+
 from seqify import checkpoint
 
 pytestmark = pytest.mark.timeout(240)

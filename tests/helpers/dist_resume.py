@@ -23,7 +23,8 @@ import seqify.distributed as sd
 from seqify import checkpoint
 
 FIRST, THEN, BATCH = 3, 2, 8
-RUNS = {"same": {"drop": 0.3, "chunks": 2, "schedule": "1f1b"}, "moved": {"drop": 0.0, "chunks": 1, "schedule": "gpipe"}}
+RUNS: dict[str, dict[str, Any]] = {"same": {"drop": 0.3, "chunks": 2, "schedule": "1f1b"},
+                                   "moved": {"drop": 0.0, "chunks": 1, "schedule": "gpipe"}}
 
 
 class Net(nn.Module):

@@ -909,7 +909,7 @@ def test_distributed_checkpoint_errors_name_the_folder_and_the_fix(tmp_path) -> 
 
     seq = seqify.convert(Lin())
     stage = sd.DistributedStage(seq, [2, 2], index=0, device=torch.device("cpu"))
-    with raises(seqify.CheckpointError, "pipeline of 2 processes", "this job has 1", "every rank"):
+    with raises(seqify.CheckpointError, "pipeline of 2 process(es)", "this job has 1", "every rank"):
         checkpoint.save(stage, tmp_path / "ckpt")  # one rank's stage, saved outside its job
     with raises(seqify.CheckpointError, "holds no seqify checkpoint", "stage{i}.pt", "seqify.distributed.load"):
         sd.merge(tmp_path / "elsewhere")
@@ -918,6 +918,17 @@ def test_distributed_checkpoint_errors_name_the_folder_and_the_fix(tmp_path) -> 
                 "extra": None}, sd.checkpoint.stage_file(tmp_path / "old", 0))
     with raises(seqify.StateDictError, "stage0.pt", "balance [1, 3]", "[2, 2]", "merge(path)"):
         sd.load(stage, tmp_path / "old")
+
+
+class _Counts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.f(x) * self.calls
 
 
 def test_export_frontend_options() -> None:

@@ -50,9 +50,9 @@ def world() -> int:
 
 def check_job(share: Share, what: str) -> None:
     """A rank's share is saved or loaded by every rank of its job together, through the process group."""
-    if share.ranks > 1 and world() != share.ranks:
+    if world() != share.ranks:
         raise CheckpointError(
-            f"seqify.checkpoint.{what} of a stage that holds part of a pipeline of {share.ranks} processes, and this "
+            f"seqify.checkpoint.{what} of a stage that holds part of a pipeline of {share.ranks} process(es), and this "
             f"job has {world()}: call it on every rank of the job that built the stage (under torchrun, with the "
             "process group that seqify.distributed.stage initialises)"
         )

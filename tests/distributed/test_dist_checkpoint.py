@@ -101,7 +101,7 @@ def test_the_folder_is_the_in_process_layout_each_tensor_once(saved: tuple[Path,
 def test_a_stage_without_its_job_refuses(tmp_path: Path) -> None:
     seq = seqify.convert(Tiny())
     stage = sd.DistributedStage(seq, [3, 3], index=0, device=torch.device("cpu"))
-    with pytest.raises(seqify.CheckpointError, match="pipeline of 2 processes, and this job has 1.*every rank"):
+    with pytest.raises(seqify.CheckpointError, match=r"pipeline of 2 process\(es\), and this job has 1.*every rank"):
         checkpoint.save(stage, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
 

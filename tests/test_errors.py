@@ -903,20 +903,22 @@ def test_memory_cap_below_every_plan_names_the_smallest_cap() -> None:
 # -- seqify.distributed checkpoints (a lost peer, PeerError, is tested in test_dist_nodes.py) -----------
 
 
-def test_distributed_checkpoint_errors_name_the_file_and_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_distributed_checkpoint_errors_name_the_folder_and_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import seqify.distributed as sd
+    from seqify import checkpoint
 
     seq = seqify.convert(Lin())
-    saved = [sd.DistributedStage(seq, [2, 2], index=i, device=torch.device("cpu")) for i in range(2)]
-    for s in saved:
-        sd.save(s, tmp_path)
-    other = sd.DistributedStage(seq, [1, 3], index=0, device=torch.device("cpu"))
-    with raises(seqify.StateDictError, "stage0.pt", "balance [2, 2]", "[1, 3]", "merge(path)"):
-        sd.load(other, tmp_path)
-    with raises(seqify.StateDictError, "holds no optimizer state", "optimizer="):
-        sd.load(saved[0], tmp_path, torch.optim.SGD(saved[0].parameters(), lr=0.1))
-    with raises(seqify.StateDictError, "does not exist", "seqify.distributed.save"):
+    stage = sd.DistributedStage(seq, [2, 2], index=0, device=torch.device("cpu"))
+    with raises(seqify.CheckpointError, "pipeline of 2 process(es)", "this job has 1", "every rank"):
+        checkpoint.save(stage, tmp_path / "ckpt")  # one rank's stage, saved outside its job
+    with raises(seqify.CheckpointError, "holds no seqify checkpoint", "stage{i}.pt", "seqify.distributed.load"):
         sd.merge(tmp_path / "elsewhere")
+    (tmp_path / "old").mkdir()
+    torch.save({"format": "seqify.distributed/1", "balance": [1, 3], "stages": 2, "state": {}, "optimizer": None,
+                "extra": None}, sd.checkpoint.stage_file(tmp_path / "old", 0))
+    with raises(seqify.StateDictError, "stage0.pt", "balance [1, 3]", "[2, 2]", "merge(path)"):
+        sd.load(stage, tmp_path / "old")
+
 
 class _Counts(nn.Module):
     def __init__(self) -> None:

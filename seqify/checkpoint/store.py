@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
@@ -17,8 +18,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from seqify.errors import CheckpointError
 
-__all__ = ["FORMAT", "META", "STATE", "TENSORS", "LEGACY_INDEX", "write", "read_meta", "read_state",
-           "tensor_shapes", "read_tensors"]
+__all__ = ["FORMAT", "META", "STATE", "TENSORS", "LEGACY_INDEX", "write", "begin", "write_tensors", "finish",
+           "listing", "plain_bytes", "read_meta", "read_state", "tensor_shapes", "read_tensors"]
 
 FORMAT = "seqify.checkpoint/2"
 META = "seqify.json"  # what was saved and by what: read first, written last
@@ -35,7 +36,7 @@ def _one_process() -> Iterator[None]:
         yield
 
 
-def _plain_bytes(state: Mapping[str, Any]) -> bytes:
+def plain_bytes(state: Mapping[str, Any]) -> bytes:
     """``state`` as torch.save writes it, refused unless ``torch.load(weights_only=True)`` reads it back."""
     buffer = io.BytesIO()
     torch.save(dict(state), buffer)
@@ -50,33 +51,60 @@ def _plain_bytes(state: Mapping[str, Any]) -> bytes:
 
 
 def _only_checkpoint(directory: str) -> bool:
-    """Whether every entry of ``directory`` is a checkpoint's (this layout's, or seqify 0.1's stage files)."""
+    """Whether every entry of ``directory`` is a checkpoint's (this layout's, seqify 0.1's stage files, or the
+    ``stage{i}.pt`` files of seqify.distributed.save's own layout)."""
     names = set(os.listdir(directory))
     legacy = {n for n in names if n.startswith("stage_") and n.endswith(".pt")} | {LEGACY_INDEX}
-    return names <= {META, STATE, TENSORS} or (LEGACY_INDEX in names and names <= legacy)
+    staged = {n for n in names if re.fullmatch(r"stage\d+\.pt", n)}  # seqify.distributed's stage files
+    return names <= {META, STATE, TENSORS} or (LEGACY_INDEX in names and names <= legacy) or names == staged
 
 
 def write(directory: str | os.PathLike[str], tensors: dict[str, torch.Tensor], state: Mapping[str, Any],
           meta: dict[str, Any]) -> list[str]:
     """Write the checkpoint folder ``directory`` (replacing a checkpoint there); returns the files in it."""
     final = os.path.abspath(os.fspath(directory))
+    plain = plain_bytes(state)
+    tmp = begin(final)
+    try:
+        write_tensors(tmp, tensors, together=False)
+        finish(tmp, final, plain, meta)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return listing(final)
+
+
+def begin(final: str) -> str:
+    """The empty temporary folder beside ``final`` that a checkpoint is written into before it is renamed."""
     _check_target(final)
-    plain = _plain_bytes(state)
     parent, name = os.path.split(final)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{name}.saving-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        with _one_process():
-            dcp.save(tensors, checkpoint_id=os.path.join(tmp, TENSORS), no_dist=True)
-        with open(os.path.join(tmp, STATE), "wb") as out:
-            out.write(plain)
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump({"format": FORMAT, **meta}, f, indent=1)
-        _swap(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def write_tensors(tmp: str, tensors: dict[str, torch.Tensor], together: bool) -> None:
+    """Save ``tensors`` into ``tmp``'s DCP folder: this process alone, or ``together`` with every rank of the
+    process group (each passing the tensors it writes; all must call)."""
+    if together:
+        dcp.save(tensors, checkpoint_id=os.path.join(tmp, TENSORS))
+        return
+    with _one_process():
+        dcp.save(tensors, checkpoint_id=os.path.join(tmp, TENSORS), no_dist=True)
+
+
+def finish(tmp: str, final: str, plain: bytes, meta: dict[str, Any]) -> None:
+    """Write the state and metadata into ``tmp`` and rename it to ``final``."""
+    with open(os.path.join(tmp, STATE), "wb") as out:
+        out.write(plain)
+    with open(os.path.join(tmp, META), "w") as f:
+        json.dump({"format": FORMAT, **meta}, f, indent=1)
+    _swap(tmp, final)
+
+
+def listing(final: str) -> list[str]:
+    """The files of the checkpoint folder ``final``."""
     return sorted(os.path.join(root, f) for root, _, files in os.walk(final) for f in files)
 
 
@@ -108,8 +136,8 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise CheckpointError(
             f"{directory} holds no seqify checkpoint ({META} is missing): pass the folder given to "
-            "seqify.checkpoint.save(pipe, folder); a folder saved by seqify.distributed.save loads with "
-            "seqify.distributed.load"
+            "seqify.checkpoint.save(pipe, folder); a folder of stage{i}.pt files loads with "
+            "seqify.distributed.load(stage, folder), onto the balance it was saved with"
         )
     with open(path) as f:
         meta = json.load(f)

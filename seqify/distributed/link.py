@@ -49,7 +49,7 @@ def peer(me: str, who: int | list[int], what: str) -> Iterator[None]:
             f"{me} lost {name} while {what} ({cause}). The peer process died or did not answer within the "
             "process-group timeout (seqify.distributed.init(timeout_s=...)). Look in its log (or its node's) for "
             "the first error; the rest of the job stops too. Restart the job and resume from the last "
-            "seqify.distributed.save(stage, path, optimizer) with seqify.distributed.load(stage, path, optimizer)."
+            "seqify.checkpoint.save with seqify.checkpoint.load(stage, folder, optimizer, scheduler)."
         ) from e
 
 
@@ -262,7 +262,7 @@ class Link:
             raise PeerError(
                 f"{self.me}: rank {src} sends this step's messages as its last step did, and says so, but this "
                 "rank did not receive that step as it was sent (it failed part-way, or the ranks' stages differ). "
-                "Restart the job from the last seqify.distributed.save; build every rank's stage alike")
+                "Restart the job from the last seqify.checkpoint.save; build every rank's stage alike")
         self.reading[src] = 1
 
     def _booked(self, src: int, what: str, side: Any) -> tuple[Key, Any]:

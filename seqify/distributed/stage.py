@@ -6,13 +6,12 @@ import datetime
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from seqify.distributed.checkpoint import load, merge, save
 from seqify.distributed.eager import RankRun
 from seqify.distributed.link import Books, Link, directions, leaves, peer
 from seqify.distributed.rank import Route
@@ -32,9 +31,10 @@ from seqify.schedule.actions import SCHEDULES, Action, Schedule, gpipe, make, ro
 from seqify.skip.layout import routes
 from seqify.skip.namespace import SkipKey
 
-__all__ = ["DistributedStage", "stage", "init", "save", "load", "merge", "SCHEDULES", "placement_for"]
+if TYPE_CHECKING:
+    from seqify.checkpoint.ranks import Share
 
-_peer = peer  # the name dist_checkpoint and older code import
+__all__ = ["DistributedStage", "stage", "init", "SCHEDULES", "placement_for"]
 
 
 def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
@@ -245,6 +245,13 @@ class DistributedStage(nn.Module):
         held = f"partitions {self.owned}" if len(self.owned) > 1 else f"partition {self.owned[0]}"
         return (f"rank {rank} (stage {self.index + 1}/{self.stages}, {held} of {self.partitions}, "
                 f"replica {self.replica + 1}/{self.replicas})")
+
+    def checkpoint_share(self) -> Share:
+        """What ``seqify.checkpoint.save`` and ``load`` keep of this rank: its layers and where the others are."""
+        from seqify.checkpoint.ranks import Share
+
+        return Share(self.model, self.partition, self.balance, self.placement, self.index, self.replica,
+                     self.stages * self.replicas)
 
     def __repr__(self) -> str:
         return (f"DistributedStage({self.index + 1}/{self.stages}, partitions {self.owned} of {self.partitions}, "

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import dist_worker as worker
 from helpers.procs import child_env
-import seqify.distributed as sd
+from torch import nn
+
+from seqify import checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "dist_worker.py"
@@ -150,10 +150,13 @@ def test_two_nodes_train_like_one_process_and_resume_from_a_checkpoint(tmp_path:
             close(p, history[2]["state"][n], n)
     assert {n for r in results for n in r["params"]} == {n for n, _ in worker.build("tiny").named_parameters()}
 
-    # The stages' files together are the source model's checkpoint after step 2.
-    assert sorted(os.listdir(ckpt)) == ["stage0.pt", "stage1.pt"]
+    # One folder of the in-process layout, each tensor written once (by replica 0): the source model's checkpoint
+    # after step 2.
+    assert sorted(os.listdir(ckpt)) == ["seqify.json", "state.pt", "tensors"]
+    saved = torch.distributed.checkpoint.FileSystemReader(str(ckpt / "tensors")).read_metadata().state_dict_metadata
+    assert all(len(m.chunks) == 1 for m in saved.values())
     source = worker.build("tiny")
-    source.load_state_dict(sd.merge(ckpt))  # strict: every key of the source, nothing else
+    source.load_state_dict(checkpoint.load_state_dict(ckpt))  # strict: every key of the source, nothing else
     for k, v in source.state_dict().items():
         close(v, history[1]["state"][k], k)
 
@@ -190,7 +193,7 @@ def test_killing_a_node_ends_the_job_with_a_peer_error(tmp_path: Path) -> None:
     assert code != 0
     assert "seqify.errors.PeerError" in log, log[-3000:]
     assert "lost rank" in log or "lost one of ranks" in log, log[-3000:]
-    assert "seqify.distributed.load(stage, path, optimizer)" in log  # what to do
+    assert "seqify.checkpoint.load(stage, folder, optimizer, scheduler)" in log  # what to do
     assert took < 60, took  # within the 20 s process-group timeout plus torchrun's shutdown
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 import seqify
 import seqify.distributed as sd
+from seqify import checkpoint
 from seqify.distributed.link import Link
 from seqify.schedule.actions import Action, Schedule, zb_h1
 
@@ -191,7 +192,7 @@ def train(args: argparse.Namespace, model: nn.Module, stage: sd.DistributedStage
     With ``--steps`` far above what the test waits for, the job runs until the test kills a node; each
     rank touches ``started{rank}`` after its first step so the test knows training is under way."""
     opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
-    first = sd.load(stage, args.ckpt, opt) if args.resume else 0
+    first = checkpoint.load(stage, args.ckpt, opt).step if args.resume else 0
     losses: dict[int, float] = {}
     rank = torch.distributed.get_rank()
     shard = slice(stage.replica * args.batch // stage.replicas, (stage.replica + 1) * args.batch // stage.replicas)
@@ -213,7 +214,7 @@ def train(args: argparse.Namespace, model: nn.Module, stage: sd.DistributedStage
         if step == first:
             open(os.path.join(args.out, f"started{rank}"), "w").close()
         if step + 1 == args.save_after:
-            sd.save(stage, args.ckpt, opt, extra=step + 1)
+            checkpoint.save(stage, args.ckpt, opt, step=step + 1)
     torch.save({"losses": losses, "stage": stage.index, "replica": stage.replica,
                 "params": {names[id(p)]: p.detach().clone() for p in stage.partition.parameters()},
                 "grads": {names[id(p)]: p.grad.clone() for p in stage.partition.parameters() if p.grad is not None},

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers import dist_resume as job
 from helpers.dist_worker import Tiny
 from helpers.procs import child_env, free_port
+from helpers.procs import spawn as fork
 
 import seqify
 import seqify.distributed as sd
@@ -27,7 +27,7 @@ TESTS = Path(__file__).resolve().parents[1]
 
 def spawn(world: int, out: Path, phase: str, folder: Path, runs: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     out.mkdir()
-    mp.spawn(job.job, args=(world, free_port(), str(out), phase, str(folder), list(runs)), nprocs=world, join=True)
+    fork(job.job, (world, free_port(), str(out), phase, str(folder), list(runs)), nprocs=world)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

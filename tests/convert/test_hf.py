@@ -153,6 +153,7 @@ def test_family_is_exact_and_pipelines(family: str) -> None:
         assert bit_equal(seq(**bigger), model(**bigger))
         pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=two_stages(seq), chunks=2)
         assert bit_equal(pipe(**kwargs), by_micro_batch(model, kwargs, 2))
+    assert_runs_on_meta(seq, model, kwargs)
     # Train mode: the same conversion where the graph does not depend on the mode (dropout modules are the
     # source's own and follow train()), else a conversion in train mode.
     again = seq.train() if not seq.mode_dependent else None
@@ -561,14 +562,10 @@ def test_opt_converts_exactly() -> None:
     assert seq.frontend == "export"
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_converted_layers_run_on_any_device_not_the_examples(family: str) -> None:
-    """torch.export bakes the example's device into ops (``t.to(x.device)`` in a rotary embedding's no_grad
-    block, ``arange(device=...)``); converted layers must make their values where they run. On the meta
-    device any value still made on the CPU fails ("cannot copy out of meta tensor")."""
-    torch.manual_seed(0)
-    model, kwargs = FAMILIES[family]()
-    seq = seqify.convert(model.eval(), example_inputs=kwargs, frontend="export")
+def assert_runs_on_meta(seq: seqify.Sequential, model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Converted layers make their values where they run, not on the example's device: torch.export bakes that
+    device into ops (``t.to(x.device)`` in a rotary embedding's no_grad block, ``arange(device=...)``). On the
+    meta device any value still made on the CPU fails ("cannot copy out of meta tensor")."""
     with torch.no_grad():
         want = pytree.tree_leaves(model(**kwargs))
         meta = copy.deepcopy(seq).to("meta")
@@ -576,7 +573,6 @@ def test_converted_layers_run_on_any_device_not_the_examples(family: str) -> Non
     assert [tuple(t.shape) for t in got if isinstance(t, torch.Tensor)] == \
         [tuple(t.shape) for t in want if isinstance(t, torch.Tensor)]
     assert all(t.device.type == "meta" for t in got if isinstance(t, torch.Tensor))
-
 
 
 def test_a_forward_under_deprecate_kwarg_traces_with_fx() -> None:

@@ -630,3 +630,25 @@ def test_a_wrapped_model_converts_as_the_module_it_runs(wrap: str) -> None:
     seq = seqify.convert(wrapped, example_inputs=(x,))
     assert torch.equal(seq(x), model(x))
     assert {id(p) for p in seq.parameters()} == {id(p) for p in model.parameters()}
+
+
+class _ValueBranch(nn.Module):
+    """Branches on a tensor's value: fx cannot trace it, with example inputs or without."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_refusal_advice_fits_what_the_caller_passed() -> None:
+    """Example inputs are advised only to a caller who gave none: with them, shapes were known already."""
+    with pytest.raises(seqify.UntraceableError, match="pass example_inputs=") as without:
+        seqify.convert(_ValueBranch(), frontend="fx")
+    with pytest.raises(seqify.UntraceableError, match="What to do: move data-dependent code") as given:
+        seqify.convert(_ValueBranch(), example_inputs=(torch.randn(2, 4),), frontend="fx")
+    assert "example_inputs" not in str(given.value)
+    assert "into a submodule" in str(without.value)

@@ -8,8 +8,8 @@ __all__ = ["SIBLINGS", "EVERY_SIZE", "checked"]
 
 #: Larger sizes of a family, each with the smallest model that runs the same code: the same blocks, built by
 #: the same builder, with other widths, depths, group widths or patch sizes, which tracing does not branch on.
-#: The suite checks the smaller one; ``SEQIFY_EVERY_SIZE=1`` checks these too (benchmarks/torchvision_sizes,
-#: about 25 minutes of two cores and 14 GiB of memory). A model torchvision adds is checked until listed here.
+#: The suite checks the smaller one; ``SEQIFY_EVERY_SIZE=1`` checks these too (about 15 more minutes of two cores,
+#: and up to 14 GiB of memory a model). A model torchvision adds is checked until it is listed here.
 SIBLINGS: dict[str, str] = {
     "resnet34": "resnet18", "resnet101": "resnet50", "resnet152": "resnet50",
     "wide_resnet50_2": "resnet50", "wide_resnet101_2": "resnet50",

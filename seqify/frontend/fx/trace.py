@@ -198,15 +198,7 @@ def _trace_once(
         except Exception as e:
             if "" in tracer.autograd.uses:
                 raise refusal(name, tracer.autograd.uses[""]) from e
-            site = error_site(e)
-            raise UntraceableError(
-                f"{name}.forward cannot be traced: {first_line(e)}\n"
-                + (f"  at {site}\n" if site else "")
-                + "What to do: pass example_inputs=... to seqify.convert so shape-dependent branches are "
-                "resolved from example shapes; move data-dependent code (branches on tensor values, "
-                "non-torch calls) into a submodule, which seqify then keeps whole as one opaque layer; "
-                "or list that submodule in leaf_paths=[...]."
-            ) from e
+            raise untraceable(name, e, examples=example_inputs is not None) from e
         writes = [Update(path, name, "attribute") for path, names in writes_since(model, before).items()
                   for name in names]
         # In-place changes made while tracing that fx did not record (`self.n += 1` on a buffer, a draw from
@@ -227,3 +219,18 @@ def _trace_once(
         # trace's divergence, which the self-check names.
         raise raises_itself(name, real.error)
     return tracer, graph, writes
+
+
+def untraceable(name: str, error: Exception, examples: bool) -> UntraceableError:
+    """fx's refusal of ``name``'s forward, with advice fitted to whether the caller gave example inputs (with
+    them, shapes were known: what stopped the tracer depends on values or types, not on shapes)."""
+    site = error_site(error)
+    shapes = ("" if examples else "pass example_inputs=... to seqify.convert so shape-dependent branches are "
+              "resolved from example shapes; ")
+    return UntraceableError(
+        f"{name}.forward cannot be traced: {first_line(error)}\n"
+        + (f"  at {site}\n" if site else "")
+        + f"What to do: {shapes}move data-dependent code (branches on tensor values, non-torch calls or types) "
+        "into a submodule, which seqify then keeps whole as one opaque layer; or list that submodule in "
+        "leaf_paths=[...]."
+    )

@@ -15,6 +15,7 @@ from torch import nn
 from seqify.distributed.checkpoint import load, merge, save
 from seqify.distributed.eager import RankRun
 from seqify.distributed.link import Books, Link, directions, leaves, peer
+from seqify.distributed.materialize import BufferInit, converted, materialize
 from seqify.distributed.rank import Route
 from seqify.distributed.replay import RankPrograms, program_step
 from seqify.errors import BalanceError, BoundaryError, DeviceError, ScheduleError
@@ -429,6 +430,8 @@ def stage(
     device: torch.device | str | None = None,
     sample: Any = None,
     example_inputs: Any = None,
+    weights: str | os.PathLike[str] | None = None,
+    buffers: BufferInit | None = None,
 ) -> DistributedStage:
     """This process's partitions of a pipeline over all processes of the job (call under torchrun).
 
@@ -441,14 +444,14 @@ def stage(
     ``graphs=True`` runs each partition's forward and backward of each micro-batch as fixed programs,
     captured as CUDA graphs after the first step in the order the schedule issues them (eager programs
     on the CPU); the sends and receives stay between them, and checkpointed micro-batches recompute
-    inside their backward programs.
+    inside their backward programs. A model built on the meta device (``with torch.device("meta")``) is
+    converted without the self-check (it holds no values), and each rank gives only its own layers memory,
+    filled from ``weights`` by source key (:func:`seqify.distributed.materialize.materialize`; ``buffers``
+    sets non-persistent buffers).
     """
     if not dist.is_initialized():
         init()
-    if not isinstance(model, nn.Sequential):
-        from seqify.convert import convert
-
-        model = convert(model, example_inputs)
+    source, model = converted(model, example_inputs)
     world, rank = dist.get_world_size(), dist.get_rank()
     if device is None:
         nccl = dist.get_backend() == "nccl"
@@ -481,6 +484,8 @@ def stage(
         raise DeviceError(f"world size {world} is not a multiple of the {ranks} pipeline ranks; launch "
                           "ranks x replicas processes")
     replicas = world // ranks
+    owned = [p for p, r in enumerate(_layout(counts, len(model), schedule, loops)[1]) if r == rank % ranks]
+    materialize(model, counts, owned, device, weights, source=source, buffers=buffers)
     result = DistributedStage(model, counts, index=rank % ranks, replica=rank // ranks, replicas=replicas,
                               device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                               graphs=graphs, loops=loops)

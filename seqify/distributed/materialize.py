@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqify.checkpoint import MODEL, store
 from seqify.errors import CheckpointError, MetaDeviceError, StateDictError
 from seqify.model.sequential import Sequential, meta_tensor
 
@@ -186,6 +185,8 @@ def read_weights(weights: str | os.PathLike[str], targets: dict[str, torch.Tenso
     """Fill ``targets`` (source key -> tensor, any device) in place from ``weights``, reading only those keys:
     a ``seqify.checkpoint`` folder, a safetensors file (``seqify.checkpoint.export``'s or any), or a
     folder with ``model.safetensors`` or a ``model.safetensors.index.json`` (Hugging Face's layout)."""
+    from seqify.checkpoint import store  # torch.distributed.checkpoint: loaded where used
+
     path = os.fspath(weights)
     if os.path.isfile(os.path.join(path, store.META)):
         _from_checkpoint(path, targets)
@@ -211,6 +212,8 @@ def _check(where: str, targets: dict[str, torch.Tensor], saved: dict[str, torch.
 
 
 def _from_checkpoint(path: str, targets: dict[str, torch.Tensor]) -> None:
+    from seqify.checkpoint import MODEL, store
+
     shapes = store.tensor_shapes(path)
     _check(path, targets, {k[len(MODEL):]: s for k, (s, _) in shapes.items() if k.startswith(MODEL)})
     direct = {MODEL + k: t for k, t in targets.items() if t.dtype == shapes[MODEL + k][1] and t.is_contiguous()}

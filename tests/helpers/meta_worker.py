@@ -116,7 +116,9 @@ def spawned(rank: int, port: int, out: str, weights: dict[str, str]) -> None:
     """Rank ``rank`` of two: the large model's memory from meta, then each small model trained from meta
     (filled from ``weights[name]``) and from its real build; saved to ``out/rank{rank}.pt``."""
     torch.set_num_threads(1)
-    import transformers  # noqa: F401  (imported before the memory baseline)
+    import transformers  # noqa: F401  (imports before the memory baseline: they are not the model's memory)
+
+    import seqify.checkpoint  # noqa: F401  (torch.distributed.checkpoint, which reading the weights loads)
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                          timeout=datetime.timedelta(seconds=60))

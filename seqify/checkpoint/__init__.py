@@ -18,11 +18,12 @@ from seqify.checkpoint import ranks, rng, store
 from seqify.checkpoint.exported import export, load_exported
 from seqify.checkpoint.keys import balance_of, holder, model_state, parameter_names, places, stage_keys
 from seqify.checkpoint.optim import NamedState, check_named_state, load_named_state, named_state
+from seqify.checkpoint.pretrained import save_pretrained
 from seqify.checkpoint.ranks import Share
 from seqify.errors import CheckpointError, SeqifyError, StateDictError
 from seqify.model.sequential import Sequential
 
-__all__ = ["save", "load", "load_state_dict", "stage_keys", "export", "load_exported", "Restored"]
+__all__ = ["save", "load", "load_state_dict", "stage_keys", "export", "load_exported", "save_pretrained", "Restored"]
 
 MODEL = "model/"
 OPTIMIZER = "optimizer/"

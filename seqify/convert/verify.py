@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -371,11 +372,16 @@ def _carries(expected: Any, got: Any, same: Callable[[Any, Any], bool]) -> bool 
 
 def check(source: nn.Module, seq: nn.Module, example_inputs: Any, *, frontend: str = "", seed: int = 0) -> None:
     """Raise :class:`VerifyError` unless ``seq`` matches ``source`` bit for bit on ``example_inputs``
-    (a model or inputs on the meta device hold no values: nothing to check)."""
+    (a model or inputs on the meta device hold no values: it warns that nothing was checked)."""
     tensors = list(source.parameters()) + list(source.buffers()) + [
         t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)
     ]
     if any(t.is_meta for t in tensors):
+        warnings.warn(
+            f"the {type(source).__name__} or its example inputs are on the meta device (shapes, no values), so "
+            "seqify.convert could not check the converted model's outputs against the source's: this conversion "
+            "is not verified. Convert a real instance of the same code once to check it; pass verify=False to "
+            "say that you know", stacklevel=3)
         return
     try:
         found = _difference(source, seq, example_inputs, seed, twice=True)

@@ -13,21 +13,24 @@ import torch.distributed as dist
 from torch import nn
 
 from seqify.distributed.eager import RankRun
+from seqify.distributed.layout import layout_of, placement_for
 from seqify.distributed.link import Books, Link, directions, leaves, peer
+from seqify.distributed.materialize import BufferInit, converted, materialize
 from seqify.distributed.rank import Route
 from seqify.distributed.replay import RankPrograms, program_step
-from seqify.errors import BalanceError, BoundaryError, DeviceError, ScheduleError
+from seqify.errors import BalanceError, BoundaryError, DeviceError
 from seqify.model.sequential import Sequential
 from seqify.model.stash_sizes import size_skips
 from seqify.pipe import tied
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.losses import Count, Probes, Weigher, reduction_of
 from seqify.pipe.microbatch import gather, scatter
-from seqify.pipe.placement import CHECKPOINT, _check_balance, _place
+from seqify.pipe.moves import Placed
+from seqify.pipe.placement import CHECKPOINT, _place
 from seqify.pipe.recompute import norms_of
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import refuse_meta
-from seqify.schedule.actions import SCHEDULES, Action, Schedule, gpipe, make, round_robin, v_shape
+from seqify.schedule.actions import SCHEDULES, Action, Schedule, gpipe, make
 from seqify.skip.layout import routes
 from seqify.skip.namespace import SkipKey
 
@@ -49,50 +52,6 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def placement_for(schedule: str | Schedule, ranks: int, loops: int) -> tuple[int, ...]:
-    """Which rank (of one pipeline) holds each partition: a ``Schedule``'s own placement; one partition
-    per rank for ``loops=1``; a V (``v_shape``) for 'zb-h1' with ``loops=2``; else round-robin."""
-    if isinstance(schedule, Schedule):
-        return tuple(schedule.placement)
-    if loops == 1:
-        return tuple(range(ranks))
-    if schedule == "zb-h1":
-        if loops != 2:
-            raise ScheduleError(f"zb-h1 with loops={loops}: it runs one partition per rank, or two placed in a V "
-                                "(loops=2); use schedule='interleaved' for more")
-        return v_shape(ranks)
-    if schedule in ("1f1b", "zb-h2"):
-        raise ScheduleError(f"{schedule} runs one partition per rank; with loops > 1 use schedule='interleaved' (or "
-                            "'gpipe', or 'zb-h1' with loops=2)")
-    return round_robin(ranks, loops)
-
-
-def _layout(balance: Sequence[int], layers: int, schedule: str | Schedule,
-            loops: Any) -> tuple[list[int], tuple[int, ...]]:
-    """The checked balance and the rank of each partition: the schedule's own placement, or ``loops``
-    partitions per rank as the named schedule places them."""
-    if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
-        raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
-                            "seqify.schedule.actions.Schedule")
-    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
-        raise BalanceError(f"loops={loops!r}: give the number of partitions per rank, a whole number >= 1")
-    balance = _check_balance(balance, layers)
-    if isinstance(schedule, Schedule):
-        placement = placement_for(schedule, 0, 0)
-    else:
-        if len(balance) % loops:
-            raise BalanceError(f"balance has {len(balance)} partitions, not a multiple of loops={loops}: give "
-                               "loops entries per rank")
-        placement = placement_for(schedule, len(balance) // loops, loops)
-    if len(placement) != len(balance):
-        raise ScheduleError(f"schedule {getattr(schedule, 'name', schedule)!r} places {len(placement)} "
-                            f"partitions, but balance has {len(balance)}: build it for this balance")
-    ranks = max(placement) + 1
-    if sorted(set(placement)) != list(range(ranks)):
-        raise ScheduleError(f"placement {placement} leaves a rank without partitions; number ranks 0..n-1")
-    return list(balance), tuple(placement)
 
 
 def _place_owned(model: nn.Sequential, balance: Sequence[int], owned: list[int],
@@ -121,7 +80,7 @@ def _crossing_routes(model: nn.Sequential, balance: Sequence[int]) -> tuple[list
     return crossing, {rt.index: found[rt.index].key for rt in crossing}
 
 
-class DistributedStage(nn.Module):
+class DistributedStage(Placed):
     """This process's partitions of a pipeline that spans processes.
 
     The pipeline's partitions are placed on its ranks by ``placement`` (one per rank by default;
@@ -139,6 +98,10 @@ class DistributedStage(nn.Module):
     """
 
     model: nn.Sequential  # a plain attribute (set with object.__setattr__): this rank registers only its layers
+    _rebuild = "seqify.distributed.stage(model, device=...) in each process"
+
+    def _placed(self) -> list[torch.device]:
+        return [self.device]
 
     def __init__(
         self,
@@ -158,7 +121,7 @@ class DistributedStage(nn.Module):
     ) -> None:
         super().__init__()
         names = list(model._modules)
-        balance, placement = _layout(balance, len(names), schedule, loops)
+        balance, placement = layout_of(balance, len(names), schedule, loops)
         ranks = max(placement) + 1
         if not 0 <= index < ranks:
             raise DeviceError(f"index={index}: this pipeline has ranks 0..{ranks - 1}")
@@ -436,6 +399,8 @@ def stage(
     device: torch.device | str | None = None,
     sample: Any = None,
     example_inputs: Any = None,
+    weights: str | os.PathLike[str] | None = None,
+    buffers: BufferInit | None = None,
 ) -> DistributedStage:
     """This process's partitions of a pipeline over all processes of the job (call under torchrun).
 
@@ -448,14 +413,14 @@ def stage(
     ``graphs=True`` runs each partition's forward and backward of each micro-batch as fixed programs,
     captured as CUDA graphs after the first step in the order the schedule issues them (eager programs
     on the CPU); the sends and receives stay between them, and checkpointed micro-batches recompute
-    inside their backward programs.
+    inside their backward programs. A model built on the meta device (``with torch.device("meta")``) is
+    converted without the self-check (it holds no values), and each rank gives only its own layers memory,
+    filled from ``weights`` by source key (:func:`seqify.distributed.materialize.materialize`; ``buffers``
+    sets non-persistent buffers).
     """
     if not dist.is_initialized():
         init()
-    if not isinstance(model, nn.Sequential):
-        from seqify.convert import convert
-
-        model = convert(model, example_inputs)
+    source, model = converted(model, example_inputs)
     world, rank = dist.get_world_size(), dist.get_rank()
     if device is None:
         nccl = dist.get_backend() == "nccl"
@@ -488,6 +453,8 @@ def stage(
         raise DeviceError(f"world size {world} is not a multiple of the {ranks} pipeline ranks; launch "
                           "ranks x replicas processes")
     replicas = world // ranks
+    owned = [p for p, r in enumerate(layout_of(counts, len(model), schedule, loops)[1]) if r == rank % ranks]
+    materialize(model, counts, owned, device, weights, source=source, buffers=buffers)
     result = DistributedStage(model, counts, index=rank % ranks, replica=rank // ranks, replicas=replicas,
                               device=device, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                               graphs=graphs, loops=loops)

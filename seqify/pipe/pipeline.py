@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from seqify.errors import BalanceError, BoundaryError, ConfigError, DeviceError, MemoryCapError, ScheduleError
-from seqify.model.sequential import Sequential, retie, tied_slots
+from seqify.model.sequential import Sequential
 from seqify.pipe.batchnorm import DeferredBatchNorm, one_sample
 from seqify.pipe.config import PipeConfig
 from seqify.pipe.executors.eager import Eager, checkpoint_stop
@@ -24,7 +24,7 @@ from seqify.pipe.inplace import INPUT, mutated_roots
 from seqify.pipe.losses import Count, Probes, Weigher, reduction_of, scale_of, scaled
 from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
 from seqify.pipe.microbatch import gather, scatter, split_like
-from seqify.pipe.moves import moved_to, refuse_move
+from seqify.pipe.moves import Placed
 from seqify.pipe.placement import (
     CHECKPOINT,
     STRATEGIES,
@@ -40,7 +40,7 @@ from seqify.schedule.actions import SCHEDULES, Schedule, ahead, make, round_robi
 __all__ = ["Pipeline", "build", "capped", "from_config", "resolve_devices", "GraphWarning"]
 
 
-class Pipeline(nn.Module):
+class Pipeline(Placed):
     """A model split into partitions on devices, run as a GPipe pipeline over micro-batches.
 
     Call it like the model: inputs go to the first device (moved there if needed), outputs come back
@@ -168,39 +168,16 @@ class Pipeline(nn.Module):
         self.model.train(mode)
         return self
 
-    # A placed pipeline does not move: its balance, transfers and streams are per device. Casts that keep
-    # every tensor on its device (pipe.double(), pipe.to(torch.float16)) go through.
-    def to(self, *args: Any, **kwargs: Any) -> Pipeline:
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None:
-            refuse_move(self.devices, device, f"pipe.to({str(device)!r})")
-        return super().to(*args, **kwargs)
+    # A placed pipeline does not move (moves.Placed): its balance, transfers and streams are per device.
+    def _placed(self) -> list[torch.device]:
+        return list(map(torch.device, self.devices))
 
-    def cuda(self, device: int | torch.device | None = None) -> Pipeline:
-        said = "" if device is None else repr(device)
-        refuse_move(self.devices, "cuda" if device is None else device, f"pipe.cuda({said})")
-        return super().cuda(device)
-
-    def cpu(self) -> Pipeline:
-        refuse_move(self.devices, "cpu", "pipe.cpu()")
-        return super().cpu()
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Pipeline:
-        """``nn.Module._apply`` (behind ``.to``, ``.double()``, ``.to_empty()``, ...) once ``fn`` is known to
-        leave every tensor on its device (checked on an empty tensor per device, before any changes), with
-        tensors that layers share shared again after and the caches of the old tensors dropped."""
-        held = [t.device for t in self.parameters()] + [t.device for t in self.buffers()]
-        target = moved_to(fn, [*map(torch.device, self.devices), *held])
-        if target is not None:
-            refuse_move(self.devices, target, "converting the pipeline's tensors (.to_empty(), .type(), ...)")
-        groups = tied_slots(self)
-        super()._apply(fn, recurse)
+    def _applied(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The source's unused state converted too, and the caches of the old tensors dropped."""
         if isinstance(self.model, Sequential):
             self.model._unused._apply(fn)
-        retie(groups)
         self._snapshot, self._memory = None, None
         self._replayer.built = None
-        return self
 
     # The replay executor's state, under the names it has always had.
     @property

@@ -184,8 +184,10 @@ def export_trace(model: nn.Module, example_inputs: Any) -> Traced:
     if example is not None:
         # Also inside the regions the graph calls (a no_grad or autocast block such as a rotary embedding's):
         # a device baked there would pin a layer to the example's device wherever the layer runs.
+        # The model's own devices too: a model on the meta device makes its values on meta, whatever the example's.
+        devices = dict.fromkeys([example.device, *(t.device for t in (*model.parameters(), *model.buffers()))])
         for region in regions(graph, constants):
-            if rewrite_devices(region, example.device) and region is not graph:
+            if any([rewrite_devices(region, d) for d in devices]) and region is not graph:
                 owner = region.owning_module
                 if isinstance(owner, fx.GraphModule):
                     owner.recompile()

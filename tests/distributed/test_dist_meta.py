@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers import meta_worker as worker
-from helpers.procs import free_port
+from helpers.procs import free_port, spawn
 
 import seqify
 from seqify.distributed.materialize import materialize
@@ -57,7 +56,7 @@ def checkpoints(tmp: Path) -> dict[str, str]:
 def test_meta_built_ranks_hold_their_share_and_train_like_the_real_model(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     weights = checkpoints(tmp_path)
-    mp.spawn(worker.spawned, args=(free_port(), str(tmp_path), weights), nprocs=2, join=True)
+    spawn(worker.spawned, (free_port(), str(tmp_path), weights), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for r, record in enumerate(ranks):
         big = record["big"]

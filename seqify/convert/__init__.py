@@ -14,8 +14,9 @@ from torch import nn
 from seqify.convert.build import RESERVED, build
 from seqify.convert.kinds import module_path
 from seqify.convert.linearize import Plan, linearize
-from seqify.convert.modes import exported_mode_dependent, mode_differences
+from seqify.convert.modes import mode_differences, other_mode_trace
 from seqify.convert.splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
+from seqify.convert.twin import forget_other_modes, join_modes
 from seqify.convert.verify import check, kept, split_inputs
 from seqify.errors import (
     ConversionError,
@@ -112,7 +113,9 @@ def convert(
             (coarser layers), e.g. ``leaf_types=[torchvision.models.resnet.Bottleneck]``.
         depth: keep every module at this depth whole (1: the model's children).
         check_modes: also trace in the other train/eval mode to detect forwards whose graph depends on
-            ``self.training``; such conversions refuse to run in the other mode.
+            ``self.training``. Where the two traces differ only inside layers (attention dropout passed as a
+            number), each such layer holds the ops of both modes and runs those of the mode it is in
+            (``seq.two_mode_layers``); otherwise the conversion refuses to run in the other mode.
         frontend: ``"fx"`` (torch.fx: module-level layers, works without example inputs), ``"export"``
             (non-strict torch.export on ``example_inputs``: transformers, diffusers and other forwards fx
             cannot trace) or ``"auto"``: fx, and export where fx fails, its result fails the self-check, or
@@ -133,8 +136,37 @@ def convert(
     # Conversion runs the source (traces, the self-check): whatever that draws or writes is put back.
     with torch.random.fork_rng(devices=_accelerators(model)), buffers_kept(model, parameters=True):
         seq = _convert(model, example_inputs, leaf_types, leaf_paths, depth, check_modes, frontend, verify)
+        if seq.mode_dependent and check_modes and "fx" in seq.frontend:  # export conversions tried already
+            _join_other_mode(model, seq, example_inputs, leaf_types, leaf_paths, depth, frontend, verify)
     _report(model, seq)
     return seq
+
+
+def _join_other_mode(model: nn.Module, seq: Sequential, example_inputs: Any, leaf_types: tuple[type, ...],
+                     leaf_paths: tuple[str, ...], depth: int | None, frontend: str, verify: bool) -> None:
+    """A mode-dependent conversion converted again in the other mode (keeping whole what the first kept whole)
+    and joined with it layer by layer where the two differ only inside layers; checked in the other mode
+    too. Where they do not join, or the check fails, ``seq`` stays as it was: it refuses the other mode."""
+    kept = tuple(dict.fromkeys([*leaf_paths, *(o.path for o in seq.opaque)]))
+    with preserved(model):
+        model.train(not seq.converted_training)
+        try:
+            other = _convert(model, example_inputs, leaf_types, kept, depth, False, frontend, False)
+        except SeqifyError:
+            return
+    joined = join_modes(seq, other)
+    if joined is None:
+        return
+    seq.mode_dependent, seq.two_mode_layers = False, joined
+    if not verify or example_inputs is None:
+        return
+    try:
+        _check_other_mode(model, seq, example_inputs)
+    except VerifyError as e:
+        forget_other_modes(seq)
+        seq.mode_dependent, seq.two_mode_layers = True, ()
+        log.warning("converting %s: the layers traced in the other mode fail the self-check there (%s); the "
+                    "conversion runs only in the mode it was made in", type(model).__name__, _first_line(e))
 
 
 def _first_line(error: BaseException) -> str:
@@ -323,23 +355,52 @@ def _via_export(model: nn.Module, example_inputs: Any, *, check_modes: bool, ver
         try:
             seq = _export_layers(model, twice, check_modes=check_modes)
             if verify:
-                check(model, seq, twice, frontend="export")
+                _check_modes(model, seq, twice)
                 check(model, seq, example_inputs, frontend="export")
             return seq
         except SeqifyError:
             pass
     seq = _export_layers(model, example_inputs, check_modes=check_modes)
     if verify:
-        check(model, seq, example_inputs, frontend="export")
+        _check_modes(model, seq, example_inputs)
     return seq
 
 
+def _check_modes(model: nn.Module, seq: Sequential, example_inputs: Any) -> None:
+    """The self-check in the model's mode, and in the other mode too where the conversion holds ops for it."""
+    check(model, seq, example_inputs, frontend="export")
+    if seq.two_mode_layers:
+        _check_other_mode(model, seq, example_inputs)
+
+
+def _check_other_mode(model: nn.Module, seq: Sequential, example_inputs: Any) -> None:
+    """The self-check with the source and ``seq`` in the mode ``seq`` was not converted in."""
+    mode = seq.training
+    with preserved(model):
+        model.train(not seq.converted_training)
+        seq.train(not seq.converted_training)
+        try:
+            check(model, seq, example_inputs, frontend=seq.frontend)
+        finally:
+            seq.train(mode)
+
+
 def _export_layers(model: nn.Module, example_inputs: Any, *, check_modes: bool) -> Sequential:
+    """The export conversion; with ``check_modes``, traced in the other mode too: where the two graphs differ
+    only inside layers, each such layer runs the ops of the mode it runs in, else the conversion is
+    mode-dependent (it refuses the other mode)."""
     from seqify.frontend.export.capture import export_trace
 
     traced = export_trace(model, example_inputs)
-    mode_dependent = check_modes and exported_mode_dependent(model, traced.graph, example_inputs)
-    return _assemble(traced, mode_dependent=mode_dependent, group=_scope_key, frontend="export")
+    other = other_mode_trace(model, example_inputs) if check_modes else None
+    dependent = check_modes and (other is None or bool(mode_differences(traced.graph, other.graph)))
+    seq = _assemble(traced, mode_dependent=dependent, group=_scope_key, frontend="export")
+    if dependent and other is not None:
+        joined = join_modes(seq, _assemble(other, mode_dependent=True, group=_scope_key, frontend="export"))
+        if joined is not None:
+            seq.mode_dependent = False
+            seq.two_mode_layers = joined
+    return seq
 
 
 def _trace_fx(

@@ -252,6 +252,9 @@ def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False, frontend:
     ``meta['seqify_frontend']`` (an export graph spliced into an fx graph), which that frontend made."""
     builder = _Builder(traced, plan)
     layers: OrderedDict[str, nn.Module] = OrderedDict((s.name, builder.layer(s)) for s in plan.steps)
+    for layer in layers.values():
+        if isinstance(layer, Layer):  # in the mode traced, as the Sequential is; a layer with a program per mode reads it
+            layer.training = traced.training
     opaque_paths = {o.path: o for o in traced.opaque}
     opaque = []
     for step in plan.steps:

@@ -8,7 +8,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["exported_mode_dependent", "mode_differences"]
+__all__ = ["exported_mode_dependent", "mode_differences", "other_mode_trace"]
 
 
 def _signature(node: fx.Node) -> tuple[Any, ...]:
@@ -41,18 +41,24 @@ def mode_differences(a: fx.Graph, b: fx.Graph) -> set[str]:
     return {p for p in set(seqs[0]) | set(seqs[1]) if seqs[0].get(p) != seqs[1].get(p)}
 
 
-def exported_mode_dependent(module: nn.Module, graph: fx.Graph, example_inputs: Any) -> bool:
-    """Whether ``module``'s torch.export graph (``graph``, captured in its current mode) differs from the one
-    captured in the other mode on the same inputs (``module`` is left as it was). Where the other mode cannot
-    be captured (LayerDrop's random branch in train mode only), it is: the conversion then runs only in the
-    mode it was made in, as the fx frontend does, instead of refusing a model that converts in this one."""
+def other_mode_trace(module: nn.Module, example_inputs: Any) -> Any:
+    """``module``'s torch.export trace in the mode it is not in (``module`` is left as it was), or None where
+    that mode cannot be captured (LayerDrop's random branch in train mode only)."""
     from seqify.frontend.export.capture import export_trace
     from seqify.frontend.preserve import preserved
 
     with preserved(module):
         module.train(not module.training)
         try:
-            other = export_trace(module, example_inputs)
+            return export_trace(module, example_inputs)
         except Exception:
-            return True
-    return bool(mode_differences(graph, other.graph))
+            return None
+
+
+def exported_mode_dependent(module: nn.Module, graph: fx.Graph, example_inputs: Any) -> bool:
+    """Whether ``module``'s torch.export graph (``graph``, captured in its current mode) differs from the one
+    captured in the other mode on the same inputs. Where the other mode cannot be captured, it is: the
+    conversion then runs only in the mode it was made in, as the fx frontend does, instead of refusing a model
+    that converts in this one."""
+    other = other_mode_trace(module, example_inputs)
+    return other is None or bool(mode_differences(graph, other.graph))

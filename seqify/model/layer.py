@@ -16,7 +16,7 @@ from seqify.skip.namespace import SkipKey
 from seqify.skip.skippable import Skippable
 from seqify.skip.tracker import current_tracker
 
-__all__ = ["Ref", "Attr", "Op", "Layer", "grad_mode"]
+__all__ = ["Ref", "Attr", "Op", "Program", "Layer", "grad_mode"]
 
 
 class Ref(NamedTuple):
@@ -46,6 +46,16 @@ class Op:
     grad: tuple[bool, bool | None] | None = None
 
 
+class Program(NamedTuple):
+    """What a layer runs: its input names, ops, output names, and the skips it pops and stashes."""
+
+    inputs: tuple[str, ...]
+    ops: tuple[Op, ...]
+    outputs: tuple[str, ...]
+    pops: tuple[tuple[SkipKey, str], ...]
+    stashes: tuple[tuple[SkipKey, str], ...]
+
+
 @contextmanager
 def grad_mode(enabled: bool, inference: bool | None) -> Iterator[None]:
     """Run an op under the grad mode (and inference mode, unless None) it ran under in the source."""
@@ -62,7 +72,8 @@ class Layer(Skippable):
 
     It takes the value the previous layer carries (a tensor, or a tuple of tensors), pops the skips it
     needs, runs its ops, stashes what later layers need, and returns what the next layer reads. Its
-    ``forward`` is generated Python, compiled once per distinct program shape.
+    ``forward`` is generated Python, compiled once per distinct program shape. A layer of a model whose ops
+    differ between train and eval mode holds a second program, ``other``, run in ``other_training`` mode.
     """
 
     def __init__(
@@ -89,7 +100,23 @@ class Layer(Skippable):
             self.register_parameter(name, param)
         for name, (tensor, persistent) in (buffers or {}).items():
             self.register_buffer(name, tensor, persistent=persistent)
+        self.other: Program | None = None
+        self.other_training = not self.training
         self._fn = _compile(self)
+        self._other_fn: Callable[[Layer, Any], Any] | None = None
+
+    def program(self) -> Program:
+        """The program this layer runs in the mode it was converted in."""
+        return Program(self.inputs, self.ops, self.outputs, self.pops, self.stashes)
+
+    def run_in_other_mode(self, program: Program, training: bool) -> None:
+        """Run ``program`` whenever this layer's ``training`` is ``training``, and its own program otherwise."""
+        self.other, self.other_training = program, training
+        self._other_fn = _compile(program)
+
+    def forget_other_mode(self) -> None:
+        """Run only this layer's own program again."""
+        self.other, self._other_fn = None, None
 
     def stash_keys(self) -> tuple[SkipKey, ...]:
         return tuple(key for key, _ in self.stashes)
@@ -98,12 +125,17 @@ class Layer(Skippable):
         return tuple(key for key, _ in self.pops)
 
     def forward(self, input: Any) -> Any:
+        if self._other_fn is not None and self.training == self.other_training:
+            return self._other_fn(self, input)
         return self._fn(self, input)
 
     @property
     def code(self) -> str:
-        """The generated source of this layer's forward."""
-        return _generate(self)[0]
+        """The generated source of this layer's forward (and of its program for the other mode, if any)."""
+        if self.other is None:
+            return _generate(self)[0]
+        mode = "train" if self.other_training else "eval"
+        return _generate(self)[0] + f"\n# in {mode} mode:\n" + _generate(self.other)[0]
 
     def extra_repr(self) -> str:
         parts = []
@@ -112,16 +144,22 @@ class Layer(Skippable):
         parts.append(" ; ".join(_describe(op) for op in self.ops) or "pass")
         if self.stashes:
             parts.append("stash=[" + ", ".join(k[1] for k, _ in self.stashes) + "]")
+        if self.other is not None:
+            parts.append(f"(other ops in {'train' if self.other_training else 'eval'} mode)")
         return "  ".join(parts)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_fn", None)
+        state.pop("_other_fn", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("other", None)  # layers saved before layers held a program per mode
+        state.setdefault("other_training", not state.get("training", True))
         self.__dict__.update(state)
         self._fn = _compile(self)
+        self._other_fn = None if self.other is None else _compile(self.other)
 
 
 def _describe(op: Op) -> str:
@@ -152,7 +190,7 @@ _SIMPLE = (bool, int, str, type(None))
 _cache: dict[str, Callable[..., Callable[[Layer, Any], Any]]] = {}
 
 
-def _generate(layer: Layer) -> tuple[str, list[Any]]:
+def _generate(layer: Layer | Program) -> tuple[str, list[Any]]:
     bindings: list[Any] = [current_tracker]
     names: dict[int, str] = {}
 
@@ -228,7 +266,7 @@ def _generate(layer: Layer) -> tuple[str, list[Any]]:
     return source, bindings
 
 
-def _compile(layer: Layer) -> Callable[[Layer, Any], Any]:
+def _compile(layer: Layer | Program) -> Callable[[Layer, Any], Any]:
     source, bindings = _generate(layer)
     make = _cache.get(source)
     if make is None:

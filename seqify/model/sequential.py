@@ -147,6 +147,8 @@ class Sequential(nn.Sequential):
         object.__setattr__(self, "_unused", unused)
         self.converted_training = training
         self.mode_dependent = mode_dependent
+        #: the layers whose ops differ between train and eval mode: each runs those of the mode it runs in
+        self.two_mode_layers: tuple[str, ...] = ()
         self.source = source
         self.training = training
         #: per layer, the source module paths whose code it runs (set by conversion; empty when unknown)
@@ -357,6 +359,10 @@ class Sequential(nn.Sequential):
         if self.mode_dependent:
             mode = "train" if self.converted_training else "eval"
             lines.append(f"mode-dependent: converted in {mode} mode, runs only in {mode} mode")
+        elif self.two_mode_layers:
+            names = ", ".join(self.two_mode_layers[:4]) + (", ..." if len(self.two_mode_layers) > 4 else "")
+            lines.append(f"train and eval: {len(self.two_mode_layers)} layer(s) hold the ops of each mode, traced "
+                         f"in each ({names})")
         return "\n".join(lines)
 
     def named_layers(self) -> Iterator[tuple[str, nn.Module]]:

@@ -253,7 +253,7 @@ def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False, frontend:
     builder = _Builder(traced, plan)
     layers: OrderedDict[str, nn.Module] = OrderedDict((s.name, builder.layer(s)) for s in plan.steps)
     for layer in layers.values():
-        if isinstance(layer, Layer):  # in the mode traced, as the Sequential is; a layer with a program per mode reads it
+        if isinstance(layer, Layer):  # in the mode traced, as the Sequential: a layer with two programs reads it
             layer.training = traced.training
     opaque_paths = {o.path: o for o in traced.opaque}
     opaque = []

@@ -1068,6 +1068,19 @@ def test_a_reseed_inside_forward() -> None:
         seqify.convert(Reseeding(), torch.randn(2, 4))
 
 
+class NumpyMask(Lin):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        keep = torch.from_numpy(np.random.rand(*x.shape) > 0.5)
+        return super().forward(x) * keep
+
+
+def test_a_draw_outside_torch_with_the_export_frontend() -> None:
+    with raises(seqify.StatefulForwardError, "NumpyMask.forward", "with numpy", "What to do", "draw with torch"):
+        seqify.convert(NumpyMask(), torch.randn(2, 4), frontend="export")
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_a_scripted_submodule_with_the_export_frontend() -> None:
     model = Lin()

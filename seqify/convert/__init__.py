@@ -393,7 +393,11 @@ def _export_layers(model: nn.Module, example_inputs: Any, *, check_modes: bool) 
 
     traced = export_trace(model, example_inputs)
     other = other_mode_trace(model, example_inputs) if check_modes else None
-    dependent = check_modes and (other is None or bool(mode_differences(traced.graph, other.graph)))
+    if isinstance(other, Exception):
+        seq = _assemble(traced, mode_dependent=True, group=_scope_key, frontend="export")
+        seq.other_mode_error = str(other)
+        return seq
+    dependent = other is not None and bool(mode_differences(traced.graph, other.graph))
     seq = _assemble(traced, mode_dependent=dependent, group=_scope_key, frontend="export")
     if dependent and other is not None:
         joined = join_modes(seq, _assemble(other, mode_dependent=True, group=_scope_key, frontend="export"))

@@ -8,6 +8,8 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from seqify.errors import ExportError
+
 __all__ = ["exported_mode_dependent", "mode_differences", "other_mode_trace"]
 
 
@@ -42,8 +44,10 @@ def mode_differences(a: fx.Graph, b: fx.Graph) -> set[str]:
 
 
 def other_mode_trace(module: nn.Module, example_inputs: Any) -> Any:
-    """``module``'s torch.export trace in the mode it is not in (``module`` is left as it was), or None where
-    that mode cannot be captured (LayerDrop's random branch in train mode only)."""
+    """``module``'s torch.export trace in the mode it is not in (``module`` is left as it was), or the
+    :class:`~seqify.SeqifyError` that says why that mode cannot be captured (LayerDrop's random branch in train
+    mode only)."""
+    from seqify.errors import SeqifyError
     from seqify.frontend.export.capture import export_trace
     from seqify.frontend.preserve import preserved
 
@@ -51,8 +55,10 @@ def other_mode_trace(module: nn.Module, example_inputs: Any) -> Any:
         module.train(not module.training)
         try:
             return export_trace(module, example_inputs)
-        except Exception:
-            return None
+        except SeqifyError as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - any failure means: not this mode
+            return ExportError(f"{type(e).__name__}: {e}")
 
 
 def exported_mode_dependent(module: nn.Module, graph: fx.Graph, example_inputs: Any) -> bool:
@@ -61,4 +67,4 @@ def exported_mode_dependent(module: nn.Module, graph: fx.Graph, example_inputs: 
     conversion then runs only in the mode it was made in, as the fx frontend does, instead of refusing a model
     that converts in this one."""
     other = other_mode_trace(module, example_inputs)
-    return other is None or bool(mode_differences(graph, other.graph))
+    return isinstance(other, Exception) or bool(mode_differences(graph, other.graph))

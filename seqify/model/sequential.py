@@ -149,6 +149,8 @@ class Sequential(nn.Sequential):
         self.mode_dependent = mode_dependent
         #: the layers whose ops differ between train and eval mode: each runs those of the mode it runs in
         self.two_mode_layers: tuple[str, ...] = ()
+        #: why the other mode could not be traced, where it could not (the error's message)
+        self.other_mode_error = ""
         self.source = source
         self.training = training
         #: per layer, the source module paths whose code it runs (set by conversion; empty when unknown)
@@ -235,6 +237,12 @@ class Sequential(nn.Sequential):
     def _check_mode(self) -> None:
         if self.mode_dependent and self.training != self.converted_training:
             now, then = ("train", "eval") if self.training else ("eval", "train")
+            why = getattr(self, "other_mode_error", "")
+            if why:
+                raise ModeError(
+                    f"this conversion of {self.source} was made in {then} mode and runs in {now} mode, which "
+                    f"cannot be traced: {why}"
+                )
             raise ModeError(
                 f"{self.source}'s forward computes different ops in train and eval mode (it reads "
                 f"self.training in traced code), and this conversion was made in {then} mode but runs in "

@@ -125,3 +125,39 @@ def test_both_programs_survive_saving_and_copying() -> None:
                 assert _equal(other(**kwargs), want)
     layer = getattr(seq, seq.two_mode_layers[0])
     assert "# in eval mode:" in layer.code and "other ops in eval mode" in repr(layer)
+
+
+def wav2vec2(**config: Any) -> Built:
+    torch.manual_seed(0)
+    cfg = hf_encoders.wav2vec2_cfg(transformers.Wav2Vec2Config, **config)
+    return transformers.Wav2Vec2Model(cfg).double(), {"input_values": hf_encoders.audio_values().double()}
+
+
+def test_wav2vec2_spec_augment_is_refused_in_train_mode_naming_the_setting() -> None:
+    """SpecAugment draws its masks with numpy in train mode: a capture would keep one draw's masks for every call.
+    Refused when converting in train mode, and named when a conversion made in eval mode is run in train mode."""
+    np = pytest.importorskip("numpy")
+    model, kwargs = wav2vec2(layerdrop=0.0, mask_time_prob=0.5, mask_time_length=2)
+    state = np.random.get_state()
+    with pytest.raises(seqify.StatefulForwardError, match="SpecAugment") as refused:
+        seqify.convert(model.train(), example_inputs=kwargs)
+    assert "config.apply_spec_augment = False" in str(refused.value)
+    assert all((a == b).all() if hasattr(a, "shape") else a == b for a, b in zip(state, np.random.get_state()))
+    seq = assert_exact(model, (), kwargs=kwargs, train=False, backward=False,
+                       convert=lambda m: seqify.convert(m, example_inputs=kwargs))
+    assert seq.mode_dependent
+    seq.train()
+    with pytest.raises(seqify.ModeError, match="SpecAugment"):
+        seq(**kwargs)
+
+
+def test_wav2vec2_without_random_steps_converts_once_for_both_modes() -> None:
+    """With LayerDrop and SpecAugment off (the settings the refusal names), one conversion trains and evaluates."""
+    model, kwargs = wav2vec2(layerdrop=0.0, mask_time_prob=0.5, mask_time_length=2, apply_spec_augment=False)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.25
+    seq = seqify.convert(model.train(), example_inputs=kwargs)
+    assert not seq.mode_dependent
+    assert_exact(model, (), kwargs=kwargs, train=True, convert=lambda m: seq.train())
+    assert_exact(model, (), kwargs=kwargs, train=False, backward=False, convert=lambda m: seq.eval())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copyreg
+import functools
 import inspect
 import io
 import logging
@@ -22,6 +23,7 @@ from seqify.frontend.export.binding import bind_inputs
 from seqify.frontend.export.cleanup import clean, module_calls, shape_guards
 from seqify.frontend.export.devices import at_device_of, on_device_of, rewrite_devices
 from seqify.frontend.export.hf_masks import causal_skip
+from seqify.frontend.export.host_draws import HostDraws, host_draws, random_train_steps, refuse_host_draws
 from seqify.frontend.export.refusals import (
     cache_error,
     recording_writes,
@@ -78,6 +80,25 @@ def _quiet() -> Iterator[None]:
 
 
 def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -> torch.export.ExportedProgram:
+    with host_draws() as host:
+        return _export_watched(model, kwargs, dynamic, host)
+
+
+def _capture(model: nn.Module, kwargs: dict[str, Any], shapes: Any) -> torch.export.ExportedProgram:
+    # captured with gradients on, as the source trains: export records the regions that turn them off (and the
+    # layers run them so), whatever the mode convert is called in
+    with _quiet(), neutral_autocast(model, kwargs), causal_skip(kwargs), torch.enable_grad():
+        return torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
+
+
+def _again(model: nn.Module, kwargs: dict[str, Any], shapes: Any) -> torch.export.ExportedProgram:
+    """A second capture, as the first was made (the model and torch's generators left as they were)."""
+    with preserved(model), torch.random.fork_rng(devices=[]):
+        return _capture(model, kwargs, shapes)
+
+
+def _export_watched(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any],
+                    host: HostDraws) -> torch.export.ExportedProgram:
     name = type(model).__name__
     last: Exception | None = None
     for shapes in (dynamic, None):  # a batch dimension the model fixes falls back to static shapes (guarded)
@@ -85,11 +106,8 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
         with preserved(model), torch.random.fork_rng(devices=[]), recording_writes(model) as seen, \
                 reseeds(model) as seeded:
             try:
-                # captured with gradients on, as the source trains: export records the regions that turn them
-                # off (and the layers run them so), whatever the mode convert is called in
-                with _quiet(), neutral_autocast(model, kwargs), causal_skip(kwargs), torch.enable_grad(), \
-                        watching(watch):
-                    ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
+                with watching(watch):
+                    ep = _capture(model, kwargs, shapes)
             except SeqifyError:
                 raise
             except Exception as e:
@@ -99,6 +117,7 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
         refuse_reseeds(model, seeded)
         refuse_autograd(model, watch)
         refuse_writes(model, kwargs, seen)
+        refuse_host_draws(model, host.drawn(), ep, functools.partial(_again, model, kwargs, shapes))
         return ep
     assert last is not None
     failed = source_error(model, lambda: model(**kwargs), lambda: preserved(model))
@@ -143,8 +162,15 @@ def _hints(model: nn.Module, kwargs: dict[str, Any], site: str, error: Exception
         hints.append(f"the failing line reads the example input {read[0]}=: leave it out of example_inputs and "
                      "compute what needs it (a loss from labels=) on the converted model's output")
     if model.training and "data-dependent" in str(error):
-        hints.append("in train mode, a branch on a random draw (LayerDrop: config.layerdrop > 0) cannot be "
-                     "captured: convert in eval mode, or set the drop probability to 0 to train")
+        steps = random_train_steps(model)
+        if steps:
+            what, fix = " and ".join(s for s, _ in steps), " and ".join(o for _, o in steps)
+            hints.append(f"in train mode {what} draw at random and branch on the draw, which cannot be captured: "
+                         f"to train the converted model set {fix} before converting; to evaluate it, convert in "
+                         "eval mode")
+        else:
+            hints.append("in train mode, a branch on a random draw (LayerDrop: config.layerdrop > 0) cannot be "
+                         "captured: convert in eval mode, or set the drop probability to 0 to train")
     return "".join(f"; {h}" for h in hints)
 
 

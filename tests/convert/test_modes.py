@@ -75,7 +75,7 @@ def test_one_conversion_is_exact_in_train_and_eval(name: str, converted_in: str)
     alternate(model, seq, kwargs)
 
 
-def alternate(model: nn.Module, seq: seqify.Sequential, kwargs: dict[str, Any]) -> None:
+def alternate(model: nn.Module, seq: seqify.Sequential, kwargs: dict[str, Any], args: tuple[Any, ...] = ()) -> None:
     """Two rounds of a training step (forward, backward, SGD) and an evaluation forward, on a 2-partition pipeline
     and on a copy of the source: equal throughout. One micro-batch: dropout then draws in the source's order
     (over several micro-batches a pipeline draws partition by partition)."""
@@ -85,7 +85,8 @@ def alternate(model: nn.Module, seq: seqify.Sequential, kwargs: dict[str, Any]) 
     for _ in range(2):
         pipe.train(), source.train()
         outs = []
-        for run, opt in zip((lambda: pipe(**kwargs), lambda: by_micro_batch(source, (), 1, kwargs)), optimizers):
+        for run, opt in zip((lambda: pipe(*args, **kwargs), lambda: by_micro_batch(source, args, 1, kwargs)),
+                            optimizers):
             opt.zero_grad()
             torch.manual_seed(1)
             out = run()
@@ -99,7 +100,7 @@ def alternate(model: nn.Module, seq: seqify.Sequential, kwargs: dict[str, Any]) 
             opt.step()
         pipe.eval(), source.eval()
         with torch.no_grad():
-            assert _equal(pipe(**kwargs), by_micro_batch(source, (), 1, kwargs))
+            assert _equal(pipe(*args, **kwargs), by_micro_batch(source, args, 1, kwargs))
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -161,3 +162,17 @@ def test_wav2vec2_without_random_steps_converts_once_for_both_modes() -> None:
     assert not seq.mode_dependent
     assert_exact(model, (), kwargs=kwargs, train=True, convert=lambda m: seq.train())
     assert_exact(model, (), kwargs=kwargs, train=False, backward=False, convert=lambda m: seq.eval())
+
+
+def test_ghostnetv2_converts_once_for_both_modes_with_fx() -> None:
+    """timm's GhostNetV2 applies its head's dropout with training=self.training in its own forward: fx records it
+    in the mode it traces, and the conversion holds that layer's ops for each mode."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("ghostnetv2_100", pretrained=False, num_classes=10).double().train()
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)  # the smallest its pooling takes
+    seq = seqify.convert(model, (x,))
+    assert seq.frontend == "fx" and not seq.mode_dependent and seq.two_mode_layers
+    assert_exact(model, (x,), train=True, convert=lambda m: seq.train())
+    assert_exact(model, (x,), train=False, backward=False, convert=lambda m: seq.eval())
+    alternate(model, seq, {}, (x,))

@@ -231,3 +231,50 @@ def test_padded_targets_weigh_like_one_device_on_gpus(schedule: str, graphs: boo
     close(got.reshape(1), expected.detach().reshape(1), "loss")
     for (name, p), q in zip(source.named_parameters(), twin.parameters()):
         close(q.grad, p.grad, name)
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer whose output is doubled in train mode and halved in eval mode: ops that differ between the
+    modes, with nothing random, in a layer of their own (a module with a child is flattened into ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.f(x))
+        return y * 2.0 if self.training else y * 0.5
+
+
+def test_a_conversion_for_both_modes_replays_the_graphs_of_each_mode() -> None:
+    """One export conversion whose layers hold a program per mode: graphs=True trains (pipe.step) and evaluates
+    (forward graphs) in turn, each mode as the eager pipeline computes it."""
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(16, 32), _Scaled(), _Scaled(), torch.nn.Linear(32, 4))
+    twin = copy.deepcopy(source)
+    x, y = torch.randn(16, 16), torch.randn(16, 4)
+    seq, seq2 = (seqify.convert(m, x, frontend="export") for m in (source, twin))
+    assert seq.two_mode_layers and not seq.mode_dependent
+    gpus = min(torch.cuda.device_count(), 2)
+    eager = seqify.pipeline(seq, gpus=gpus, chunks=4, balance=[3, len(seq) - 3] if gpus == 2 else None)
+    graphed = seqify.pipeline(seq2, gpus=gpus, chunks=4, balance=eager.balance, graphs=True)
+    opts = [torch.optim.SGD(p.parameters(), lr=0.05) for p in (eager, graphed)]
+    x, y = x.cuda(0), y.cuda(0)
+    for step in range(3):
+        losses = []
+        for pipe, opt in zip((eager, graphed), opts):
+            pipe.train()
+            opt.zero_grad()
+            losses.append(pipe.step(x, y, torch.nn.functional.mse_loss))
+            opt.step()
+        close(losses[1], losses[0], f"step {step} loss")
+        outs = []
+        for pipe in (eager, graphed):
+            pipe.eval()
+            with torch.no_grad():
+                outs.append(pipe(x))
+        close(outs[1], outs[0], f"step {step} eval output")
+        with torch.no_grad():
+            trained = eager.train()(x)
+        assert not torch.allclose(trained, outs[0])  # the modes compute different things
+    assert graphed.graph_error is None and graphed._graphed is not None

@@ -411,3 +411,60 @@ def clip_spawned(rank: int, world: int, port: int, out: str, balance: list[int],
 
 if __name__ == "__main__":
     main()
+
+
+class ModeNet(nn.Module):
+    """Its blocks double their output in train mode and halve it in eval mode: ops that differ between the modes,
+    which an export conversion holds per mode in one layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList([ModeBlock(), ModeBlock()])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ModeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.f(x))
+        return y * 2.0 if self.training else y * 0.5
+
+
+def modes_spawned(rank: int, world: int, port: int, out: str, steps: int) -> None:
+    """One rank started by ``procs.spawn``: ``steps`` rounds of a training step (SGD) and an evaluation forward of
+    ModeNet, converted once by the export frontend, over ``world`` ranks; saves losses and outputs."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = ModeNet().double().train()
+        x, y = data("skippy", 8)
+        seq = seqify.convert(model, x, frontend="export")
+        assert seq.two_mode_layers and not seq.mode_dependent, seq.summary()
+        stage = sd.stage(seq, balance=[3, len(seq) - 3], chunks=2, schedule="1f1b")
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+        record: dict[str, Any] = {"losses": [], "outputs": []}
+        for _ in range(steps):
+            stage.train()
+            opt.zero_grad()
+            loss = stage.step(x if stage.is_first else None, y if stage.is_last else None, loss_fn=F.cross_entropy)
+            opt.step()
+            stage.eval()
+            with torch.no_grad():
+                output = stage(x if stage.is_first else None)
+            record["losses"].append(None if loss is None else float(loss))
+            record["outputs"].append(output)
+        torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()

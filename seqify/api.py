@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from seqify.convert import convert
-from seqify.errors import BalanceError, EmptyModelError
+from seqify.errors import BalanceError, EmptyModelError, UntraceableError
 from seqify.pipe.config import PipeConfig
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.memory import parse_bytes
@@ -108,7 +111,7 @@ def pipeline(
     the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
     """
     if not isinstance(model, nn.Sequential):
-        model = convert(model, example_inputs, **convert_options)
+        model = _converted(model, example_inputs, sample, convert_options)
     elif convert_options:
         raise BalanceError(f"options {sorted(convert_options)} apply to conversion, but the model is already a "
                            "Sequential")
@@ -156,3 +159,18 @@ def _options(cfg: PipeConfig, given: dict[str, Any]) -> dict[str, Any]:
         options.update(gpus=given["gpus"], devices=given["devices"])
     options["deferred_batch_norm"] = cfg.deferred_batch_norm or given["deferred_batch_norm"]
     return options
+
+
+def _converted(model: nn.Module, example_inputs: Any, sample: Any, options: dict[str, Any]) -> nn.Sequential:
+    """``model`` converted for :func:`pipeline`: with ``example_inputs`` where given; else without, and where
+    that cannot trace it (a forward fx cannot follow without values, a transformers model), with the first two
+    samples of ``sample`` as example inputs (two: the batch stays dynamic)."""
+    if example_inputs is not None or sample is None:
+        return convert(model, example_inputs, **options)
+    try:
+        return convert(model, None, **options)
+    except UntraceableError as e:
+        first = pytree.tree_map(lambda t: t[:2] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, sample)
+        logging.getLogger("seqify").info("converting %s with the first samples of sample= as example inputs: "
+                                         "without them %s", type(model).__name__, str(e).splitlines()[0])
+        return convert(model, first, **options)

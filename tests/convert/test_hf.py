@@ -625,3 +625,15 @@ def test_a_one_sample_example_converts_for_every_batch(family: str) -> None:
             assert bit_equal(seq(**batch), model(**batch))
         pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=two_stages(seq), chunks=2)
         assert bit_equal(pipe(**kwargs), by_micro_batch(model, kwargs, 2))
+
+
+def test_pipeline_of_a_transformers_model_given_only_a_sample_converts_it_from_that_sample() -> None:
+    """seqify.pipeline(model, sample=ids): fx cannot trace the model without values, so the sample's first two
+    samples become the example inputs (the batch stays dynamic) and the pipeline equals the source per micro-batch."""
+    torch.manual_seed(0)
+    model, _ = llama()
+    x = ids(batch=6)
+    pipe = seqify.pipeline(model, devices=["cpu", "cpu"], sample=x, chunks=3)
+    assert pipe.model.frontend == "export"
+    with torch.no_grad():
+        assert bit_equal(pipe(x), by_micro_batch(model, {"input_ids": x}, 3))

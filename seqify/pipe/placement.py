@@ -180,6 +180,10 @@ def _place(parts: list[nn.Sequential], devices: Sequence[torch.device]) -> None:
             )
     for part, device in zip(parts, devices):
         part.to(device)
+    # autocast caches the cast of each parameter until its outermost region ends, keyed by the tensor: a cast
+    # made before the move (the tuner places candidates one after another inside the caller's autocast region)
+    # would be read on the parameter's old device
+    torch.clear_autocast_cache()
     for entries in slots.values():
         if len(entries) < 2:
             continue

@@ -343,6 +343,24 @@ def test_tune_on_two_gpus_is_exact_and_reports_predictions() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tune_inside_autocast_places_every_candidate_on_its_devices() -> None:
+    """Inside the caller's torch.autocast region the tuner places candidates one after another: a weight's cast
+    that autocast cached on one GPU is not read after the weight moved to the other, and the chosen pipeline
+    computes, under autocast, what the source does."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(8)]
+    source = torch.nn.Sequential(*blocks, torch.nn.Linear(256, 10)).cuda()
+    x = torch.randn(64, 256, device="cuda:0")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        pipe = seqify.pipeline(copy.deepcopy(source), gpus=2, sample=x)
+        with torch.no_grad():
+            got = pipe(x).to("cuda:0")
+            want = torch.cat([source(part) for part in x.tensor_split(pipe.chunks)])
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tune_times_candidates_from_the_first_gpu(monkeypatch) -> None:
     """A sample given on the host is moved to the first GPU once: every timed candidate starts from it there,
     as the one-device anchor does (a host batch's copy would be in the measured times and no prediction)."""

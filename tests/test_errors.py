@@ -218,6 +218,21 @@ def test_mode_dependent_model_in_the_other_mode() -> None:
         pipe(torch.randn(2, 3))
 
 
+class RandomSkip(Lin):
+    """Skips its layer on a random draw in train mode only: torch.export cannot capture train mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if not self.training or torch.rand([]) >= 0.5 else x
+
+
+def test_a_mode_that_could_not_be_traced() -> None:
+    seq = seqify.convert(RandomSkip().eval(), torch.randn(2, 4), frontend="export")
+    seq.train()
+    with raises(seqify.ModeError, "RandomSkip", "made in eval mode and runs in train mode", "torch.rand([])",
+                "What to do"):
+        seq(torch.randn(2, 4))
+
+
 def test_convert_options_that_name_nothing() -> None:
     model = nn.Sequential(Lin(), nn.ReLU())
     with raises(seqify.OptionError, "leaf_paths names '0.h'", "not a submodule of Sequential", "model.named_modules()"):

@@ -16,7 +16,7 @@ from seqify.convert.kinds import module_path
 from seqify.convert.linearize import Plan, linearize
 from seqify.convert.modes import mode_differences, other_mode_trace
 from seqify.convert.splice import EXPORT, FRONTEND, Spliced, candidates, copied, opaque_with, splice
-from seqify.convert.twin import forget_other_modes, join_modes
+from seqify.convert.twin import check_both_modes, join_modes, join_other_mode
 from seqify.convert.verify import check, kept, split_inputs
 from seqify.errors import (
     ConversionError,
@@ -137,36 +137,11 @@ def convert(
     with torch.random.fork_rng(devices=_accelerators(model)), buffers_kept(model, parameters=True):
         seq = _convert(model, example_inputs, leaf_types, leaf_paths, depth, check_modes, frontend, verify)
         if seq.mode_dependent and check_modes and "fx" in seq.frontend:  # export conversions tried already
-            _join_other_mode(model, seq, example_inputs, leaf_types, leaf_paths, depth, frontend, verify)
+            join_other_mode(model, seq, lambda kept: _convert(
+                model, example_inputs, leaf_types, kept, depth, False, frontend, False), leaf_paths,
+                example_inputs if verify else None)
     _report(model, seq)
     return seq
-
-
-def _join_other_mode(model: nn.Module, seq: Sequential, example_inputs: Any, leaf_types: tuple[type, ...],
-                     leaf_paths: tuple[str, ...], depth: int | None, frontend: str, verify: bool) -> None:
-    """A mode-dependent conversion converted again in the other mode (keeping whole what the first kept whole)
-    and joined with it layer by layer where the two differ only inside layers; checked in the other mode
-    too. Where they do not join, or the check fails, ``seq`` stays as it was: it refuses the other mode."""
-    kept = tuple(dict.fromkeys([*leaf_paths, *(o.path for o in seq.opaque)]))
-    with preserved(model):
-        model.train(not seq.converted_training)
-        try:
-            other = _convert(model, example_inputs, leaf_types, kept, depth, False, frontend, False)
-        except SeqifyError:
-            return
-    joined = join_modes(seq, other)
-    if joined is None:
-        return
-    seq.mode_dependent, seq.two_mode_layers = False, joined
-    if not verify or example_inputs is None:
-        return
-    try:
-        _check_other_mode(model, seq, example_inputs)
-    except VerifyError as e:
-        forget_other_modes(seq)
-        seq.mode_dependent, seq.two_mode_layers = True, ()
-        log.warning("converting %s: the layers traced in the other mode fail the self-check there (%s); the "
-                    "conversion runs only in the mode it was made in", type(model).__name__, _first_line(e))
 
 
 def _first_line(error: BaseException) -> str:
@@ -355,34 +330,15 @@ def _via_export(model: nn.Module, example_inputs: Any, *, check_modes: bool, ver
         try:
             seq = _export_layers(model, twice, check_modes=check_modes)
             if verify:
-                _check_modes(model, seq, twice)
+                check_both_modes(model, seq, twice)
                 check(model, seq, example_inputs, frontend="export")
             return seq
         except SeqifyError:
             pass
     seq = _export_layers(model, example_inputs, check_modes=check_modes)
     if verify:
-        _check_modes(model, seq, example_inputs)
+        check_both_modes(model, seq, example_inputs)
     return seq
-
-
-def _check_modes(model: nn.Module, seq: Sequential, example_inputs: Any) -> None:
-    """The self-check in the model's mode, and in the other mode too where the conversion holds ops for it."""
-    check(model, seq, example_inputs, frontend="export")
-    if seq.two_mode_layers:
-        _check_other_mode(model, seq, example_inputs)
-
-
-def _check_other_mode(model: nn.Module, seq: Sequential, example_inputs: Any) -> None:
-    """The self-check with the source and ``seq`` in the mode ``seq`` was not converted in."""
-    mode = seq.training
-    with preserved(model):
-        model.train(not seq.converted_training)
-        seq.train(not seq.converted_training)
-        try:
-            check(model, seq, example_inputs, frontend=seq.frontend)
-        finally:
-            seq.train(mode)
 
 
 def _export_layers(model: nn.Module, example_inputs: Any, *, check_modes: bool) -> Sequential:

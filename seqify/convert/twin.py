@@ -2,16 +2,71 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from seqify.convert.verify import check
+from seqify.errors import SeqifyError, VerifyError
+from seqify.frontend.preserve import preserved
 from seqify.model.layer import Attr, Layer, Op, Program
 from seqify.model.sequential import Sequential
 from seqify.skip.namespace import SkipKey
 
-__all__ = ["join_modes", "forget_other_modes"]
+__all__ = ["join_modes", "join_other_mode", "forget_other_modes", "check_both_modes", "check_other_mode"]
+
+log = logging.getLogger("seqify.frontend")
+
+
+def join_other_mode(model: nn.Module, seq: Sequential, reconvert: Callable[[tuple[str, ...]], Sequential],
+                    leaf_paths: tuple[str, ...], example_inputs: Any) -> None:
+    """A mode-dependent conversion ``seq`` of ``model`` converted again in the other mode (``reconvert`` of the
+    paths to keep whole: what the first kept whole too) and joined with it layer by layer where the two differ
+    only inside layers; checked in the other mode on ``example_inputs`` (None: not checked). Where they do not
+    join, or the check fails, ``seq`` stays as it was: it refuses the other mode."""
+    kept = tuple(dict.fromkeys([*leaf_paths, *(o.path for o in seq.opaque)]))
+    with preserved(model):
+        model.train(not seq.converted_training)
+        try:
+            other = reconvert(kept)
+        except SeqifyError:
+            return
+    joined = join_modes(seq, other)
+    if joined is None:
+        return
+    seq.mode_dependent, seq.two_mode_layers = False, joined
+    if example_inputs is None:
+        return
+    try:
+        check_other_mode(model, seq, example_inputs)
+    except VerifyError as e:
+        forget_other_modes(seq)
+        seq.mode_dependent, seq.two_mode_layers = True, ()
+        log.warning("converting %s: the layers traced in the other mode fail the self-check there (%s); the "
+                    "conversion runs only in the mode it was made in", type(model).__name__,
+                    str(e).splitlines()[0])
+
+
+def check_both_modes(model: nn.Module, seq: Sequential, example_inputs: Any) -> None:
+    """The self-check in the model's mode, and in the other mode too where the conversion holds ops for it."""
+    check(model, seq, example_inputs, frontend="export")
+    if seq.two_mode_layers:
+        check_other_mode(model, seq, example_inputs)
+
+
+def check_other_mode(model: nn.Module, seq: Sequential, example_inputs: Any) -> None:
+    """The self-check with the source and ``seq`` in the mode ``seq`` was not converted in."""
+    mode = seq.training
+    with preserved(model):
+        model.train(not seq.converted_training)
+        seq.train(not seq.converted_training)
+        try:
+            check(model, seq, example_inputs, frontend=seq.frontend)
+        finally:
+            seq.train(mode)
 
 
 def join_modes(seq: Sequential, other: Sequential) -> tuple[str, ...] | None:

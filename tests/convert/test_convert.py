@@ -545,8 +545,9 @@ def test_export_of_a_model_the_other_mode_cannot_capture_converts_in_this_mode()
     with torch.no_grad():
         assert torch.equal(seq(x), model(x))
     seq.train()
-    with pytest.raises(seqify.ModeError, match="Convert a second time"):
+    with pytest.raises(seqify.ModeError, match="made in eval mode and runs in train mode, which cannot be traced") as e:
         seq(x)
+    assert "torch.rand([]) >= 0.5" in str(e.value)  # the line that stops the capture
     with pytest.raises(seqify.ExportError, match="cannot capture"):
         seqify.convert(model.train(), example_inputs=(x,), frontend="export")
 

@@ -12,6 +12,7 @@ from torch import nn
 from seqify.convert.verify import check
 from seqify.errors import SeqifyError, VerifyError
 from seqify.frontend.preserve import preserved
+from seqify.frontend.traced import attribute
 from seqify.model.layer import Attr, Layer, Op, Program
 from seqify.model.sequential import Sequential
 from seqify.skip.namespace import SkipKey
@@ -180,12 +181,10 @@ _MISSING = object()
 
 
 def _get(layer: nn.Module, name: str) -> Any:
-    obj: Any = layer
-    for part in name.split("."):
-        obj = getattr(obj, part, _MISSING)
-        if obj is _MISSING:
-            return _MISSING
-    return obj
+    try:
+        return attribute(layer, name)
+    except AttributeError:
+        return _MISSING
 
 
 def _same(a: Any, b: Any) -> bool:

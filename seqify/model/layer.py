@@ -109,6 +109,10 @@ class Layer(Skippable):
         """The program this layer runs in the mode it was converted in."""
         return Program(self.inputs, self.ops, self.outputs, self.pops, self.stashes)
 
+    def programs(self) -> tuple[Program, ...]:
+        """Every program this layer runs: its own, and the other mode's where it holds one."""
+        return (self.program(),) if self.other is None else (self.program(), self.other)
+
     def run_in_other_mode(self, program: Program, training: bool) -> None:
         """Run ``program`` whenever this layer's ``training`` is ``training``, and its own program otherwise."""
         self.other, self.other_training = program, training

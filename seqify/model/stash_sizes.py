@@ -46,18 +46,22 @@ def size_skips(layers: Iterable[nn.Module]) -> set[SkipKey]:
 
     sized: set[SkipKey] = set()
     for layer in layers:
-        if not isinstance(layer, Layer):
-            continue
-        known = {name for key, name in layer.pops if key in sized}
-        for op in layer.ops:
-            if op.target in _SIZES or (op.kind == "call_method" and op.target in _SIZE_METHODS):
-                extra = [*op.args[1:], *op.kwargs.values()]
-                if all(n in known for n in _refs(extra)):
-                    known.add(op.out)
-            elif op.target in _ARITHMETIC or (op.kind == "call_function" and op.target is getattr and
-                                               len(op.args) == 2 and op.args[1] == "shape"):
-                reads = _refs([*op.args, *op.kwargs.values()])
-                if op.target is getattr or (reads and all(n in known for n in reads)):
-                    known.add(op.out)
-        sized |= {key for key, name in layer.stashes if name in known}
+        if isinstance(layer, Layer):  # a size in every program the layer runs (a program per mode)
+            sized |= set.intersection(*(_sized(program, sized) for program in layer.programs()))
     return sized
+
+
+def _sized(program: Any, sized: set[SkipKey]) -> set[SkipKey]:
+    """The skips ``program`` stashes whose values are sizes, given the ``sized`` skips it may pop."""
+    known = {name for key, name in program.pops if key in sized}
+    for op in program.ops:
+        if op.target in _SIZES or (op.kind == "call_method" and op.target in _SIZE_METHODS):
+            extra = [*op.args[1:], *op.kwargs.values()]
+            if all(n in known for n in _refs(extra)):
+                known.add(op.out)
+        elif op.target in _ARITHMETIC or (op.kind == "call_function" and op.target is getattr and
+                                           len(op.args) == 2 and op.args[1] == "shape"):
+            reads = _refs([*op.args, *op.kwargs.values()])
+            if op.target is getattr or (reads and all(n in known for n in reads)):
+                known.add(op.out)
+    return {key for key, name in program.stashes if name in known}

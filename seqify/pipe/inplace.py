@@ -61,7 +61,12 @@ def _module_aliases(m: nn.Module) -> bool:
 
 
 def _name(target: Any) -> str:
-    return target if isinstance(target, str) else getattr(target, "__name__", "")
+    """The op's name without its overload: an aten op of an export-made layer (``aten.add_.Tensor``) by its
+    packet's name (``add_``), so its in-place and aliasing kinds read as those of the method."""
+    if isinstance(target, str):
+        return target
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet if packet is not None else target, "__name__", "")
 
 
 def _inplace(kind: str, target: Any, kwargs: Any) -> bool:
@@ -90,52 +95,16 @@ def _walk(
     skips: dict[Hashable, frozenset[Hashable]],
     mutated: set[Hashable],
 ) -> frozenset[Hashable]:
-    from seqify.model.layer import Layer, Ref
+    from seqify.model.layer import Layer
     from seqify.skip.skippable import Skippable, pop_keys, stash_keys
 
     for m in modules:
         if isinstance(m, Layer):
-            env: dict[str, frozenset[Hashable]] = {name: carry for name in m.inputs}
-            for key, name in m.pops:
-                env[name] = skips.get(key, _NONE)
-
-            # called only within this layer's iteration: env is this layer's
-            def roots(a: Any, env: dict[str, frozenset[Hashable]] = env) -> frozenset[Hashable]:
-                if isinstance(a, Ref):
-                    return env.get(a.name, _NONE)
-                if isinstance(a, (tuple, list)):
-                    return frozenset().union(*(roots(x) for x in a)) if a else _NONE
-                if isinstance(a, dict):
-                    return frozenset().union(*(roots(x) for x in a.values())) if a else _NONE
-                if isinstance(a, slice):
-                    return roots((a.start, a.stop, a.step))
-                return _NONE
-
-            for op in m.ops:
-                first = roots(op.args[0]) if op.args else _NONE
-                every = roots((op.args, op.kwargs))
-                if op.kind == "call_module":
-                    module = m.get_submodule(op.target)
-                    if _module_mutates(module):
-                        mutated |= every if not getattr(module, "inplace", False) else first
-                    env[op.out] = every if _module_aliases(module) else _NONE
-                    continue
-                target = op.target
-                if _inplace(op.kind, target, op.kwargs):
-                    mutated |= first
-                    out = op.kwargs.get("out") if isinstance(op.kwargs, dict) else None
-                    mutated |= roots(out)
-                    env[op.out] = first
-                elif isinstance(op.kwargs, dict) and "out" in op.kwargs:
-                    mutated |= roots(op.kwargs["out"])
-                    env[op.out] = roots(op.kwargs["out"])
-                elif _name(target) in _ALIASING:
-                    env[op.out] = first
-                else:
-                    env[op.out] = _NONE
-            for key, name in m.stashes:
-                skips[key] = env.get(name, _NONE)
-            carry = frozenset().union(*(env.get(o, _NONE) for o in m.outputs)) if m.outputs else _NONE
+            # a layer that holds a program per mode may modify in place what either program does
+            stashed: dict[Hashable, frozenset[Hashable]] = {}
+            outs = [_walk_program(m, program, carry, skips, mutated, stashed) for program in m.programs()]
+            skips.update(stashed)
+            carry = frozenset().union(*outs)
         elif isinstance(m, Skippable):
             received = carry.union(*(skips.get(key, _NONE) for key in pop_keys(m)))
             mutated |= received
@@ -152,13 +121,14 @@ def _walk(
 
 
 def written_tensors(layer: nn.Module) -> list[Any]:
-    """Parameters and buffers a generated layer modifies in place through its ops (``self.count += 1``)."""
+    """Parameters and buffers a generated layer modifies in place through its ops (``self.count += 1``), in
+    either mode's program."""
     from seqify.model.layer import Attr, Layer
 
     if not isinstance(layer, Layer):
         return []
     found = []
-    for op in layer.ops:
+    for op in (op for program in layer.programs() for op in program.ops):
         first = op.args[0] if op.args else None
         if isinstance(first, Attr) and op.kind != "call_module" and _inplace(op.kind, op.target, op.kwargs):
             owner, _, name = first.name.rpartition(".")
@@ -166,3 +136,53 @@ def written_tensors(layer: nn.Module) -> list[Any]:
             t = module._parameters.get(name)
             found.append(module._buffers.get(name) if t is None else t)
     return [t for t in found if t is not None]
+
+
+def _walk_program(layer: nn.Module, program: Any, carry: frozenset[Hashable],
+                  skips: dict[Hashable, frozenset[Hashable]], mutated: set[Hashable],
+                  stashed: dict[Hashable, frozenset[Hashable]]) -> frozenset[Hashable]:
+    """One program of a generated layer: what it modifies in place (added to ``mutated``), the roots of what it
+    stashes (joined into ``stashed``) and of what it returns."""
+    from seqify.model.layer import Ref
+
+    env: dict[str, frozenset[Hashable]] = {name: carry for name in program.inputs}
+    for key, name in program.pops:
+        env[name] = skips.get(key, _NONE)
+
+    # called only within this layer's iteration: env is this layer's
+    def roots(a: Any, env: dict[str, frozenset[Hashable]] = env) -> frozenset[Hashable]:
+        if isinstance(a, Ref):
+            return env.get(a.name, _NONE)
+        if isinstance(a, (tuple, list)):
+            return frozenset().union(*(roots(x) for x in a)) if a else _NONE
+        if isinstance(a, dict):
+            return frozenset().union(*(roots(x) for x in a.values())) if a else _NONE
+        if isinstance(a, slice):
+            return roots((a.start, a.stop, a.step))
+        return _NONE
+
+    for op in program.ops:
+        first = roots(op.args[0]) if op.args else _NONE
+        every = roots((op.args, op.kwargs))
+        if op.kind == "call_module":
+            module = layer.get_submodule(op.target)
+            if _module_mutates(module):
+                mutated |= every if not getattr(module, "inplace", False) else first
+            env[op.out] = every if _module_aliases(module) else _NONE
+            continue
+        target = op.target
+        if _inplace(op.kind, target, op.kwargs):
+            mutated |= first
+            out = op.kwargs.get("out") if isinstance(op.kwargs, dict) else None
+            mutated |= roots(out)
+            env[op.out] = first
+        elif isinstance(op.kwargs, dict) and "out" in op.kwargs:
+            mutated |= roots(op.kwargs["out"])
+            env[op.out] = roots(op.kwargs["out"])
+        elif _name(target) in _ALIASING:
+            env[op.out] = first
+        else:
+            env[op.out] = _NONE
+    for key, name in program.stashes:
+        stashed[key] = stashed.get(key, _NONE) | env.get(name, _NONE)
+    return frozenset().union(*(env.get(o, _NONE) for o in program.outputs)) if program.outputs else _NONE

@@ -176,3 +176,34 @@ def test_ghostnetv2_converts_once_for_both_modes_with_fx() -> None:
     assert_exact(model, (x,), train=True, convert=lambda m: seq.train())
     assert_exact(model, (x,), train=False, backward=False, convert=lambda m: seq.eval())
     alternate(model, seq, {}, (x,))
+
+
+class _CountsInTrain(nn.Module):
+    """Adds one to a buffer in train mode only, and doubles its output there: the train program writes what the
+    eval program only reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.f(x)) + self.n
+        if self.training:
+            self.n.add_(1)
+        return y * 2.0 if self.training else y
+
+
+def test_what_either_mode_writes_in_place_is_known_to_the_pipeline() -> None:
+    """Converted in eval mode, the layer holding the train program's in-place write still reports the buffer
+    (written_tensors, which placement and recomputation read, looks at every program, and knows aten's
+    ``add_.Tensor`` as in place), and a train-mode call updates the source's buffer as the source does."""
+    from seqify.pipe.inplace import written_tensors
+
+    model = nn.Sequential(nn.Linear(4, 4), _CountsInTrain(), nn.Linear(4, 2)).eval()
+    x = torch.randn(2, 4)
+    seq = seqify.convert(model, x, frontend="export")
+    assert seq.two_mode_layers == ("1",)
+    written = written_tensors(getattr(seq, "1"))
+    assert len(written) == 1 and written[0] is model[1].n
+    assert_exact(model, (x,), train=True, convert=lambda m: seq.train())

@@ -51,7 +51,7 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     sd.init()
-    import seqify.checkpoint.store  # noqa: F401  (torch.distributed.checkpoint: an import, not the model's memory)
+    from seqify.checkpoint import store  # noqa: F401  (torch.distributed.checkpoint: an import, not the model's memory)
 
     before = peak_mib()
     whole = args.layers * args.width * args.width * 4 / 2**20

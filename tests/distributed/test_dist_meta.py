@@ -121,3 +121,19 @@ def test_weights_that_lack_a_key_name_it(tmp_path: Path) -> None:
     with pytest.raises(seqify.StateDictError, match=r"lacks keys .*'c.bias'"):
         materialize(seq, [len(seq)], [0], torch.device("cpu"), tmp_path / "w.safetensors", source=source,
                     buffers=worker.scale_init)
+
+
+def test_the_benchmark_writes_the_checkpoint_its_ranks_read(tmp_path: Path) -> None:
+    """benchmarks/meta_init's first command (--write), on a small model: the folder it documents loads."""
+    import subprocess
+    import sys
+
+    from helpers.procs import child_env
+
+    root = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, str(root / "benchmarks" / "meta_init" / "main.py"), "--write", str(tmp_path / "ckpt"),
+            "--layers", "2", "--width", "8"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    state = seqify.checkpoint.load_state_dict(tmp_path / "ckpt")
+    assert len(state) == 4 and all(t.shape[-1] == 8 for t in state.values())

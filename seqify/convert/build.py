@@ -259,8 +259,9 @@ def build(traced: Traced, plan: Plan, *, mode_dependent: bool = False, frontend:
     opaque = []
     for step in plan.steps:
         for node in step.nodes:
-            if node.op == "call_module" and node.target in opaque_paths:
-                o = opaque_paths[node.target]
+            key = node.target if node.op == "call_module" else node.meta.get("seqify_method")
+            if key in opaque_paths:
+                o = opaque_paths[key]
                 opaque.append(OpaqueInfo(step.name, o.path, o.type, o.reason, o.diverged))
     unused = _Unused()
     holder = nn.Module()

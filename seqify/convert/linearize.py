@@ -78,14 +78,20 @@ def _expand_outputs(graph: fx.Graph, output: fx.Node, structure: Any, kinds: dic
         leaves, spec = pytree.tree_flatten(val)
         paths = [p for p, _ in pytree.tree_flatten_with_path(val)[0]]
         picked = []
+        made: dict[tuple[fx.Node, Any], fx.Node] = {}  # (container, index): its element, made once
         for path, leaf in zip(paths, leaves):
-            current = node
+            current, inner = node, val
             for key in path:
                 index = getattr(key, "idx", getattr(key, "key", getattr(key, "name", None)))
-                target = getattr if isinstance(key, pytree.GetAttrKey) else operator.getitem
-                with graph.inserting_before(output):
-                    current = graph.call_function(target, (current, index))
-            current.meta["val"] = leaf
+                getter: Any = getattr if isinstance(key, pytree.GetAttrKey) else operator.getitem
+                inner = getter(inner, index)
+                if (current, index) not in made:
+                    with graph.inserting_before(output):
+                        element = graph.call_function(getter, (current, index))
+                    element.meta["val"] = inner
+                    kinds[element] = CONTAINER  # an element that holds more elements; a leaf is set below
+                    made[current, index] = element
+                current = made[current, index]
             kinds[current] = TENSOR if isinstance(leaf, torch.Tensor) else AUX
             picked.append(current)
         return pytree.tree_unflatten(picked, spec)
@@ -96,6 +102,8 @@ def _expand_outputs(graph: fx.Graph, output: fx.Node, structure: Any, kinds: dic
 def _step_name(node: fx.Node, scope_only: bool = False) -> str:
     if node.op == "call_module":
         base = str(node.target)
+    elif "seqify_method" in node.meta:  # a method call kept whole: named after the method
+        base = str(node.meta["seqify_method"]).rstrip("()")
     else:
         stack = node.meta.get("nn_module_stack") or {}
         scope = next(reversed(stack.values()))[0] if stack else ""

@@ -13,7 +13,7 @@ from torch import nn
 
 from seqify.frontend.outside import Held, values_kept
 
-__all__ = ["preserved"]
+__all__ = ["preserved", "attributes_of", "put_back", "kept_attributes"]
 
 
 @contextmanager
@@ -64,6 +64,32 @@ def preserved(model: nn.Module) -> Iterator[Callable[[], list[Held]]]:
             m._buffers.update(buffers)
             m._modules.clear()
             m._modules.update(children)
+
+
+Attributes = list[tuple[nn.Module, dict[str, Any]]]
+
+
+def attributes_of(module: nn.Module) -> Attributes:
+    """The attribute tables of ``module`` and its submodules (what a forward's ``self.x = ...`` changes)."""
+    return [(m, dict(m.__dict__)) for m in module.modules()]
+
+
+def put_back(attributes: Attributes) -> None:
+    """Give each module the attributes :func:`attributes_of` found."""
+    for module, attrs in attributes:
+        module.__dict__.clear()
+        module.__dict__.update(attrs)
+
+
+@contextmanager
+def kept_attributes(module: nn.Module) -> Iterator[None]:
+    """Put ``module``'s and its submodules' attributes back on exit (a forward run for its example value may
+    cache what it computed: torchvision's anchors)."""
+    saved = attributes_of(module)
+    try:
+        yield
+    finally:
+        put_back(saved)
 
 
 _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")

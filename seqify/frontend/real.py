@@ -14,6 +14,7 @@ from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.nn.modules.module import register_module_forward_hook
 
 from seqify.errors import SourceRaisesError
+from seqify.frontend.preserve import attributes_of, put_back
 
 __all__ = ["RealRun", "Plain", "tracing", "unpatched", "buffers_kept", "record_inputs", "source_error", "raises_itself"]
 
@@ -138,7 +139,12 @@ class RealRun:
         self.model = model
         self.call = call
         self.preserve = preserve
+        # the attributes as they are before tracing: a traced forward may write proxies into them
+        # (torchvision's AnchorGenerator caches anchors cast to the input's dtype), and the real run is lazy
+        self.attributes = attributes_of(model)
         self.outputs: dict[str, list[Any]] | None = None
+        self.methods: defaultdict[str, list[Any]] = defaultdict(list)  # what the root's method calls returned
+        self.running = False
         self.error: str | None = None
 
     def output(self, path: str, index: int) -> Any:
@@ -151,6 +157,19 @@ class RealRun:
             raise LookupError(f"{path} was not called {index + 1} time(s) on the real example{reason}")
         return calls[index]
 
+    def method_output(self, key: str, index: int) -> Any:
+        """The value of the ``index``-th call of method ``key`` (``path.name``) from the root's forward."""
+        if self.outputs is None:
+            self.outputs = self._run()
+        calls = self.methods.get(key, [])
+        if index >= len(calls):
+            reason = f": the source fails on the example ({self.error})" if self.error else ""
+            raise LookupError(f"{key}() was not called {index + 1} time(s) on the real example{reason}")
+        return calls[index]
+
+    def method_returned(self, key: str, out: Any) -> None:
+        self.methods[key].append(out)
+
     def _run(self) -> dict[str, list[Any]]:
         paths = {id(m): p for p, m in self.model.named_modules()}
         outputs: dict[str, list[Any]] = defaultdict(list)
@@ -161,13 +180,17 @@ class RealRun:
                 outputs[path].append(out)
 
         handle = register_module_forward_hook(hook)
+        self.running = True
         try:
-            with unpatched(), torch.no_grad(), self.preserve(), buffers_kept(self.model):
+            with unpatched(), torch.no_grad(), self.preserve(), buffers_kept(self.model), \
+                    torch.random.fork_rng(devices=[]):  # a trace going on sees no draw of this run
+                put_back(self.attributes)
                 self.call()
         except Exception as e:  # the values gathered so far are still right
             self.error = f"{type(e).__name__}: {e}".splitlines()[0]
         finally:
             handle.remove()
+            self.running = False
         return dict(outputs)
 
 

@@ -29,6 +29,12 @@ SIBLINGS: dict[str, str] = {
     "shufflenet_v2_x2_0": "shufflenet_v2_x0_5",
     "fcn_resnet101": "fcn_resnet50", "deeplabv3_resnet101": "deeplabv3_resnet50",
     "swin3d_s": "swin3d_t", "swin3d_b": "swin3d_t",
+    # detectors: the same detection code (transform, FPN, heads, post-processing) on another backbone or head
+    "fasterrcnn_mobilenet_v3_large_fpn": "fasterrcnn_mobilenet_v3_large_320_fpn",
+    "fasterrcnn_resnet50_fpn": "fasterrcnn_mobilenet_v3_large_320_fpn",
+    "fasterrcnn_resnet50_fpn_v2": "fasterrcnn_mobilenet_v3_large_320_fpn",
+    "maskrcnn_resnet50_fpn_v2": "maskrcnn_resnet50_fpn", "retinanet_resnet50_fpn_v2": "retinanet_resnet50_fpn",
+    "ssd300_vgg16": "ssdlite320_mobilenet_v3_large",  # both torchvision's SSD class (builders in two modules)
 }
 
 EVERY_SIZE: bool = os.environ.get("SEQIFY_EVERY_SIZE", "") not in ("", "0")

@@ -14,6 +14,7 @@ from seqify.errors import HookError, SeqifyError, StatefulForwardError, Untracea
 from seqify.frontend.fx.autograd import refusal
 from seqify.frontend.fx.binding import bind_forward
 from seqify.frontend.fx.checks import attributes, check_decorated, passthrough, writes_since
+from seqify.frontend.fx.container_writes import order_container_writes
 from seqify.frontend.fx.factories import recording_shape_ops
 from seqify.frontend.fx.kept import KeepWhole, Update, keep_reseeding, keep_users, keep_writers
 from seqify.frontend.fx.tracer import Tracer
@@ -53,8 +54,9 @@ def _strip_baked(graph: fx.Graph) -> None:
             graph.erase_node(n)
 
 
-def _output_structure(graph: fx.Graph, raw: Any) -> Any:
-    """The source's own output structure, nodes as leaves (fx's node args turn dicts into immutable dicts)."""
+def _output_structure(graph: fx.Graph, raw: Any, written: dict[fx.Node, fx.Node]) -> Any:
+    """The source's own output structure, nodes as leaves (fx's node args turn dicts into immutable dicts);
+    a container written in place is read from its last write."""
     out = next(n for n in graph.nodes if n.op == "output")
     info = getattr(graph._codegen, "pytree_info", None)
     if info is not None:
@@ -67,7 +69,8 @@ def _output_structure(graph: fx.Graph, raw: Any) -> Any:
     leaves, spec = pytree.tree_flatten(raw)
     if any(isinstance(x, (dict, list, tuple)) for x in leaves):
         return out.args[0]
-    return pytree.tree_unflatten([x.node if isinstance(x, fx.Proxy) else x for x in leaves], spec)
+    return pytree.tree_unflatten([written.get(x.node, x.node) if isinstance(x, fx.Proxy) else x for x in leaves],
+                                 spec)
 
 
 def trace(
@@ -130,10 +133,12 @@ def trace(
                 f"mask): return model(x, mask=mask)) and convert that."
             )
     _strip_baked(graph)
-    output = _output_structure(graph, tracer.raw_output)
+    written = order_container_writes(graph)
+    output = _output_structure(graph, tracer.raw_output, written)
     used = {n.target for n in graph.nodes if n.op == "get_attr"}
     constants = {k: v for k, v in tracer.constants.items() if k in used}
     called = {n.target for n in graph.nodes if n.op == "call_module"}
+    called |= {n.meta["seqify_method"] for n in graph.nodes if "seqify_method" in n.meta}
     opaque = [o for p, o in tracer.opaque.items() if p in called]
     guards = [
         Guard(n.args[2], n.args[1], n.args[3])
@@ -168,6 +173,7 @@ def _trace_once(
     changed in place without fx recording it."""
     name = type(model).__name__
     fake_mode = real = None
+    real_plan = plan
     if example_inputs is not None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -181,6 +187,7 @@ def _trace_once(
         fake_mode=fake_mode,
         placeholders=plan,
         real=real,
+        real_inputs=[value for _, value in real_plan],
     )
     tracer.opaque.update(kept)
     with preserved(model) as held_changed, buffers_kept(model) as buffers_changed, \

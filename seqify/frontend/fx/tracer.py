@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,13 +16,18 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.proxy import Scope, ScopeContextManager
 
-from seqify.errors import ExampleInputError, SeqifyError, UntraceableError
-from seqify.frontend.fx.autograd import AUTOGRAD_CALLS, GRAD_MODE, PROXY_USES, FxAutograd
+from seqify.errors import ExampleInputError, SeqifyError, StatefulForwardError, UntraceableError
+from seqify.frontend.fx.autograd import AUTOGRAD_CALLS, GRAD_MODE, FxAutograd
 from seqify.frontend.fx.describe import call_text, expr, readable
 from seqify.frontend.fx.kept import KeepWhole, keep_generator, keep_unregistered
+from seqify.frontend.fx.methods import detached, methods_watched, run_method
+from seqify.frontend.fx.objects import class_name, holds_proxies, rebuilt
+from seqify.frontend.fx.proxies import ValueProxy
+from seqify.frontend.fx.root_values import INTERNAL, Site, called_from, caller_outside, evaluate, forward_site
 from seqify.frontend.grad_watch import GRAD, Use, watching
 from seqify.frontend.outside import Held, find, outside, registered
-from seqify.frontend.real import RealRun, tracing, unpatched
+from seqify.frontend.preserve import attributes_of, kept_attributes, preserved, put_back
+from seqify.frontend.real import RealRun, buffers_kept, tracing, unpatched
 from seqify.frontend.traced import UNKNOWN, Opaque, attribute, error_site, first_line, is_cache, user_frame
 from seqify.model.guard import check_bool, check_equal
 from seqify.model.hooks import ALL_HOOK_DICTS, HOOK_DICTS
@@ -47,68 +51,24 @@ def _fake_limit(error: BaseException) -> bool:
     return isinstance(error, limits) or "FakeTensor" in str(error) or "data pointer" in str(error)
 
 
-class _Proxy(fx.Proxy):
-    """A proxy that asks the tracer for concrete values where Python needs them."""
-
-    tracer: Tracer
-
-    def __getattr__(self, k: str) -> _Attribute:  # type: ignore[override]  # ours asks for concrete values
-        return _Attribute(self, k)
-
-    def __len__(self) -> int:
-        return self.tracer.concrete_len(self)
-
-    def __int__(self) -> int:
-        return self.tracer.concrete(self, int)
-
-    def __index__(self) -> int:
-        return self.tracer.concrete(self, int)
-
-    def __float__(self) -> float:
-        return self.tracer.concrete(self, float)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        # ``x[i] = v`` modifies x in place (fx has no proxy for it): record it as the in-place operator.
-        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+_DRAW = "it draws from torch's random generator where fx cannot record it; kept whole so it draws on every call"
 
 
-def _inplace(op: Any) -> Any:
-    def method(self: _Proxy, other: Any) -> Any:
-        return self.tracer.create_proxy("call_function", op, (self, other), {})
-
-    return method
-
-
-# fx turns ``x += y`` into ``x = x + y``: a copy, so an alias of x would not see the change. Recording
-# the in-place operator keeps the source's semantics (the tensor is modified; aliases see it).
-for _name, _op in {
-    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
-    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv, "__imod__": operator.imod,
-    "__ipow__": operator.ipow, "__imatmul__": operator.imatmul, "__iand__": operator.iand,
-    "__ior__": operator.ior, "__ixor__": operator.ixor, "__ilshift__": operator.ilshift,
-    "__irshift__": operator.irshift,
-}.items():
-    setattr(_Proxy, _name, _inplace(_op))
+class _Draw(Exception):
+    """Code traced through drew from torch's global generator where fx records nothing (``torch.empty(1)
+    .uniform_()`` on a tensor it made itself, as torchvision's random resize choice does): the trace would
+    keep one draw for every call. Kept whole, the module or method draws on every call, in the source's order."""
 
 
-class _Attribute(_Proxy):
-    def __init__(self, root: _Proxy, attr: str) -> None:
-        self.root = root
-        self.attr = attr
-        self.tracer = root.tracer
-        self._node: fx.Node | None = None
-
-    @property
-    def node(self) -> fx.Node:  # type: ignore[override]
-        if self._node is None:
-            self._node = self.tracer.create_proxy("call_function", getattr, (self.root, self.attr), {}).node
-        return self._node
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.attr in PROXY_USES:  # a hook or autograd run on a traced value: no graph op holds it
-            kind, what = PROXY_USES[self.attr]
-            self.tracer.autograd.use(Use(kind, what, user_frame()))
-        return self.tracer.create_proxy("call_method", self.attr, (self.root,) + args, kwargs)
+def _drew(module: nn.Module) -> KeepWhole:
+    """The KeepWhole of a submodule that drew where fx records nothing (the model itself cannot be kept whole)."""
+    error = StatefulForwardError(
+        f"{type(module).__name__}.forward draws random numbers on tensors it makes itself (torch.empty(n).uniform_()"
+        ", torch.randperm(n) with fixed sizes), which fx cannot record: a converted model would repeat one draw. "
+        "What to do: move the draw into a submodule (seqify keeps it whole, so it draws on every call), or "
+        "convert with frontend='export'."
+    )
+    return KeepWhole(_DRAW, error)
 
 
 class Tracer(fx.Tracer):
@@ -124,6 +84,7 @@ class Tracer(fx.Tracer):
         fake_mode: Any,
         placeholders: list[Any],
         real: RealRun | None = None,
+        real_inputs: list[Any] | None = None,
     ) -> None:
         super().__init__(autowrap_modules=(math,), param_shapes_constant=True)
         self.leaf_types = leaf_types
@@ -131,6 +92,9 @@ class Tracer(fx.Tracer):
         self.depth = depth
         self.fake_mode = fake_mode
         self.placeholder_plan = iter(placeholders)
+        self._real_plan = iter(real_inputs or ())  # the example's real values, placeholder by placeholder
+        self._real_inputs: dict[fx.Node, Any] = {}
+        self.root_site: Site | None = None  # where the root's forward is defined
         self.opaque: dict[str, Opaque] = {}
         self.constants: dict[str, torch.Tensor] = {}
         self._constant_names: dict[int, str] = {}
@@ -147,15 +111,17 @@ class Tracer(fx.Tracer):
         self._calling: tuple[str, int] = ("", 0)  # the leaf module call being recorded, and its index
         self.plain = 0  # > 0: module calls and attribute reads act plainly (trace_real.unpatched)
         self.autograd = FxAutograd(self)
+        self._method_calls: dict[str, int] = {}  # calls so far of each method the root's forward calls
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        with tracing(self), watching(self.autograd):
+        self.root_site = forward_site(root)
+        with tracing(self), watching(self.autograd), methods_watched(root, self):
             return super().trace(root, concrete_args)
 
     # -- proxies ---------------------------------------------------------------------------------
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
-        return _Proxy(node, self)
+        return ValueProxy(node, self)
 
     def create_proxy(
         self,
@@ -178,6 +144,7 @@ class Tracer(fx.Tracer):
                 self.autograd.note(Use(GRAD, what, user_frame()))
         if kind == "placeholder":
             planned = next(self.placeholder_plan, ("baked", None))
+            self._real_inputs[node] = next(self._real_plan, None)
             node.meta["seqify_baked"] = planned[0] == "baked"
             if planned[0] == "value" and planned[1] is not UNKNOWN:
                 node.meta["val"] = planned[1]
@@ -220,6 +187,8 @@ class Tracer(fx.Tracer):
             )
         if isinstance(a, torch.Generator):
             raise keep_generator(self.root, a)
+        if holds_proxies(a):  # ImageList(tensors=proxy, ...): a node rebuilds it where the source passes it
+            return self.create_proxy("call_function", rebuilt, (class_name(type(a)), dict(a.__dict__)), {}).node
         outside_tree = isinstance(a, torch.Tensor) and id(a) not in self._registered()
         if outside_tree and a.requires_grad:
             # trained where no optimizer sees it: a layer can neither bake it nor hold it as the source does (a
@@ -333,8 +302,9 @@ class Tracer(fx.Tracer):
         error: Exception | None = None
         if inputs is not None:
             try:
-                with unpatched(), self.fake_mode:
-                    return self._fake_module(attribute(self.root, str(node.target))).forward(*inputs[0], **inputs[1])
+                module = attribute(self.root, str(node.target))
+                with unpatched(), self.fake_mode, torch.random.fork_rng(devices=[]), kept_attributes(module):
+                    return self._fake_module(module).forward(*inputs[0], **inputs[1])
             except Exception as e:
                 error = e
         path, index = self._calling
@@ -375,9 +345,30 @@ class Tracer(fx.Tracer):
         return f"{path or '<model>'}: {user_frame()}"
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        result = bool(self._value(obj, "bool()"))
+        if self._branches_on_data(obj):
+            result = bool(self._real_value(obj.node))  # the root's own branch on values: guarded, as on shapes
+        else:
+            result = bool(self._value(obj, "bool()"))
         self.create_proxy("call_function", check_bool, (obj, result, expr(obj.node), self._where()), {})
         return result
+
+    def _branches_on_data(self, obj: fx.Proxy) -> bool:
+        """Whether the root's own forward (not a submodule's or a method's, which are kept whole instead)
+        checks ``x.any()`` or ``x.all()`` of a tensor, with the real example at hand: a check of its input
+        (torchvision's ``if degenerate_boxes.any(): raise``), which a guard keeps. A branch on other values
+        (``if y.sum() > 0``) still refuses: a guard there would refuse inputs at random while training."""
+        node, value = obj.node, obj.node.meta.get("val")
+        checks_all = node.op in ("call_method", "call_function") and getattr(node.target, "__name__", node.target) in (
+            "any", "all")
+        return (checks_all and isinstance(value, torch.Tensor) and self.real is not None and not self.plain
+                and called_from(self.root_site, caller_outside(INTERNAL)))
+
+    def _real_value(self, node: fx.Node) -> Any:
+        with unpatched(), preserved(self.root), buffers_kept(self.root), torch.random.fork_rng(devices=[]):
+            return evaluate(self.graph, node, self._real_inputs, self._real_attr, self.root)
+
+    def _real_attr(self, target: str) -> Any:
+        return self.constants[target] if target in self.constants else self._attr(target)
 
     def concrete(self, obj: fx.Proxy, kind: type) -> Any:
         value = self._value(obj, f"{kind.__name__}()")
@@ -393,6 +384,12 @@ class Tracer(fx.Tracer):
         return n
 
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        value = obj.node.meta.get("val")
+        if isinstance(value, Mapping):  # iterating a dict gives its keys: constants, guarded as the length is
+            keys = tuple(value)
+            found = self.create_proxy("call_function", tuple, (obj,), {})
+            self.create_proxy("call_function", check_equal, (found, keys, expr(found.node), self._where()), {})
+            return iter(keys)
         n = self.concrete_len(obj)
         items: Any = obj  # a proxy indexes by position as the value it stands for would
         return iter([items[i] for i in range(n)])
@@ -437,26 +434,23 @@ class Tracer(fx.Tracer):
                 if self.is_leaf_module(m, path):
                     return self._leaf_call(path, calls, args, kwargs)
                 mark = next(iter(reversed(self.graph.nodes)), None)
+                before = attributes_of(m)
                 self.flattened[path] = m
-                depth = len(self.autograd.regions)
+                depth, rng = len(self.autograd.regions), torch.random.get_rng_state()
                 try:
                     out = forward(*args, **kwargs)
+                    if not torch.equal(torch.random.get_rng_state(), rng):
+                        raise _drew(m)
                     self.autograd.left_open(depth)
                     return out
                 except SeqifyError:
                     raise
                 except KeepWhole as e:  # exact as one layer: no export splice, which would flatten it again
-                    self._rollback(mark)
-                    del self.autograd.regions[depth:]
-                    for inner in [p for p in self.flattened if p == path or p.startswith(f"{path}.")]:
-                        del self.flattened[inner]
+                    self._undo(path, mark, before, depth, rng)
                     self.opaque[path] = Opaque(path, type(m).__name__, e.reason)
                     return self._leaf_call(path, calls, args, kwargs)
                 except Exception as e:
-                    self._rollback(mark)
-                    del self.autograd.regions[depth:]
-                    for inner in [p for p in self.flattened if p == path or p.startswith(f"{path}.")]:
-                        del self.flattened[inner]
+                    self._undo(path, mark, before, depth, rng)
                     site = error_site(e)
                     reason = f"{first_line(e)} at {site}" if site else first_line(e)
                     self.opaque[path] = Opaque(path, type(m).__name__, reason, untraceable=True,
@@ -464,6 +458,58 @@ class Tracer(fx.Tracer):
                     return self._leaf_call(path, calls, args, kwargs)
             finally:
                 self.module_stack.pop(key, None)
+
+    def _undo(self, path: str, mark: fx.Node | None, attributes: list[tuple[nn.Module, dict[str, Any]]], depth: int,
+              rng: torch.Tensor) -> None:
+        """Undo a failed attempt to trace through ``path``: its nodes, attribute writes, grad-mode regions,
+        flattened submodules and draws."""
+        self._rollback(mark, attributes)
+        del self.autograd.regions[depth:]
+        for inner in [p for p in self.flattened if p == path or p.startswith(f"{path}.")]:
+            del self.flattened[inner]
+        torch.random.set_rng_state(rng)
+
+    def method_call(self, owner: nn.Module, path: str, name: str, fn: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        """``owner.name(*args, **kwargs)`` called from the root's forward: traced through where fx can, else
+        one opaque op (``run_method`` on the owner without its tensors) whose example value is the source's
+        on the real example."""
+        key = f"{path}.{name}" if path else name
+        index = self._method_calls.get(key, 0)
+        self._method_calls[key] = index + 1
+        mark = next(iter(reversed(self.graph.nodes)), None)
+        before = attributes_of(owner)
+        flattened, depth, rng = set(self.flattened), len(self.autograd.regions), torch.random.get_rng_state()
+        try:
+            out = fn(owner, *args, **kwargs)
+            if not torch.equal(torch.random.get_rng_state(), rng) and self.real is not None:
+                raise _Draw(_DRAW)
+            return out
+        except (SeqifyError, KeepWhole):
+            raise
+        except Exception as e:
+            if self.real is None:
+                raise
+            self._rollback(mark, before)
+            del self.autograd.regions[depth:]
+            for inner in set(self.flattened) - flattened:
+                del self.flattened[inner]
+            torch.random.set_rng_state(rng)
+            real = self.real.method_output(key, index)
+            site = error_site(e)
+            reason = f"{first_line(e)} at {site}" if site else first_line(e)
+            self.opaque[f"{key}()"] = Opaque(f"{key}()", f"{type(owner).__name__}.{name}", reason)
+            node = self.create_node("call_function", run_method,
+                                    (detached(owner), name, *self.create_arg(args)), self.create_arg(kwargs))
+            node.meta["val"] = pytree.tree_map_only(torch.Tensor, self._fake, real)
+            node.meta["seqify_real"] = True
+            node.meta["seqify_method"] = f"{key}()"
+            return self.proxy(node)
+
+    def method_ran(self, path: str, name: str, out: Any) -> None:
+        """A method the root's forward calls returned ``out`` in a plain run (the real one records it)."""
+        if self.real is not None and self.real.running:
+            self.real.method_returned(f"{path}.{name}" if path else name, out)
 
     def _leaf_call(self, path: str, calls: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call_module node for the ``calls``-th call of ``path``; the node records that index
@@ -473,7 +519,10 @@ class Tracer(fx.Tracer):
         proxy.node.meta["seqify_call"] = calls
         return proxy
 
-    def _rollback(self, mark: fx.Node | None) -> None:
+    def _rollback(self, mark: fx.Node | None, attributes: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+        """Erase the nodes made since ``mark`` and put back the attributes the failed forward wrote (proxies
+        it cached, such as torchvision's anchors, must not reach the call that keeps the module whole)."""
+        put_back(attributes)
         nodes = list(self.graph.nodes)
         start = 0 if mark is None else nodes.index(mark) + 1
         doomed = nodes[start:]

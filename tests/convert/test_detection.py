@@ -1,0 +1,112 @@
+"""torchvision's detectors convert exactly in eval mode: their post-processing (box selection by score, mask
+pasting, ``ImageList`` bookkeeping) stays whole where fx cannot trace it, their backbones become fine layers,
+and a pipeline cut inside the backbone computes what the source computes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torchvision import models
+
+import seqify
+from helpers.sizes import checked
+
+warnings.filterwarnings("ignore", category=UserWarning)
+
+DETECTION = models.list_models(module=models.detection)
+
+
+def detector(name: str) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """``name`` without weights, resizing to 96-128 pixels, keeping every box whatever its score (random
+    weights score below the default thresholds: nothing would be compared), and two images of other sizes.
+    The detection code is the same at these sizes; the work is a fraction."""
+    torch.manual_seed(0)
+    options: dict[str, object] = {"weights": None, "weights_backbone": None}
+    if name.startswith("ssd"):
+        options.update(score_thresh=0.0, detections_per_img=5)
+    else:
+        options.update(min_size=96, max_size=128)
+        if "rcnn" in name:  # and 100 proposals an image, 64 sampled for the heads' losses (not 1000-2000, 512)
+            options.update(box_score_thresh=0.0, box_detections_per_img=5, rpn_pre_nms_top_n_train=200,
+                           rpn_pre_nms_top_n_test=200, rpn_post_nms_top_n_train=100, rpn_post_nms_top_n_test=100,
+                           box_batch_size_per_image=64)
+        else:
+            options.update(score_thresh=0.0, detections_per_img=5)
+    generator = torch.Generator().manual_seed(1)
+    images = [torch.rand(3, 160, 200, generator=generator), torch.rand(3, 180, 150, generator=generator)]
+    return models.get_model(name, **options).eval(), images
+
+
+def targets(name: str, images: list[torch.Tensor], shift: float = 0.0) -> list[dict[str, torch.Tensor]]:
+    """Two boxes an image, with the masks or keypoints the model's heads learn from."""
+    boxes = torch.tensor([[10.0, 20.0, 80.0, 90.0], [30.0, 40.0, 100.0, 120.0]]) + shift
+    found = []
+    for image in images:
+        target = {"boxes": boxes, "labels": torch.tensor([1, 1] if "keypoint" in name else [1, 2])}
+        if "mask" in name:
+            target["masks"] = (torch.rand(2, *image.shape[-2:]) > 0.5).to(torch.uint8)
+        if "keypoint" in name:
+            target["keypoints"] = torch.cat([torch.rand(2, 17, 2) * 60 + 30 + shift, torch.ones(2, 17, 1)], -1)
+        found.append(target)
+    return found
+
+
+def assert_same(expected: object, got: object) -> None:
+    assert pytree.tree_structure(expected) == pytree.tree_structure(got)
+    for a, b in zip(pytree.tree_leaves(expected), pytree.tree_leaves(got)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", [n for n in DETECTION if checked(n)])
+def test_detector_converts_exactly_in_eval(name: str) -> None:
+    model, images = detector(name)
+    seq = seqify.convert(model, example_inputs=(images,))
+    assert sum(1 for n, _ in seq.named_children() if n.startswith("backbone")) > 10  # the bulk is fine layers
+    if name.startswith(("retinanet", "fcos", "ssd")):  # box selection is a method of the model: kept whole, named
+        assert "postprocess_detections()" in {o.path for o in seq.opaque}
+        assert "postprocess_detections()" in seq.summary()
+    with torch.no_grad():
+        expected = model(images)
+        assert all(len(d["boxes"]) == 5 for d in expected)  # boxes to compare
+        assert_same(expected, seq(images))
+        other = [torch.rand_like(x) for x in images]  # other pictures of the same sizes
+        assert_same(model(other), seq(other))
+
+
+#: Detectors converted in training mode, with targets: their losses (region sampling drawn in the source's order).
+TRAINED = ["fasterrcnn_mobilenet_v3_large_320_fpn", "retinanet_resnet50_fpn", "fcos_resnet50_fpn",
+           "maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn"]
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_detector_converts_exactly_in_training_with_targets(name: str) -> None:
+    """convert's self-check compares the losses and every gradient; here other targets and other seeds
+    (the proposal samplers draw) give the source's losses too."""
+    model, images = detector(name)
+    model.train()
+    seq = seqify.convert(model, example_inputs=(images, targets(name, images)))
+    other = targets(name, images, shift=5.0)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        expected = model(images, other)
+        torch.manual_seed(seed)
+        assert_same(expected, seq(images, other))
+
+
+def test_detector_pipelined_with_the_cut_in_its_backbone_and_other_sizes_refused() -> None:
+    """A pipeline cut inside the backbone computes what the source computes. Resizing follows each image's
+    size, which the conversion fixed: an image of another size is refused with the reason, not computed
+    wrong."""
+    model, images = detector("fasterrcnn_mobilenet_v3_large_320_fpn")
+    seq = seqify.convert(model, example_inputs=(images,))
+    names = [n for n, _ in seq.named_children()]
+    backbone = [i for i, n in enumerate(names) if n.startswith("backbone")]
+    cut = backbone[len(backbone) // 2]
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[cut, len(seq) - cut], chunks=1)
+    with torch.no_grad():
+        assert_same(model(images), pipe(images))
+        with pytest.raises(seqify.SeqifyError, match="transform"):
+            seq([torch.rand(3, 100, 100), images[1]])

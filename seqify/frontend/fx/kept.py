@@ -17,8 +17,8 @@ from seqify.frontend.reseeds import Reseed
 from seqify.frontend.traced import Opaque
 
 __all__ = [
-    "KeepWhole", "Update", "keep_unregistered", "keep_generator", "keep_reseeding", "keep_users", "keep_writers",
-    "stateful_error",
+    "DRAW", "UnrecordedDraw", "keep_drawer", "KeepWhole", "Update", "keep_unregistered", "keep_generator",
+    "keep_reseeding", "keep_users", "keep_writers", "stateful_error",
 ]
 
 
@@ -139,3 +139,23 @@ def stateful_error(model: nn.Module, kinds: set[str], attrs: str, updates: list[
         "submodule that writes its attributes whole, so the change happens on every call), or keep "
         "the state in a buffer updated in place (self.calls.add_(1))."
     )
+
+
+DRAW = "it draws from torch's random generator where fx cannot record it; kept whole so it draws on every call"
+
+
+class UnrecordedDraw(Exception):
+    """Code traced through drew from torch's global generator where fx records nothing (``torch.empty(1)
+    .uniform_()`` on a tensor it made itself, as torchvision's random resize choice does): the trace would
+    keep one draw for every call. Kept whole, the module or method draws on every call, in the source's order."""
+
+
+def keep_drawer(module: nn.Module) -> KeepWhole:
+    """The KeepWhole of a submodule that drew where fx records nothing (the model itself cannot be kept whole)."""
+    error = StatefulForwardError(
+        f"{type(module).__name__}.forward draws random numbers on tensors it makes itself (torch.empty(n).uniform_()"
+        ", torch.randperm(n) with fixed sizes), which fx cannot record: a converted model would repeat one draw. "
+        "What to do: move the draw into a submodule (seqify keeps it whole, so it draws on every call), or "
+        "convert with frontend='export'."
+    )
+    return KeepWhole(DRAW, error)

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from seqify.frontend.fx.root_values import called_from, forward_site
+
 __all__ = ["run_method", "detached", "MethodCalls", "methods_watched"]
 
 
@@ -58,23 +60,20 @@ def _methods(cls: type) -> Iterator[tuple[type, str, types.FunctionType]]:
 def methods_watched(root: nn.Module, calls: MethodCalls) -> Iterator[None]:
     """While tracing ``root``: a method of ``root`` or a submodule called directly from ``root``'s forward
     goes through ``calls`` (traced calls, and plain runs that record its value)."""
-    forward = type(root).forward
-    code = getattr(forward, "__code__", None)
-    if code is None:
+    where = forward_site(root)
+    if where is None:
         yield
         return
-    where = (code.co_filename, code.co_firstlineno)
     paths = {id(m): p for p, m in root.named_modules()}
     patched: dict[tuple[type, str], types.FunctionType] = {}
-    for m in root.modules():
-        for base, name, fn in _methods(type(m)):
+    for cls in {type(m) for m in root.modules()}:
+        for base, name, fn in _methods(cls):
             patched.setdefault((base, name), fn)
 
     def wrap(name: str, fn: types.FunctionType) -> Callable[..., Any]:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1).f_code
             path = paths.get(id(self))
-            if path is None or (caller.co_filename, caller.co_firstlineno) != where:
+            if path is None or not called_from(where, sys._getframe(1)):
                 return fn(self, *args, **kwargs)
             if calls.plain:
                 out = fn(self, *args, **kwargs)

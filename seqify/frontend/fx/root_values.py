@@ -16,7 +16,7 @@ from torch import nn
 
 from seqify._paths import PACKAGE_DIR
 
-__all__ = ["INTERNAL", "Site", "forward_site", "called_from", "caller_outside", "evaluate"]
+__all__ = ["INTERNAL", "Site", "forward_site", "called_from", "caller_outside", "checks_input", "evaluate"]
 
 Site = tuple[str, int]  # (file, first line) of a function
 
@@ -41,6 +41,16 @@ def caller_outside(internal: tuple[str, ...]) -> FrameType | None:
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame = frame.f_back  # type: ignore[assignment]
     return frame
+
+
+def checks_input(node: fx.Node, root: Site | None) -> bool:
+    """Whether the root's own forward (not a submodule's or a method's, which are kept whole instead) asks for
+    the truth of ``x.any()`` or ``x.all()``: a check of its input (torchvision's ``if degenerate_boxes.any():
+    raise``), which a guard on the example's value keeps. A branch on other values (``if y.sum() > 0``) still
+    refuses: a guard there would refuse inputs at random while training."""
+    name = getattr(node.target, "__name__", node.target)
+    return (node.op in ("call_method", "call_function") and name in ("any", "all")
+            and isinstance(node.meta.get("val"), torch.Tensor) and called_from(root, caller_outside(INTERNAL)))
 
 
 def evaluate(graph: fx.Graph, node: fx.Node, inputs: dict[fx.Node, Any], attribute: Callable[[str], Any],

@@ -16,14 +16,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.proxy import Scope, ScopeContextManager
 
-from seqify.errors import ExampleInputError, SeqifyError, StatefulForwardError, UntraceableError
+from seqify.errors import ExampleInputError, SeqifyError, UntraceableError
 from seqify.frontend.fx.autograd import AUTOGRAD_CALLS, GRAD_MODE, FxAutograd
 from seqify.frontend.fx.describe import call_text, expr, readable
-from seqify.frontend.fx.kept import KeepWhole, keep_generator, keep_unregistered
+from seqify.frontend.fx.kept import DRAW, KeepWhole, UnrecordedDraw, keep_drawer, keep_generator, keep_unregistered
 from seqify.frontend.fx.methods import detached, methods_watched, run_method
 from seqify.frontend.fx.objects import class_name, holds_proxies, rebuilt
 from seqify.frontend.fx.proxies import ValueProxy
-from seqify.frontend.fx.root_values import INTERNAL, Site, called_from, caller_outside, evaluate, forward_site
+from seqify.frontend.fx.root_values import Site, checks_input, evaluate, forward_site
 from seqify.frontend.grad_watch import GRAD, Use, watching
 from seqify.frontend.outside import Held, find, outside, registered
 from seqify.frontend.preserve import attributes_of, kept_attributes, preserved, put_back
@@ -49,26 +49,6 @@ def _fake_limit(error: BaseException) -> bool:
         ft.UnsupportedFakeTensorException, NotImplementedError,
     )
     return isinstance(error, limits) or "FakeTensor" in str(error) or "data pointer" in str(error)
-
-
-_DRAW = "it draws from torch's random generator where fx cannot record it; kept whole so it draws on every call"
-
-
-class _Draw(Exception):
-    """Code traced through drew from torch's global generator where fx records nothing (``torch.empty(1)
-    .uniform_()`` on a tensor it made itself, as torchvision's random resize choice does): the trace would
-    keep one draw for every call. Kept whole, the module or method draws on every call, in the source's order."""
-
-
-def _drew(module: nn.Module) -> KeepWhole:
-    """The KeepWhole of a submodule that drew where fx records nothing (the model itself cannot be kept whole)."""
-    error = StatefulForwardError(
-        f"{type(module).__name__}.forward draws random numbers on tensors it makes itself (torch.empty(n).uniform_()"
-        ", torch.randperm(n) with fixed sizes), which fx cannot record: a converted model would repeat one draw. "
-        "What to do: move the draw into a submodule (seqify keeps it whole, so it draws on every call), or "
-        "convert with frontend='export'."
-    )
-    return KeepWhole(_DRAW, error)
 
 
 class Tracer(fx.Tracer):
@@ -259,7 +239,7 @@ class Tracer(fx.Tracer):
         try:
             if node.op == "get_attr":
                 target = str(node.target)  # a get_attr node names an attribute path
-                obj = self.constants[target] if target in self.constants else self._attr(target)
+                obj = self._get_attr_value(target)
                 node.meta["val"] = self._fake(obj) if isinstance(obj, torch.Tensor) else obj
                 return
             args = fx.node.map_arg(node.args, val)
@@ -316,8 +296,9 @@ class Tracer(fx.Tracer):
         node.meta["seqify_real"] = True
         return pytree.tree_map_only(torch.Tensor, self._fake, real)
 
-    def _attr(self, target: str) -> Any:
-        return attribute(self.root, target)
+    def _get_attr_value(self, target: str) -> Any:
+        """What a ``get_attr`` node reads: a constant the trace made, or an attribute of the model."""
+        return self.constants[target] if target in self.constants else attribute(self.root, target)
 
     # -- concrete values where Python needs them ---------------------------------------------------
 
@@ -345,30 +326,16 @@ class Tracer(fx.Tracer):
         return f"{path or '<model>'}: {user_frame()}"
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        if self._branches_on_data(obj):
+        if self.real is not None and not self.plain and checks_input(obj.node, self.root_site):
             result = bool(self._real_value(obj.node))  # the root's own branch on values: guarded, as on shapes
         else:
             result = bool(self._value(obj, "bool()"))
         self.create_proxy("call_function", check_bool, (obj, result, expr(obj.node), self._where()), {})
         return result
 
-    def _branches_on_data(self, obj: fx.Proxy) -> bool:
-        """Whether the root's own forward (not a submodule's or a method's, which are kept whole instead)
-        checks ``x.any()`` or ``x.all()`` of a tensor, with the real example at hand: a check of its input
-        (torchvision's ``if degenerate_boxes.any(): raise``), which a guard keeps. A branch on other values
-        (``if y.sum() > 0``) still refuses: a guard there would refuse inputs at random while training."""
-        node, value = obj.node, obj.node.meta.get("val")
-        checks_all = node.op in ("call_method", "call_function") and getattr(node.target, "__name__", node.target) in (
-            "any", "all")
-        return (checks_all and isinstance(value, torch.Tensor) and self.real is not None and not self.plain
-                and called_from(self.root_site, caller_outside(INTERNAL)))
-
     def _real_value(self, node: fx.Node) -> Any:
         with unpatched(), preserved(self.root), buffers_kept(self.root), torch.random.fork_rng(devices=[]):
-            return evaluate(self.graph, node, self._real_inputs, self._real_attr, self.root)
-
-    def _real_attr(self, target: str) -> Any:
-        return self.constants[target] if target in self.constants else self._attr(target)
+            return evaluate(self.graph, node, self._real_inputs, self._get_attr_value, self.root)
 
     def concrete(self, obj: fx.Proxy, kind: type) -> Any:
         value = self._value(obj, f"{kind.__name__}()")
@@ -386,10 +353,9 @@ class Tracer(fx.Tracer):
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
         value = obj.node.meta.get("val")
         if isinstance(value, Mapping):  # iterating a dict gives its keys: constants, guarded as the length is
-            keys = tuple(value)
             found = self.create_proxy("call_function", tuple, (obj,), {})
-            self.create_proxy("call_function", check_equal, (found, keys, expr(found.node), self._where()), {})
-            return iter(keys)
+            self.create_proxy("call_function", check_equal, (found, tuple(value), expr(found.node), self._where()), {})
+            return iter(tuple(value))
         n = self.concrete_len(obj)
         items: Any = obj  # a proxy indexes by position as the value it stands for would
         return iter([items[i] for i in range(n)])
@@ -440,7 +406,7 @@ class Tracer(fx.Tracer):
                 try:
                     out = forward(*args, **kwargs)
                     if not torch.equal(torch.random.get_rng_state(), rng):
-                        raise _drew(m)
+                        raise keep_drawer(m)
                     self.autograd.left_open(depth)
                     return out
                 except SeqifyError:
@@ -483,7 +449,7 @@ class Tracer(fx.Tracer):
         try:
             out = fn(owner, *args, **kwargs)
             if not torch.equal(torch.random.get_rng_state(), rng) and self.real is not None:
-                raise _Draw(_DRAW)
+                raise UnrecordedDraw(DRAW)
             return out
         except (SeqifyError, KeepWhole):
             raise

@@ -23,7 +23,8 @@ def scatter(value: Any, chunks: int, names: Callable[[], list[str] | None] | Non
     """Split a tensor or tuple of tensors into at most ``chunks`` micro-batches along dim 0.
 
     Sizes differ by at most one (``tensor_split``), so an uneven last micro-batch is fine; ``chunks``
-    larger than the batch is clamped to the batch size. ``names`` returns the model's name of each tensor;
+    larger than the batch is clamped to the batch size; with one chunk nothing is split, and inputs need no
+    common batch size. ``names`` returns the model's name of each tensor;
     it is called only to name, in the error, an input without the batch dimension.
     """
     single = isinstance(value, torch.Tensor)
@@ -33,6 +34,8 @@ def scatter(value: Any, chunks: int, names: Callable[[], list[str] | None] | Non
             f"the pipeline's input must be a tensor or a tuple of tensors to split into micro-batches, "
             f"got {type(value).__name__}"
         )
+    if chunks == 1:  # nothing is split: inputs without a common batch size (an image list, its targets) pass
+        return [value]
     sizes = {t.size(0) if t.dim() else None for t in tensors}
     if None in sizes or len(sizes) != 1:
         hint = ""

@@ -60,11 +60,18 @@ def assert_same(expected: object, got: object) -> None:
         assert torch.equal(a, b)
 
 
+def cut_in_backbone(seq: seqify.Sequential) -> seqify.Pipeline:
+    """A pipeline of two CPU partitions, cut halfway through the backbone's layers."""
+    backbone = [i for i, (n, _) in enumerate(seq.named_children()) if n.startswith("backbone")]
+    assert len(backbone) > 10  # the bulk is fine layers
+    cut = backbone[len(backbone) // 2]
+    return seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[cut, len(seq) - cut], chunks=1)
+
+
 @pytest.mark.parametrize("name", [n for n in DETECTION if checked(n)])
 def test_detector_converts_exactly_in_eval(name: str) -> None:
     model, images = detector(name)
     seq = seqify.convert(model, example_inputs=(images,))
-    assert sum(1 for n, _ in seq.named_children() if n.startswith("backbone")) > 10  # the bulk is fine layers
     if name.startswith(("retinanet", "fcos", "ssd")):  # box selection is a method of the model: kept whole, named
         assert "postprocess_detections()" in {o.path for o in seq.opaque}
         assert "postprocess_detections()" in seq.summary()
@@ -72,8 +79,8 @@ def test_detector_converts_exactly_in_eval(name: str) -> None:
         expected = model(images)
         assert all(len(d["boxes"]) == 5 for d in expected)  # boxes to compare
         assert_same(expected, seq(images))
-        other = [torch.rand_like(x) for x in images]  # other pictures of the same sizes
-        assert_same(model(other), seq(other))
+        other = [torch.rand_like(x) for x in images]  # other pictures of the same sizes, through a pipeline
+        assert_same(model(other), cut_in_backbone(seq)(other))
 
 
 #: Detectors converted in training mode, with targets: their losses (region sampling drawn in the source's order).
@@ -83,30 +90,31 @@ TRAINED = ["fasterrcnn_mobilenet_v3_large_320_fpn", "retinanet_resnet50_fpn", "f
 
 @pytest.mark.parametrize("name", TRAINED)
 def test_detector_converts_exactly_in_training_with_targets(name: str) -> None:
-    """convert's self-check compares the losses and every gradient; here other targets and other seeds
-    (the proposal samplers draw) give the source's losses too."""
+    """convert's self-check compares the losses and every gradient; here other targets and another seed (the
+    proposal samplers draw) give the source's losses and gradients too, through a pipeline."""
     model, images = detector(name)
     model.train()
     seq = seqify.convert(model, example_inputs=(images, targets(name, images)))
     other = targets(name, images, shift=5.0)
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        expected = model(images, other)
-        torch.manual_seed(seed)
-        assert_same(expected, seq(images, other))
+    torch.manual_seed(1)
+    expected = model(images, other)
+    sum(expected.values()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)  # the converted model trains the source's own parameters
+    torch.manual_seed(1)
+    got = cut_in_backbone(seq)(images, other)
+    sum(got.values()).backward()
+    assert_same(expected, got)
+    assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_detector_pipelined_with_the_cut_in_its_backbone_and_other_sizes_refused() -> None:
-    """A pipeline cut inside the backbone computes what the source computes. Resizing follows each image's
-    size, which the conversion fixed: an image of another size is refused with the reason, not computed
-    wrong."""
+def test_detector_refuses_images_of_other_sizes_with_the_reason() -> None:
+    """Resizing follows each image's size, which the conversion fixed: an image of another size is refused
+    with the reason, not computed wrong."""
     model, images = detector("fasterrcnn_mobilenet_v3_large_320_fpn")
     seq = seqify.convert(model, example_inputs=(images,))
-    names = [n for n, _ in seq.named_children()]
-    backbone = [i for i, n in enumerate(names) if n.startswith("backbone")]
-    cut = backbone[len(backbone) // 2]
-    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[cut, len(seq) - cut], chunks=1)
-    with torch.no_grad():
-        assert_same(model(images), pipe(images))
-        with pytest.raises(seqify.SeqifyError, match="transform"):
-            seq([torch.rand(3, 100, 100), images[1]])
+    with torch.no_grad(), pytest.raises(seqify.SeqifyError, match="transform"):
+        seq([torch.rand(3, 100, 100), images[1]])

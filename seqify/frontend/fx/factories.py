@@ -1,8 +1,11 @@
-"""torch calls fx cannot record: factories and methods of real tensors called with proxy sizes, torch.is_tensor."""
+"""torch calls fx cannot record: factories and methods of real tensors called with proxy sizes, torch.is_tensor, and
+``isinstance(x, torch.Tensor)`` in the model's own code."""
 
 from __future__ import annotations
 
+import builtins
 import functools
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -10,6 +13,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+
+from seqify.frontend.fx.root_values import INTERNAL
 
 __all__ = ["recording_shape_ops", "FACTORIES", "TENSOR_METHODS"]
 
@@ -64,6 +69,22 @@ def _recording_method(name: str, original: Any) -> Any:
     return wrapper
 
 
+def _isinstance(original: Any) -> Any:
+    """``isinstance`` for Python code: in the model's own code a proxy standing for a tensor is a
+    ``torch.Tensor`` (``isinstance(target["boxes"], torch.Tensor)`` checks an input, and the source's path
+    follows); torch's and seqify's code, and C++ (which never calls this), see the proxy."""
+
+    @functools.wraps(original)
+    def isinstance_(obj: Any, cls: Any) -> bool:
+        if (type(obj).__name__ == "ValueProxy" and (cls is torch.Tensor or type(cls) is tuple and torch.Tensor in cls)
+                and original(obj.node.meta.get("val"), torch.Tensor)
+                and not sys._getframe(1).f_code.co_filename.startswith(INTERNAL)):
+            return True
+        return bool(original(obj, cls))
+
+    return isinstance_
+
+
 def _is_tensor(original: Any) -> Any:
     @functools.wraps(original)
     def is_tensor(obj: Any) -> bool:
@@ -86,9 +107,10 @@ def _is_tensor(original: Any) -> Any:
 def recording_shape_ops() -> Iterator[None]:
     """While tracing, record size-taking torch calls whose sizes are proxies as graph nodes (so they
     stay dynamic: ``torch.ones(x.shape[1], x.shape[1])`` follows the input's shape at run time)."""
-    saved: list[tuple[Any, str, Any]] = [(torch, "is_tensor", torch.is_tensor)]
+    saved: list[tuple[Any, str, Any]] = [(torch, "is_tensor", torch.is_tensor), (builtins, "isinstance", isinstance)]
     try:
         torch.is_tensor = _is_tensor(torch.is_tensor)
+        builtins.isinstance = _isinstance(isinstance)
         for name in FACTORIES:
             original = getattr(torch, name)
             saved.append((torch, name, original))

@@ -4,14 +4,11 @@ operators as in-place, and read attributes lazily (an attribute read that is onl
 from __future__ import annotations
 
 import operator
-import sys
 from typing import Any, Protocol
 
-import torch
 import torch.fx as fx
 
 from seqify.frontend.fx.autograd import PROXY_USES
-from seqify.frontend.fx.root_values import INTERNAL
 from seqify.frontend.grad_watch import Use
 from seqify.frontend.traced import user_frame
 
@@ -34,18 +31,6 @@ class ValueProxy(fx.Proxy):
     """A proxy that asks the tracer for concrete values where Python needs them."""
 
     tracer: ProxyTracer  # type: ignore[assignment]  # seqify's tracer, which fx.Proxy types as fx's
-
-    @property  # type: ignore[misc]  # isinstance() reads __class__ where type() does not match
-    def __class__(self) -> type:
-        """``torch.Tensor`` to the model's own code where this stands for a tensor, so it takes the source's
-        path (``isinstance(target["boxes"], torch.Tensor)`` checks an input); the proxy's class to torch's
-        and seqify's code."""
-        node = object.__getattribute__(self, "__dict__").get("node")
-        if type(self) is ValueProxy and node is not None and isinstance(node.meta.get("val"), torch.Tensor):
-            caller = sys._getframe(1).f_code.co_filename
-            if not caller.startswith(INTERNAL) and not caller.startswith("<"):
-                return torch.Tensor
-        return type(self)
 
     def __getattr__(self, k: str) -> AttributeProxy:  # type: ignore[override]  # ours asks for concrete values
         return AttributeProxy(self, k)

@@ -85,7 +85,7 @@ def test_detector_converts_exactly_in_eval(name: str) -> None:
 
 #: Detectors converted in training mode, with targets: their losses (region sampling drawn in the source's order).
 TRAINED = ["fasterrcnn_mobilenet_v3_large_320_fpn", "retinanet_resnet50_fpn", "fcos_resnet50_fpn",
-           "maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn"]
+           "ssdlite320_mobilenet_v3_large", "maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn"]
 
 
 @pytest.mark.parametrize("name", TRAINED)

@@ -3,6 +3,7 @@ rebuilds them from their fields, so a graph can pass them to the calls that take
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import types
@@ -13,7 +14,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["class_name", "holds_proxies", "rebuilt"]
+__all__ = ["class_name", "holds_proxies", "map_tensors", "rebuilt"]
 
 
 def class_name(cls: type) -> str:
@@ -50,3 +51,23 @@ def holds_proxies(a: Any) -> bool:
         return False
     leaves = pytree.tree_leaves(list(a.__dict__.values()))
     return any(isinstance(v, fx.Proxy) or holds_proxies(v) for v in leaves)
+
+
+def _plain(a: Any) -> bool:
+    return (not isinstance(a, (nn.Module, torch.Tensor, type)) and type(a).__module__ != "builtins"
+            and not callable(a) and isinstance(getattr(a, "__dict__", None), dict))
+
+
+def map_tensors(fn: Any, value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor, inside containers and plain objects (an ``ImageList``
+    a submodule returned), which are copied; the rest is shared."""
+    if _plain(value):
+        clone = copy.copy(value)
+        clone.__dict__.update({k: map_tensors(fn, v) for k, v in value.__dict__.items()})
+        return clone
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    leaves, spec = pytree.tree_flatten(value)
+    if spec.num_leaves == 1 and leaves and leaves[0] is value:
+        return value
+    return pytree.tree_unflatten([map_tensors(fn, leaf) for leaf in leaves], spec)

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.proxy import Scope, ScopeContextManager
@@ -21,7 +20,7 @@ from seqify.frontend.fx.autograd import AUTOGRAD_CALLS, GRAD_MODE, FxAutograd
 from seqify.frontend.fx.describe import call_text, expr, readable
 from seqify.frontend.fx.kept import DRAW, KeepWhole, UnrecordedDraw, keep_drawer, keep_generator, keep_unregistered
 from seqify.frontend.fx.methods import detached, methods_watched, run_method
-from seqify.frontend.fx.objects import class_name, holds_proxies, rebuilt
+from seqify.frontend.fx.objects import class_name, holds_proxies, map_tensors, rebuilt
 from seqify.frontend.fx.proxies import ValueProxy
 from seqify.frontend.fx.root_values import Site, checks_input, evaluate, forward_site
 from seqify.frontend.grad_watch import GRAD, Use, watching
@@ -294,7 +293,7 @@ class Tracer(fx.Tracer):
             return UNKNOWN
         real = self.real.output(path, index)
         node.meta["seqify_real"] = True
-        return pytree.tree_map_only(torch.Tensor, self._fake, real)
+        return map_tensors(self._fake, real)
 
     def _get_attr_value(self, target: str) -> Any:
         """What a ``get_attr`` node reads: a constant the trace made, or an attribute of the model."""
@@ -467,7 +466,7 @@ class Tracer(fx.Tracer):
             self.opaque[f"{key}()"] = Opaque(f"{key}()", f"{type(owner).__name__}.{name}", reason)
             node = self.create_node("call_function", run_method,
                                     (detached(owner), name, *self.create_arg(args)), self.create_arg(kwargs))
-            node.meta["val"] = pytree.tree_map_only(torch.Tensor, self._fake, real)
+            node.meta["val"] = map_tensors(self._fake, real)
             node.meta["seqify_real"] = True
             node.meta["seqify_method"] = f"{key}()"
             return self.proxy(node)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from torchvision import models
+from torchvision.models.detection import keypoint_rcnn, mask_rcnn
 
 import seqify
 from helpers.sizes import checked
@@ -33,6 +34,10 @@ def detector(name: str) -> tuple[torch.nn.Module, list[torch.Tensor]]:
             options.update(box_score_thresh=0.0, box_detections_per_img=5, rpn_pre_nms_top_n_train=200,
                            rpn_pre_nms_top_n_test=200, rpn_post_nms_top_n_train=100, rpn_post_nms_top_n_test=100,
                            box_batch_size_per_image=64)
+        if name.startswith("maskrcnn"):  # the same head class with one layer instead of four
+            options.update(mask_head=mask_rcnn.MaskRCNNHeads(256, [256], 1))
+        if name.startswith("keypointrcnn"):  # one layer instead of eight
+            options.update(keypoint_head=keypoint_rcnn.KeypointRCNNHeads(256, (512,)))
         else:
             options.update(score_thresh=0.0, detections_per_img=5)
     generator = torch.Generator().manual_seed(1)

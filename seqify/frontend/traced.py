@@ -32,8 +32,8 @@ class _Unknown:
 #: The value of a node whose example value could not be computed (or when there were no example inputs).
 UNKNOWN: Any = _Unknown()
 
-_HERE = PACKAGE_DIR
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_HERE = os.path.join(PACKAGE_DIR, "")  # trailing separators: torchvision's folder is not torch's
+_TORCH = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")
 
 
 @dataclass(frozen=True)

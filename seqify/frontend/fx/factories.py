@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import builtins
 import functools
+import os
 import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import nn
 
 from seqify.frontend.fx.root_values import INTERNAL
 
@@ -77,8 +80,7 @@ def _isinstance(original: Any) -> Any:
     @functools.wraps(original)
     def isinstance_(obj: Any, cls: Any) -> bool:
         if (type(obj).__name__ == "ValueProxy" and (cls is torch.Tensor or type(cls) is tuple and torch.Tensor in cls)
-                and original(obj.node.meta.get("val"), torch.Tensor)
-                and not sys._getframe(1).f_code.co_filename.startswith(INTERNAL)):
+                and original(obj.node.meta.get("val"), torch.Tensor)):
             return True
         return bool(original(obj, cls))
 
@@ -103,14 +105,39 @@ def _is_tensor(original: Any) -> Any:
     return is_tensor
 
 
+def _model_modules(model: nn.Module) -> list[types.ModuleType]:
+    """The Python modules that define ``model``'s classes and their bases, outside torch and seqify."""
+    names = {base.__module__ for m in model.modules() for base in type(m).__mro__}
+    files = {n: getattr(sys.modules.get(n), "__file__", None) for n in sorted(names)}
+    return [sys.modules[n] for n, f in files.items() if f and not os.path.abspath(f).startswith(INTERNAL)]
+
+
 @contextmanager
-def recording_shape_ops() -> Iterator[None]:
-    """While tracing, record size-taking torch calls whose sizes are proxies as graph nodes (so they
+def _isinstance_in(modules: list[types.ModuleType]) -> Iterator[None]:
+    """``isinstance`` answered by :func:`_isinstance` in the code of ``modules`` (a global there shadows the
+    builtin), so torch's own code, fake-tensor dispatch included, keeps the builtin's speed."""
+    missing = object()
+    saved = [(m, vars(m).get("isinstance", missing)) for m in modules]
+    answer = _isinstance(builtins.isinstance)
+    try:
+        for m, _ in saved:
+            setattr(m, "isinstance", answer)  # noqa: B010 (a module global, not an attribute mypy knows)
+        yield
+    finally:
+        for m, before in saved:
+            if before is missing:
+                delattr(m, "isinstance")  # noqa: B043
+            else:
+                setattr(m, "isinstance", before)  # noqa: B010
+
+
+@contextmanager
+def recording_shape_ops(model: nn.Module) -> Iterator[None]:
+    """While tracing ``model``, record size-taking torch calls whose sizes are proxies as graph nodes (so they
     stay dynamic: ``torch.ones(x.shape[1], x.shape[1])`` follows the input's shape at run time)."""
-    saved: list[tuple[Any, str, Any]] = [(torch, "is_tensor", torch.is_tensor), (builtins, "isinstance", isinstance)]
+    saved: list[tuple[Any, str, Any]] = [(torch, "is_tensor", torch.is_tensor)]
     try:
         torch.is_tensor = _is_tensor(torch.is_tensor)
-        builtins.isinstance = _isinstance(isinstance)
         for name in FACTORIES:
             original = getattr(torch, name)
             saved.append((torch, name, original))
@@ -119,7 +146,8 @@ def recording_shape_ops() -> Iterator[None]:
             original = torch.Tensor.__dict__.get(name, getattr(torch.Tensor, name))
             saved.append((torch.Tensor, name, torch.Tensor.__dict__.get(name)))
             setattr(torch.Tensor, name, _recording_method(name, original))
-        yield
+        with _isinstance_in(_model_modules(model)):
+            yield
     finally:
         for owner, name, original in reversed(saved):
             if original is None:

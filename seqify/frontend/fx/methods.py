@@ -46,28 +46,40 @@ class MethodCalls(Protocol):
     def method_ran(self, path: str, name: str, out: Any) -> None: ...
 
 
-def _methods(cls: type) -> Iterator[tuple[type, str, types.FunctionType]]:
-    """The plain methods ``cls`` and its bases define outside torch.nn (forward and dunders excepted)."""
+def _methods(cls: type, names: frozenset[str]) -> Iterator[tuple[type, str, types.FunctionType]]:
+    """The plain methods named in ``names`` that ``cls`` and its bases define outside torch.nn (forward and
+    dunders excepted)."""
     for base in cls.__mro__:
         if base is nn.Module or base.__module__.startswith("torch.nn"):
             break
-        for name, fn in vars(base).items():
+        own = vars(base)
+        for name in names:
+            fn = own.get(name)
             if isinstance(fn, types.FunctionType) and name != "forward" and not name.startswith("__"):
                 yield base, name, fn
+
+
+def _names_read(code: types.CodeType) -> frozenset[str]:
+    """The attribute and global names ``code`` reads, its nested functions and comprehensions included."""
+    nested = (_names_read(c) for c in code.co_consts if isinstance(c, types.CodeType))
+    return frozenset(code.co_names).union(*nested)
 
 
 @contextmanager
 def methods_watched(root: nn.Module, calls: MethodCalls) -> Iterator[None]:
     """While tracing ``root``: a method of ``root`` or a submodule called directly from ``root``'s forward
-    goes through ``calls`` (traced calls, and plain runs that record its value)."""
+    goes through ``calls`` (traced calls, and plain runs that record its value). Only the names that forward's
+    code reads are patched: patching a class attribute invalidates the type caches of its subclasses (every
+    model class, for a library's shared base class), so a wider net slows every trace."""
     where = forward_site(root)
     if where is None:
         yield
         return
+    names = _names_read(type(root).forward.__code__)
     paths = {id(m): p for p, m in root.named_modules()}
     patched: dict[tuple[type, str], types.FunctionType] = {}
     for cls in {type(m) for m in root.modules()}:
-        for base, name, fn in _methods(cls):
+        for base, name, fn in _methods(cls, names):
             patched.setdefault((base, name), fn)
 
     def wrap(name: str, fn: types.FunctionType) -> Callable[..., Any]:

@@ -191,7 +191,7 @@ def _trace_once(
     )
     tracer.opaque.update(kept)
     with preserved(model) as held_changed, buffers_kept(model) as buffers_changed, \
-            torch.random.fork_rng(devices=[]), recording_shape_ops(), \
+            torch.random.fork_rng(devices=[]), recording_shape_ops(model), \
             torch.set_grad_enabled(torch.is_grad_enabled()):  # a forward may leave grad mode changed
         before = attributes(model)
         try:

@@ -13,7 +13,7 @@ from seqify.model.guard import Guard
 from seqify.model.layer import Layer
 from seqify.model.sequential import OpaqueInfo, Sequential, SkipInfo
 from seqify.partition import NoPlanFitsError, PartitionPlan, balance
-from seqify.pipe import DeferredBatchNorm, Pipeline, is_checkpointing, is_recomputing
+from seqify.pipe import DeferredBatchNorm, Pipeline, ReplicatedPipeline, is_checkpointing, is_recomputing
 from seqify.pipe.config import PipeConfig
 from seqify.tools.run_file import Config, pipeline_from_config
 from seqify.tuning import tune
@@ -28,7 +28,8 @@ _LAZY = ("zoo", "measure", "plot", "checkpoint", "compat")
 _LAZY_FUNCTIONS = {"clip_grad_norm_": "seqify.distributed.clip"}
 
 __all__ = [
-    "convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "DeferredBatchNorm",
+    "convert", "balance", "PartitionPlan", "NoPlanFitsError", "pipeline", "Pipeline", "ReplicatedPipeline",
+    "DeferredBatchNorm",
     "is_checkpointing", "is_recomputing", "Sequential", "Layer", "SkipInfo", "OpaqueInfo", "Guard", "skip",
     "tune", "PipeConfig", "Config", "pipeline_from_config", *_LAZY_FUNCTIONS, *_LAZY, *_errors,
 ]

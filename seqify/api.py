@@ -12,12 +12,14 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from seqify.convert import convert
-from seqify.errors import BalanceError, EmptyModelError, UntraceableError
+from seqify.errors import BalanceError, EmptyModelError, TuneError, UntraceableError
+from seqify.pipe.assemble import build, capped, from_config
 from seqify.pipe.config import PipeConfig
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.memory import parse_bytes
-from seqify.pipe.pipeline import Pipeline, build, capped, from_config
+from seqify.pipe.pipeline import Pipeline, resolve_devices
 from seqify.pipe.placement import _check_meta
+from seqify.pipe.replicated import ReplicatedPipeline, replicated
 from seqify.schedule.actions import Schedule
 from seqify.tuning import tune
 
@@ -42,8 +44,9 @@ def pipeline(
     config: PipeConfig | str | os.PathLike[str] | None = None,
     overlap: bool | None = None,
     replay_options: ReplayOptions | None = None,
+    replicas: int | None = None,
     **convert_options: Any,
-) -> Pipeline:
+) -> Pipeline | ReplicatedPipeline:
     """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
 
     Args:
@@ -122,11 +125,13 @@ def pipeline(
     probe = sample if sample is not None else example_inputs
     if config is not None:
         cfg = config if isinstance(config, PipeConfig) else PipeConfig.load(config)
+        if cfg.fixed and cfg.replicas > 1:
+            return _replicated_config(model, cfg, gpus, devices, deferred_batch_norm, schedule, overlap, probe)
         if cfg.fixed:
             return capped(from_config(model, cfg, gpus, devices, deferred_batch_norm, schedule, overlap), memory_cap,
                           probe)
         given = dict(gpus=gpus, devices=devices, schedule=schedule, overlap=overlap, memory_cap=memory_cap,
-                     deferred_batch_norm=deferred_batch_norm)
+                     deferred_batch_norm=deferred_batch_norm, replicas=replicas)
         pipe = pipeline(model, example_inputs=example_inputs, sample=sample, replay_options=replay_options,
                         **_options(cfg, given))
         pipe.config = pipe.config or cfg
@@ -142,13 +147,42 @@ def pipeline(
                    overlap=overlap,
                    loops=None if loops == 1 else loops,
                    schedule=fixed_schedule if isinstance(fixed_schedule, str) else None,
-                   memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)))
+                   memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)), replicas=replicas)
+        if cfg.replicas > 1:
+            return _replicated_config(model, cfg, None, None, deferred_batch_norm,
+                                      fixed_schedule if isinstance(fixed_schedule, Schedule) else None, None, probe)
         return from_config(model, cfg, None, None, deferred_batch_norm,
                             fixed_schedule if isinstance(fixed_schedule, Schedule) else None)
-    return build(model, gpus=gpus, devices=devices, chunks=chunks, balance=balance, checkpoint=checkpoint,
-                 deferred_batch_norm=deferred_batch_norm, graphs=graphs, loops=loops,
-                 sample=probe, schedule=schedule, memory_cap=memory_cap, overlap=overlap,
-                 replay_options=replay_options)
+    options = dict(gpus=gpus, devices=devices, chunks=chunks, balance=balance, checkpoint=checkpoint,
+                   deferred_batch_norm=deferred_batch_norm, graphs=graphs, loops=loops, sample=probe,
+                   schedule=schedule, memory_cap=memory_cap, overlap=overlap, replay_options=replay_options)
+    if replicas is not None and replicas != 1:
+        return replicated(model, replicas, **options)
+    return build(model, **options)
+
+
+def _replicated_config(model: nn.Sequential, cfg: PipeConfig, gpus: int | None, devices: Sequence[Any] | None,
+                       deferred_batch_norm: bool, schedule: str | Schedule | None, overlap: bool | None,
+                       sample: Any) -> ReplicatedPipeline:
+    """The replicated pipeline a fixed configuration with ``replicas > 1`` describes (on ``gpus`` or ``devices``
+    when given: as many as it names)."""
+    placed = list(cfg.devices)
+    if gpus is not None or devices is not None:
+        mine = resolve_devices(gpus, devices, None)
+        if len(mine) != len(placed):
+            raise TuneError(f"the configuration is for {len(placed)} devices ({', '.join(placed)}) but {len(mine)} "
+                            f"were given; give {len(placed)}, or tune for these")
+        placed = [str(d) for d in mine]
+    if sum(cfg.balance) != len(model):
+        raise TuneError(f"the configuration's balance {list(cfg.balance)} covers {sum(cfg.balance)} layers but this "
+                        f"model has {len(model)}; it was tuned for another model: tune this one")
+    pipe = replicated(model, cfg.replicas, devices=placed, chunks=int(cfg.chunks), balance=list(cfg.balance),
+                      checkpoint=cfg.checkpoint, deferred_batch_norm=deferred_batch_norm or cfg.deferred_batch_norm,
+                      graphs=cfg.graphs, loops=cfg.loops, sample=sample,
+                      schedule=schedule if schedule is not None else (cfg.schedule or "gpipe"),
+                      overlap=cfg.overlap if overlap is None else overlap)
+    pipe.config = cfg
+    return pipe
 
 
 def _options(cfg: PipeConfig, given: dict[str, Any]) -> dict[str, Any]:

@@ -135,7 +135,9 @@ def pipeline(
             raise SplitPointError("give the example micro-batch as mb_args or as mb_kwargs, not both")
         model = convert(module, example)
     balance = split_balance(model, split_spec or {})
-    return make_pipeline(model, devices=devices, balance=balance, checkpoint=checkpoint, **options)
+    pipe = make_pipeline(model, devices=devices, balance=balance, checkpoint=checkpoint, **options)
+    assert isinstance(pipe, Pipeline)  # no replicas were asked for
+    return pipe
 
 
 class ScheduleGPipe:

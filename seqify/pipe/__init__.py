@@ -3,6 +3,7 @@
 from seqify.pipe.batchnorm import DeferredBatchNorm
 from seqify.pipe.pipeline import Pipeline
 from seqify.pipe.recompute import is_checkpointing, is_recomputing
+from seqify.pipe.replicated import ReplicatedPipeline
 from seqify.pipe.stage import Stage
 
-__all__ = ["Pipeline", "Stage", "DeferredBatchNorm", "is_checkpointing", "is_recomputing"]
+__all__ = ["Pipeline", "ReplicatedPipeline", "Stage", "DeferredBatchNorm", "is_checkpointing", "is_recomputing"]

@@ -16,7 +16,7 @@ __all__ = ["Trial", "PipeConfig", "OPTIONS", "trial_table", "megabytes"]
 
 #: The entries a person sets (the others are what the tuner adds); a run file may write them at its top level.
 OPTIONS = ("chunks", "loops", "balance", "by", "checkpoint", "graphs", "devices", "gpus", "schedule", "overlap",
-           "memory_cap", "deferred_batch_norm")
+           "memory_cap", "deferred_batch_norm", "replicas")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class Trial:
     GPipe), predicted step seconds, measured step seconds (``None`` when it was not confirmed by timed
     steps), predicted peak bytes on the fullest device and on each pipeline device, and the peak bytes each
     CUDA device allocated and reserved while it was built and timed (empty where not measured);
-    ``overlap``: ``pipe.step``'s graphs on two streams per GPU (``seqify.pipeline(overlap=True)``)."""
+    ``overlap``: ``pipe.step``'s graphs on two streams per GPU (``seqify.pipeline(overlap=True)``);
+    ``replicas``: data-parallel copies of the pipeline (its devices are the whole set's ``1 / replicas``)."""
 
     chunks: int
     loops: int
@@ -42,10 +43,14 @@ class Trial:
     measured_peak: tuple[int, ...] = ()
     measured_reserved: tuple[int, ...] = ()
     overlap: bool = False
+    replicas: int = 1
 
     def layout(self) -> str:
-        """The options but the schedule: ``chunks 4, loops 1, by time, checkpoint never`` (plus graphs, overlap)."""
+        """The options but the schedule: ``2 x 2, chunks 4, loops 1, by time, checkpoint never`` (stages x
+        replicas first where there are replicas; graphs and overlap last)."""
         text = f"chunks {self.chunks}, loops {self.loops}, by {self.by}, checkpoint {self.checkpoint}"
+        if self.replicas > 1:
+            text = f"{len(self.balance) // self.loops} x {self.replicas}, {text}"
         return text + (", graphs" if self.graphs else "") + (", overlap" if self.overlap else "")
 
     def label(self) -> str:
@@ -63,7 +68,9 @@ class PipeConfig:
     entries), empty to balance ``by`` a strategy ('params' when ``None``); ``checkpoint``; ``graphs``;
     ``devices``: one per device (partitions are placed round-robin ``loops`` times over them), or ``gpus``,
     or neither (every GPU, else CPU); ``schedule``: the order ``pipe.step`` runs (``None``: GPipe's, or the
-    tuner's choice with ``chunks="auto"``); ``overlap``; ``memory_cap``; ``deferred_batch_norm``.
+    tuner's choice with ``chunks="auto"``); ``overlap``; ``memory_cap``; ``deferred_batch_norm``; ``replicas``:
+    data-parallel copies of the pipeline, each on ``len(devices) / replicas`` consecutive devices (1: one
+    pipeline over every device; as many as devices: plain data parallelism).
 
     What the tuner adds: ``batch``: the mini-batch the choice was made for (0 when written by hand);
     ``predicted_s`` / ``measured_s``: the chosen candidate's step time; ``memory_per_device``: its predicted
@@ -92,6 +99,7 @@ class PipeConfig:
     gpus: int | None = None
     memory_cap: int | float | str | None = None
     deferred_batch_norm: bool = False
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         for name, value in _normalized(self).items():
@@ -111,13 +119,14 @@ class PipeConfig:
         if not self.devices:
             raise ConfigError("this configuration names no devices, so its placement is not known yet; add "
                               "devices = [...] or build it with seqify.pipeline(model, config=cfg)")
+        stages = len(self.devices) // self.replicas
         if self.schedule == "zb-h1" and self.loops == 2:
-            return v_shape(len(self.devices))
-        return round_robin(len(self.devices), self.loops)
+            return v_shape(stages)
+        return round_robin(stages, self.loops)
 
     @property
     def partitions(self) -> list[str]:
-        """The device of every partition (see :attr:`placement`)."""
+        """The device of every partition of the first replica (see :attr:`placement`)."""
         return [self.devices[d] for d in self.placement]
 
     def options(self) -> dict[str, Any]:
@@ -128,7 +137,8 @@ class PipeConfig:
                     balance=list(self.balance) or self.by, chunks=self.chunks, checkpoint=self.checkpoint,
                     graphs=self.graphs, schedule=self.schedule if auto else self.schedule or "gpipe",
                     overlap=(self.overlap or None) if auto else self.overlap, memory_cap=self.memory_cap,
-                    deferred_batch_norm=self.deferred_batch_norm)
+                    deferred_batch_norm=self.deferred_batch_norm,
+                    replicas=(None if self.replicas == 1 else self.replicas) if auto else self.replicas)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,6 +185,8 @@ class PipeConfig:
     def __str__(self) -> str:
         where = f"{len(self.devices)} devices ({', '.join(self.devices)})" if self.devices else \
             f"{self.gpus} GPUs" if self.gpus else "default devices"
+        if self.replicas > 1:
+            where += f" as {self.replicas} replicas of a pipeline"
         balance = f"balance by {self.by or 'params'}" + (f" {list(self.balance)}" if self.balance else "")
         head = (f"PipeConfig: {where}, chunks {self.chunks}, loops {self.loops}, {balance}, "
                 f"checkpoint {self.checkpoint!r}, graphs {self.graphs}{', overlap' if self.overlap else ''}, "
@@ -197,7 +209,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "graphs": (bool,), "devices": (list, tuple), "batch": (int,), "predicted_s": (int, float),
     "measured_s": (int, float), "schedule": (str,), "memory_per_device": (list, tuple), "overlap": (bool,),
     "trials": (list, tuple), "key": (str,), "gpus": (int,), "memory_cap": (int, float, str),
-    "deferred_batch_norm": (bool,),
+    "deferred_batch_norm": (bool,), "replicas": (int,),
 }
 
 
@@ -246,7 +258,7 @@ def _check_choices(out: dict[str, Any]) -> None:
     chunks = out["chunks"]
     if chunks != "auto" and (isinstance(chunks, str) or chunks < 1):
         raise ConfigError(f'chunks = {chunks!r}: give micro-batches per mini-batch (a whole number >= 1) or "auto"')
-    for name, least in (("loops", 1), ("gpus", 1), ("batch", 0)):
+    for name, least in (("loops", 1), ("gpus", 1), ("batch", 0), ("replicas", 1)):
         if out[name] is not None and out[name] < least:
             raise ConfigError(f"{name} = {out[name]!r}: give a whole number >= {least}")
     given = ("given",) if out["balance"] else ()  # the tuner's name for a balance it was handed
@@ -257,6 +269,10 @@ def _check_choices(out: dict[str, Any]) -> None:
         raise ConfigError(f"devices = {list(out['devices'])!r}: give device names such as \"cuda:0\" or \"cpu\"")
     if out["gpus"] is not None and out["devices"]:
         raise ConfigError(f"gpus = {out['gpus']} and devices = {list(out['devices'])}: give one of them")
+    width = len(out["devices"]) or out["gpus"]
+    if width and width % out["replicas"]:
+        raise ConfigError(f"replicas = {out['replicas']} does not divide the {width} devices: each replica takes an "
+                          "equal group of them")
     if out["memory_cap"] is not None:
         try:
             parse_bytes(out["memory_cap"])
@@ -303,5 +319,6 @@ def megabytes(per_device: tuple[int, ...] | list[int]) -> str:
 
 
 def _same(t: Trial, c: PipeConfig) -> bool:
-    return (t.chunks, t.loops, t.by, t.checkpoint, t.graphs, t.schedule or "gpipe", tuple(t.balance), t.overlap) == (
-        c.chunks, c.loops, c.by, c.checkpoint, c.graphs, c.schedule or "gpipe", tuple(c.balance), c.overlap)
+    return (t.chunks, t.loops, t.by, t.checkpoint, t.graphs, t.schedule or "gpipe", tuple(t.balance), t.overlap,
+            t.replicas) == (c.chunks, c.loops, c.by, c.checkpoint, c.graphs, c.schedule or "gpipe",
+                            tuple(c.balance), c.overlap, c.replicas)

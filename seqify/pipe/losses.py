@@ -198,7 +198,10 @@ def probe(loss_fn: LossFn, out: Any, n: int, targets: Sequence[Any], sizes: Sequ
     flat = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
     if len(targets) > 1:  # together about one micro-batch: the probe holds no more than the step does
         k = max(1, n // len(targets))
-        pieces = [(_head(flat, min(k, size)), _head(t, min(k, size))) for size, t in zip(sizes, targets)]
+        device = next((t.device for t in pytree.tree_leaves(flat) if isinstance(t, torch.Tensor)), None)
+        near = (lambda v: v) if device is None else (  # replicas' targets are on their own devices
+            lambda v: pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, v))
+        pieces = [(_head(flat, min(k, size)), near(_head(t, min(k, size)))) for size, t in zip(sizes, targets)]
     elif n > 1:
         cut = [len(c) for c in torch.arange(n).tensor_split(min(n, PIECES))]
         pieces = list(zip(_split(flat, cut), split_like(targets[0], cut)))
@@ -341,8 +344,18 @@ class Weigher:
         self.local = self.counts.sum() if isinstance(self.counts, torch.Tensor) else sum(self.counts)
         self.total = total(self.local) if total is not None and self.kind != "sum" else self.local
         # torch's own counts stay on the device: every micro-batch's weight and whether it keeps a target, once
-        self.weights = self.counts * (replicas / self.total) if isinstance(self.counts, torch.Tensor) else None
-        self.kept = self.counts > 0 if isinstance(self.counts, torch.Tensor) else None
+        self.weights: torch.Tensor | list[torch.Tensor] | None = (
+            self.counts * (replicas / self.total) if isinstance(self.counts, torch.Tensor) else None)
+        self.kept: torch.Tensor | list[torch.Tensor] | None = (
+            self.counts > 0 if isinstance(self.counts, torch.Tensor) else None)
+
+    def place(self, devices: list[torch.device]) -> None:
+        """Copy each micro-batch's weight to ``devices[i]``, where its loss will be, now: a copy between two GPUs
+        made while a step runs makes the one wait for all the work queued on the other (replicas' pipelines
+        would run one after another)."""
+        if self.weights is not None and self.kept is not None:
+            self.weights = [self.weights[i].to(d) for i, d in enumerate(devices)]
+            self.kept = [self.kept[i].to(d) for i, d in enumerate(devices)]
 
     @property
     def report(self) -> Any:

@@ -9,7 +9,7 @@ import torch
 
 from seqify.errors import BoundaryError
 
-__all__ = ["scatter", "gather", "is_tensors", "split_like"]
+__all__ = ["scatter", "gather", "is_tensors", "split_like", "sizes_of"]
 
 
 def is_tensors(value: Any) -> bool:
@@ -104,3 +104,8 @@ def split_like(target: Any, sizes: list[int]) -> list[Any]:
         parts_d = {k: split_like(v, sizes) for k, v in target.items()}
         return [{k: v[i] for k, v in parts_d.items()} for i in range(len(sizes))]
     return [target] * len(sizes)
+
+
+def sizes_of(batches: list[Any]) -> list[int]:
+    """The number of samples in each micro-batch (a tensor, or a tuple led by one)."""
+    return [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from seqify.errors import BalanceError, BoundaryError, ConfigError, DeviceError, MemoryCapError, ScheduleError
+from seqify.errors import BalanceError, BoundaryError, DeviceError, MemoryCapError, ScheduleError
 from seqify.model.sequential import Sequential
 from seqify.pipe.batchnorm import DeferredBatchNorm, one_sample
 from seqify.pipe.config import PipeConfig
@@ -23,21 +21,19 @@ from seqify.pipe.executors.scheduled import ScheduledStep
 from seqify.pipe.inplace import INPUT, mutated_roots
 from seqify.pipe.losses import Count, Probes, Weigher, reduction_of, scale_of, scaled
 from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
-from seqify.pipe.microbatch import gather, scatter, split_like
+from seqify.pipe.microbatch import gather, scatter, sizes_of, split_like
 from seqify.pipe.moves import Placed
 from seqify.pipe.placement import (
     CHECKPOINT,
-    STRATEGIES,
     _check_chunks,
-    _counts,
     place,
     resolve_devices,
 )
 from seqify.pipe.recompute import norms_of
 from seqify.pipe.transfer import Transfer, refuse_meta
-from seqify.schedule.actions import SCHEDULES, Schedule, ahead, make, round_robin, v_shape
+from seqify.schedule.actions import SCHEDULES, Schedule, ahead, make, v_shape
 
-__all__ = ["Pipeline", "build", "capped", "from_config", "resolve_devices", "GraphWarning"]
+__all__ = ["Pipeline", "resolve_devices", "GraphWarning", "CHECKPOINT"]
 
 
 class Pipeline(Placed):
@@ -217,21 +213,24 @@ class Pipeline(Placed):
             carried = args[0]
         else:
             raise BoundaryError("a plain nn.Sequential pipeline takes one argument: a tensor or a tuple of tensors")
-        batches = self._micro_batches(carried, stacklevel=5)  # under nn.Module.__call__ and _call_impl
-        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]  # the executor reuses the list
+        return self._unflatten(self._forward(carried, stacklevel=6))  # under nn.Module.__call__ and _call_impl
+
+    def _forward(self, carried: Any, stacklevel: int) -> Any:
+        """The flat outputs of the flat inputs ``carried``, on the last device."""
+        model = self.model
+        batches = self._micro_batches(carried, stacklevel=stacklevel)
+        sizes = sizes_of(batches)  # the executor reuses the list
         saved = self._save_statistics() if self._statistics else None
         try:
             replay = self._replayer.programs(batches, self.training, stop=self._checkpoint_stop(len(batches)))
             if replay is not None:
-                out = run(replay, [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches])
-            else:
-                out = gather(self._run(batches), model.output_spec.names if isinstance(model, Sequential) else None)
+                return run(replay, [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches])
+            return gather(self._run(batches), model.output_spec.names if isinstance(model, Sequential) else None)
         except BaseException as e:
             if saved:
                 self._restore_statistics(saved)
             self._refuse_one_sample(e, sizes)
             raise
-        return model.unflatten_outputs(out) if isinstance(model, Sequential) else out
 
     def _micro_batches(self, carried: Any, stacklevel: int) -> list[Any]:
         """The flat input on the first device, split into micro-batches (copies where the model changes its
@@ -293,37 +292,64 @@ class Pipeline(Placed):
         (its current scale, as ``scaler.scale(loss).backward()``; then ``scaler.unscale_``, ``scaler.step`` and
         ``scaler.update`` as usual). The loss returned is the unscaled one.
         """
-        if not (self.training and torch.is_grad_enabled()):
-            raise ScheduleError("pipe.step trains: call pipe.train() and run it with gradients enabled (not under "
-                                "torch.no_grad()); for inference call pipe(x)")
+        self._check_training()
         how = reduction_of(loss_fn, reduction, denominator)
         factor = scale_of(loss_scale, self.devices[-1])
-        model = self.model
-        if isinstance(model, Sequential):
-            carried = model.flatten_inputs(x) if not isinstance(x, tuple) else model.flatten_inputs(*x)
-        else:
-            carried = x
+        carried = self._carried(x)
         refuse_meta(target, "target", self.devices[-1])
-        if self.schedule == "gpipe" and (self.graphs or self._replay_eager):
-            out = self(*x) if isinstance(x, tuple) and isinstance(model, Sequential) else self(x)
+        if self._whole_step:
+            out = self(*x) if isinstance(x, tuple) and isinstance(self.model, Sequential) else self(x)
             loss = loss_fn(out, self._transfer(target, self.devices[-1]))
             (loss if factor is None else scaled(loss, factor)).backward()
             return loss.detach()
         batches = self._micro_batches(carried, stacklevel=3)
-        sizes = [(b if isinstance(b, torch.Tensor) else b[0]).size(0) for b in batches]
-        targets = split_like(self._transfer(target, self.devices[-1]), sizes)
-        unflatten = model.unflatten_outputs if isinstance(model, Sequential) else (lambda y: y)
-        weigh = Weigher(loss_fn, how, targets, sizes, self._probes, unflatten=unflatten, scale=factor)
+        targets = split_like(self._transfer(target, self.devices[-1]), sizes_of(batches))
+        weigh = Weigher(loss_fn, how, targets, sizes_of(batches), self._probes, unflatten=self._unflatten,
+                        scale=factor)
+        total = self._train(batches, targets, weigh)
+        return total if factor is None else scaled(total, factor, inverse=True)
+
+    def _check_training(self) -> None:
+        if not (self.training and torch.is_grad_enabled()):
+            raise ScheduleError("pipe.step trains: call pipe.train() and run it with gradients enabled (not under "
+                                "torch.no_grad()); for inference call pipe(x)")
+
+    def _carried(self, x: Any) -> Any:
+        """``x`` as the flat values the pipeline carries (a plain nn.Sequential's one value as it is)."""
+        model = self.model
+        if not isinstance(model, Sequential):
+            return x
+        return model.flatten_inputs(*x) if isinstance(x, tuple) else model.flatten_inputs(x)
+
+    def _unflatten(self, y: Any) -> Any:
+        model = self.model
+        return model.unflatten_outputs(y) if isinstance(model, Sequential) else y
+
+    @property
+    def _whole_step(self) -> bool:
+        """Whether ``step`` runs the forward whole and ``loss.backward()`` (fill-drain with graphs, whose
+        replayed backward follows the forward's order anyway)."""
+        return self.schedule == "gpipe" and (self.graphs or self._replay_eager)
+
+    def _prepare(self, batches: list[Any], step: bool) -> None:
+        """Build now, and capture where graphs are on, the programs a step (``step``) or a forward of these
+        micro-batches replays: a capture must not run beside another thread's CUDA work."""
+        schedule = self.schedule_for(len(batches)) if step else None
+        self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
+
+    def _train(self, batches: list[Any], targets: list[Any], loss_of: Callable[[Any, int], torch.Tensor]
+               ) -> torch.Tensor:
+        """Forward and backward of ``batches`` in the schedule's order, ``loss_of(output, i)`` on each last output;
+        the sum of those losses. Running statistics are left as they were when it raises."""
+        sizes = sizes_of(batches)
         schedule = self.schedule_for(len(batches))
         saved = self._save_statistics() if self._statistics else None
         try:
             replay = self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
             if replay is not None:
                 flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
-                total = replay.train(flat, targets, weigh)
-            else:
-                total = self._stepper(schedule, batches, weigh, self._checkpoint_stop(len(batches)))
-            return total if factor is None else scaled(total, factor, inverse=True)
+                return replay.train(flat, targets, loss_of)
+            return self._stepper(schedule, batches, loss_of, self._checkpoint_stop(len(batches)))
         except BaseException as e:
             if saved:
                 self._restore_statistics(saved)
@@ -425,120 +451,3 @@ def _placement(placement: Sequence[int] | None, devices: Sequence[torch.device])
         raise ScheduleError(f"placement {placement}: give each of the {len(devices)} partitions a device number "
                             "0..d-1, every number used")
     return placement
-
-
-def build(
-    model: nn.Sequential,
-    *,
-    gpus: int | None = None,
-    devices: Sequence[Any] | None = None,
-    chunks: int | str = 1,
-    balance: Sequence[int] | str | None = None,
-    checkpoint: str = "except_last",
-    deferred_batch_norm: bool = False,
-    graphs: bool = False,
-    loops: int = 1,
-    sample: Any = None,
-    schedule: str | Schedule | None = None,
-    memory_cap: int | float | str | None = None,
-    overlap: bool | None = None,
-    replay_options: ReplayOptions | None = None,
-) -> Pipeline:
-    """A pipeline of ``model`` with a fixed number of ``chunks``: what :func:`seqify.pipeline` builds when it
-    tunes nothing (the arguments mean what they mean there; ``sample`` measures a 'time', 'memory' or
-    'flops' balance and a ``memory_cap``)."""
-    schedule = "gpipe" if schedule is None else schedule
-    layers = len(model)
-    probe = sample
-    chunks = _check_chunks(chunks)
-    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
-        raise BalanceError(f"loops={loops!r}: give the number of partitions per device, a whole number >= 1")
-    if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
-        raise ScheduleError(f"schedule={schedule!r}: choose one of {SCHEDULES} or pass a "
-                            "seqify.schedule.actions.Schedule")
-    v = schedule == "zb-h1" and loops == 2
-
-    def lay(devs: list[torch.device]) -> tuple[list[torch.device], tuple[int, ...]]:
-        if v:
-            return devs + devs[::-1], v_shape(len(devs))
-        return devs * loops, round_robin(len(devs), loops)
-    if isinstance(balance, str) or balance is None:
-        strategy = balance or "params"
-        if strategy not in STRATEGIES:
-            raise BalanceError(f"balance={strategy!r}: use a list of layer counts or one of {STRATEGIES}")
-        placed, slots = lay(resolve_devices(gpus, devices, None))
-        if len(placed) > layers:
-            raise BalanceError(f"{len(placed)} partitions but the model has only {layers} layers; use fewer devices")
-        from seqify.partition import balance as make_plan
-
-        plan = make_plan(model, len(placed), sample=probe, by=strategy, device=placed[0])
-        pipe = Pipeline(model, plan.balance, placed, chunks=chunks, checkpoint=checkpoint,
-                        deferred_batch_norm=deferred_batch_norm, graphs=graphs, plan=plan, schedule=schedule,
-                        placement=slots, overlap=bool(overlap), replay_options=replay_options)
-        return capped(pipe, memory_cap, probe)
-    counts = _counts(balance, layers)
-    if len(counts) > layers:
-        raise BalanceError(f"balance has {len(counts)} partitions but the model has only {layers} layers")
-    if len(counts) % loops:
-        raise BalanceError(
-            f"balance has {len(counts)} partitions, not a multiple of loops={loops}: give loops partitions per device"
-        )
-    placed, slots = lay(resolve_devices(gpus, devices, len(counts) // loops))
-    pipe = Pipeline(model, counts, placed, chunks=chunks, checkpoint=checkpoint,
-                    deferred_batch_norm=deferred_batch_norm, graphs=graphs, schedule=schedule, placement=slots,
-                    overlap=bool(overlap), replay_options=replay_options)
-    return capped(pipe, memory_cap, sample)
-
-
-
-
-def capped(pipe: Pipeline, cap: int | float | str | None, sample: Any) -> Pipeline:
-    """``pipe`` switched to a schedule and checkpointing that fit ``cap`` (unchanged without a cap)."""
-    if cap is None:
-        return pipe
-    parse_bytes(cap)
-    if sample is None:
-        raise MemoryCapError("memory_cap needs a sample mini-batch to measure activations: pass sample=x (or "
-                             "example_inputs=x) shaped like a training batch")
-    pipe.fit_memory(cap, sample)
-    return pipe
-
-
-def from_config(model: nn.Sequential, config: PipeConfig | str | os.PathLike[str], gpus: int | None,
-                 devices: Sequence[Any] | None, deferred_batch_norm: bool,
-                 schedule: str | Schedule | None = None, overlap: bool | None = None) -> Pipeline:
-    """The pipeline a tuned configuration describes, checked against the model and the devices: its
-    schedule (``pipe.step`` runs it), or ``schedule`` when given (a :class:`Schedule` built for the same
-    placement, or a name that applies to it); two lanes per GPU as it says, or as ``overlap`` when given."""
-    from seqify.errors import TuneError
-
-    cfg = config if isinstance(config, PipeConfig) else PipeConfig.load(config)
-    if not cfg.fixed:
-        raise ConfigError(f"{cfg} leaves chunks, balance or devices open (or sets a memory cap): build it with "
-                          "seqify.pipeline(model, config=cfg), which chooses them")
-    if overlap is not None and overlap != cfg.overlap:
-        cfg = replace(cfg, overlap=overlap)
-    if sum(cfg.balance) != len(model):
-        raise TuneError(
-            f"the configuration's balance {list(cfg.balance)} covers {sum(cfg.balance)} layers but this model has "
-            f"{len(model)}; it was tuned for another model (or another conversion): tune this one with "
-            "seqify.tune(model, sample, ...)"
-        )
-    placed = cfg.partitions
-    if len(placed) != len(cfg.balance):
-        raise ConfigError(f"the configuration's balance {list(cfg.balance)} has {len(cfg.balance)} partitions but "
-                          f"its {len(cfg.devices)} devices with loops = {cfg.loops} place {len(placed)}: give "
-                          f"{len(placed)} layer counts, or other devices or loops")
-    if gpus is not None or devices is not None:
-        mine = resolve_devices(gpus, devices, None)
-        if len(mine) != len(cfg.devices):
-            raise TuneError(f"the configuration is for {len(cfg.devices)} devices ({', '.join(cfg.devices)}) but "
-                            f"{len(mine)} were given; give {len(cfg.devices)}, or tune for these")
-        placed = [str(mine[d]) for d in cfg.placement]
-    pipe = Pipeline(model, list(cfg.balance), resolve_devices(None, placed, None), chunks=int(cfg.chunks),
-                    checkpoint=cfg.checkpoint, deferred_batch_norm=deferred_batch_norm or cfg.deferred_batch_norm,
-                    graphs=cfg.graphs,
-                    schedule=schedule if schedule is not None else (cfg.schedule or "gpipe"), placement=cfg.placement,
-                    overlap=cfg.overlap)
-    pipe.config = cfg
-    return pipe

@@ -15,9 +15,9 @@ from seqify.errors import SeqifyError
 from seqify.partition.cost import LayerCosts, time_costs
 from seqify.partition.graph import dataflow, live_bytes
 from seqify.partition.walk import layers as walk_layers
+from seqify.pipe.assemble import build
 from seqify.pipe.memory import weighted
 from seqify.pipe.microbatch import split_like
-from seqify.pipe.pipeline import build
 from seqify.tuning import measure
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, predict
 

@@ -16,13 +16,13 @@ from seqify.pipe.config import OPTIONS, PipeConfig, Trial
 
 TRIAL = Trial(chunks=4, loops=2, by="time", checkpoint="never", graphs=True, schedule="interleaved",
               balance=(1, 2, 1, 1), predicted_s=0.125, measured_s=1e-05, memory_bytes=7, memory_per_device=(3, 4),
-              measured_peak=(5, 6), measured_reserved=(8, 9), overlap=True)
+              measured_peak=(5, 6), measured_reserved=(8, 9), overlap=True, replicas=2)
 
 #: Every field away from its default (the tuner's fields and the hand-written ones together).
 EVERY = PipeConfig(chunks=4, loops=2, balance=(1, 2, 1, 1), by="time", checkpoint="never", graphs=True,
                    devices=("cuda:0", 'cuda:1 "x"\\'), batch=32, predicted_s=0.125, measured_s=0.25,
                    schedule="interleaved", memory_per_device=(3, 4), overlap=True, trials=(TRIAL, TRIAL),
-                   key="k\u00e9y\n", memory_cap="40GiB", deferred_batch_norm=True)
+                   key="k\u00e9y\n", memory_cap="40GiB", deferred_batch_norm=True, replicas=2)
 
 
 def test_the_sample_config_sets_every_field() -> None:

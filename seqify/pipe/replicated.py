@@ -1,0 +1,327 @@
+"""ReplicatedPipeline: identical pipelines on groups of devices, each training on its share of the batch."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from seqify.errors import BalanceError, DeviceError, MicroBatchError
+from seqify.model.sequential import Sequential
+from seqify.pipe.assemble import build
+from seqify.pipe.config import PipeConfig
+from seqify.pipe.losses import Count, Weigher, reduction_of, scale_of, scaled
+from seqify.pipe.microbatch import gather, scatter, sizes_of, split_like
+from seqify.pipe.pipeline import Pipeline, resolve_devices
+from seqify.pipe.replica_state import Statistics, copy_state, flattened, sum_gradients
+from seqify.pipe.transfer import refuse_meta
+
+__all__ = ["ReplicatedPipeline", "replicated"]
+
+
+class _Share:
+    """Replica ``r``'s view of one step's weighed losses: its micro-batch ``i`` is the step's ``start + i``."""
+
+    def __init__(self, weigh: Callable[[Any, int], torch.Tensor], start: int) -> None:
+        self.weigh, self.start = weigh, start
+
+    def __call__(self, out: Any, i: int) -> torch.Tensor:
+        return self.weigh(out, self.start + i)
+
+
+class ReplicatedPipeline(nn.Module):
+    """A layout of ``stages x replicas`` devices: ``replicas`` identical pipelines (data parallelism over
+    pipelines; one stage each is plain data parallelism), each on its own group of devices.
+
+    A batch is split into one share per replica (by samples; sizes differ by at most one), each replica runs its
+    share through its own pipeline and schedule, and every micro-batch's loss is weighed by its share of what the
+    whole batch's loss divides by. The replicas' gradients are then summed into the first replica, so its
+    ``.grad`` is what ``loss_fn(model(x), target).backward()`` on one device leaves (within float rounding: the
+    sums run in another order), and BatchNorm running statistics are combined as one pipeline running all the
+    micro-batches in turn would leave them.
+
+    The first replica is the model: :meth:`parameters`, ``state_dict`` and ``pipe.model`` are its (build the
+    optimizer on ``pipe.parameters()``; clipping and checkpoints count each parameter once). The other replicas
+    hold copies that take the first's parameters and buffers before their next step or forward, whenever they
+    changed (an optimizer step, a loaded checkpoint). :meth:`step` and calling the pipeline work as on a
+    :class:`Pipeline`; after ``pipe(x)`` in training, the gradients are summed when ``backward`` ends.
+    """
+
+    _others: list[Pipeline]  # a plain attribute (set with object.__setattr__): parameters() are the first's
+
+    def __init__(self, replicas: Sequence[Pipeline]) -> None:
+        super().__init__()
+        if len(replicas) < 2:
+            raise BalanceError("a replicated pipeline needs at least two replicas; use the Pipeline itself for one")
+        self.pipeline = replicas[0]
+        object.__setattr__(self, "_others", list(replicas[1:]))
+        self._params = [list(p.partitions.parameters()) for p in replicas]
+        # each replica's parameters and buffers as views of a few flat tensors: copied between GPUs in one call
+        self._state = [flattened(self._params[r] + list(p.partitions.buffers())) for r, p in enumerate(replicas)]
+        self._addresses = self._held()
+        self._statistics = Statistics(self._statistics_modules())
+        self._versions: tuple[int, ...] | None = None
+        self._threads = all(p.devices[0].type == "cuda" for p in replicas)
+        self._pool: ThreadPoolExecutor | None = None
+        #: the PipeConfig seqify.tune chose or config= gave; None when built by hand
+        self.config: PipeConfig | None = None
+        self.training = replicas[0].training
+
+    def _statistics_modules(self) -> list[list[nn.modules.batchnorm._NormBase]]:
+        """Each replica's modules that keep running statistics, in the same order (read again where a module's
+        momentum changes)."""
+        return [[m for m in p.partitions.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+                 and m.track_running_stats and m.running_mean is not None] for p in self.replicas]
+
+    @property
+    def replicas(self) -> list[Pipeline]:
+        """Every replica's pipeline; the first holds the model."""
+        return [self.pipeline, *self._others]
+
+    @property
+    def model(self) -> nn.Sequential:
+        """The model: the first replica's layers."""
+        return self.pipeline.model
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every replica's devices, the first replica's first."""
+        return [d for p in self.replicas for d in p.devices]
+
+    @property
+    def balance(self) -> list[int]:
+        return list(self.pipeline.balance)
+
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per replica's share of a mini-batch."""
+        return self.pipeline.chunks
+
+    @property
+    def schedule(self) -> Any:
+        return self.pipeline.schedule
+
+    @property
+    def graphs(self) -> bool:
+        return self.pipeline.graphs
+
+    def __repr__(self) -> str:
+        first = self.pipeline
+        return (f"ReplicatedPipeline({len(self.replicas)} replicas x {max(first.placement) + 1} devices, "
+                f"balance={list(first.balance)}, chunks={first.chunks}, schedule={first.schedule!r})")
+
+    def train(self, mode: bool = True) -> ReplicatedPipeline:
+        super().train(mode)
+        for other in self._others:
+            other.train(mode)
+        return self
+
+    def _sync(self) -> None:
+        """Give the other replicas the first's parameters and buffers where they changed since the last time
+        (running statistics a training forward left uncombined, with no backward after it, combined first)."""
+        self._statistics.combine()
+        if self._held() != self._addresses:
+            raise DeviceError("a tensor of the replicated pipeline's model was replaced, not updated in place "
+                              "(p.data = ..., a cast or a move of pipe.model): the other replicas would no longer "
+                              "follow it. Update parameters in place (optimizers and load_state_dict do), or "
+                              "build the pipeline again from the changed model")
+        mine = [*self._params[0], *self.pipeline.partitions.buffers()]
+        versions = tuple(t._version for t in mine)
+        if versions != self._versions:
+            copy_state(self._state[0], self._state[1:])
+            self._versions = tuple(t._version for t in mine)
+
+    def _held(self) -> tuple[int, ...]:
+        """Where the first replica's parameters and buffers are: inside its flat tensors while it holds them."""
+        return tuple(t.data_ptr() for t in [*self._params[0], *self.pipeline.partitions.buffers()])
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ReplicatedPipeline:
+        raise DeviceError("a replicated pipeline keeps the devices and dtype it was built with (.to(), .cuda(), "
+                          ".half() would reach the first replica only): cast or move the model before "
+                          "seqify.pipeline(..., replicas=...)")
+
+    def _shares(self, carried: Any) -> list[Any]:
+        """``carried`` cut into one share per replica, each on its replica's first device."""
+        model = self.model
+        names = model.input_names if isinstance(model, Sequential) else None
+        shares = scatter(carried, len(self.replicas), names)
+        if len(shares) < len(self.replicas):
+            raise MicroBatchError(f"the batch has {len(shares)} samples but the pipeline has {len(self.replicas)} "
+                                  "replicas, each needing at least one: use a larger batch or fewer replicas")
+        return shares
+
+    def _run(self, work: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+        """Each replica's part of a step in a thread of its own (one host thread issuing every replica's kernels
+        in turn would make the second GPU wait for the first's issue), with the caller's gradient and autocast
+        modes; the first error raised once all have ended. Programs to capture are built before (a capture
+        must not run beside another thread's CUDA work)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(len(work), thread_name_prefix="seqify-replica")
+        modes = _modes()
+        futures = [self._pool.submit(_in_modes, modes, p.devices[0], w) for p, w in zip(self.replicas, work)]
+        wait(futures)
+        return [f.result() for f in futures]
+
+    def _after_training(self) -> None:
+        """Sum the gradients into the first replica and combine running statistics (after every replica ran)."""
+        self._statistics.combine()
+        sum_gradients(self._params)
+
+    def step(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+             reduction: str | None = None, denominator: Count | None = None,
+             loss_scale: float | torch.Tensor | torch.amp.GradScaler | None = None) -> torch.Tensor:
+        """One training step over every replica (see :meth:`Pipeline.step`, whose arguments these are): the
+        loss of the whole batch, detached; the first replica's ``.grad`` holds the whole batch's gradients."""
+        first = self.pipeline
+        first._check_training()
+        how = reduction_of(loss_fn, reduction, denominator)
+        factor = scale_of(loss_scale, first.devices[-1])
+        refuse_meta(target, "target", first.devices[-1])
+        self._sync()
+        shares = self._shares(first._carried(x))
+        share_targets = split_like(target, sizes_of(shares))
+        whole = first._whole_step
+        # every share moves to its replica now: a copy between GPUs made later would wait for the work queued before
+        batches = [[p._transfer(s, p.devices[0])] if whole else p._micro_batches(s, stacklevel=3)
+                   for p, s in zip(self.replicas, shares)]
+        targets = [split_like(p._transfer(t, p.devices[-1]), sizes_of(b))
+                   for p, t, b in zip(self.replicas, share_targets, batches)]
+        weigh = Weigher(loss_fn, how, [t for ts in targets for t in ts], [n for b in batches for n in sizes_of(b)],
+                        first._probes, unflatten=(lambda y: y) if whole else first._unflatten, scale=factor)
+        weigh.place([p.devices[-1] for p, b in zip(self.replicas, batches) for _ in b])
+        self._statistics.keep()
+        starts = [sum(len(b) for b in batches[:r]) for r in range(len(batches))]
+        work = [functools.partial(_whole_step, p, b[0], _Share(weigh, k)) if whole else
+                functools.partial(p._train, b, t, _Share(weigh, k))
+                for p, b, t, k in zip(self.replicas, batches, targets, starts)]
+        # a loss probed on its first output decides its kind once: the replicas run in turn until it has
+        threads = self._threads and weigh.kind != "probe"
+        if threads:
+            for p, b in zip(self.replicas, batches):
+                p._prepare(p._micro_batches(b[0], stacklevel=3) if whole else b, step=not whole)
+        totals = self._run(work) if threads else [w() for w in work]
+        self._after_training()
+        total = sum(t.to(first.devices[-1]) for t in totals)
+        assert isinstance(total, torch.Tensor)
+        return total if factor is None else scaled(total, factor, inverse=True)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        first = self.pipeline
+        model = self.model
+        carried = model.flatten_inputs(*args, **kwargs) if isinstance(model, Sequential) else args[0]
+        self._sync()
+        if self.training:  # BatchNorm updates its statistics in training mode, with gradients or without
+            self._statistics.keep()
+        shares = [p._transfer(s, p.devices[0]) for p, s in zip(self.replicas, self._shares(carried))]
+        outs = [p._forward(s, stacklevel=6) for p, s in zip(self.replicas, shares)]
+        last = first.devices[-1]
+        moved = [o.to(last) if isinstance(o, torch.Tensor) else tuple(t.to(last) for t in o) for o in outs]
+        out = gather(moved, model.output_spec.names if isinstance(model, Sequential) else None)
+        if self.training:
+            # BatchNorm's backward reads the running statistics its forward saw: they are combined, and the
+            # gradients summed, when backward ends (at once where there is no backward to wait for)
+            attached = _after_backward(out, self._after_training)
+            if attached is None:
+                self._statistics.combine()
+            else:
+                out = attached
+        return first._unflatten(out)
+
+
+_Modes = tuple[bool, list[tuple[str, bool, torch.dtype, bool]]]
+
+
+def _modes() -> _Modes:
+    """The caller's gradient mode and autocast state per device type (both are per thread)."""
+    return torch.is_grad_enabled(), [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind),
+                                      torch.is_autocast_cache_enabled()) for kind in ("cuda", "cpu")]
+
+
+def _in_modes(modes: _Modes, device: torch.device, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``fn()`` under the caller's ``modes``, with ``device`` current."""
+    grad, casts = modes
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for kind, enabled, dtype, cache in casts:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+        return fn()
+
+
+def _whole_step(pipe: Pipeline, share: Any, loss_of: _Share) -> torch.Tensor:
+    """Replica ``pipe``'s fill-drain step on its whole share (graphs replay its backward in order anyway)."""
+    out = pipe._forward(share, stacklevel=4)
+    loss = loss_of(pipe._unflatten(out), 0)
+    loss.backward()
+    return loss.detach()
+
+
+class _SumAfterBackward(torch.autograd.Function):
+    """The identity on the outputs; its backward asks autograd to call ``done`` when the whole backward ends."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *outputs: torch.Tensor) -> Any:
+        ctx.done = done
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.done)
+        return (None, *grads)
+
+
+def _after_backward(out: Any, done: Callable[[], None]) -> Any:
+    """``out`` (a tensor or a tuple of them) with ``done`` called once the backward through it ends; None where
+    no backward can run through it."""
+    single = isinstance(out, torch.Tensor)
+    tensors = (out,) if single else tuple(out)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None
+    passed = _SumAfterBackward.apply(done, *tensors)
+    return passed[0] if single else type(out)(passed) if not hasattr(out, "_fields") else type(out)(*passed)
+
+
+def replicated(model: nn.Sequential, replicas: int, *, gpus: int | None = None, devices: Sequence[Any] | None = None,
+               sample: Any = None, balance: Sequence[int] | str | None = None,
+               **options: Any) -> ReplicatedPipeline:
+    """``replicas`` pipelines of ``model`` over the devices ``gpus`` or ``devices`` name, cut into as many
+    consecutive groups: what :func:`seqify.pipeline` builds with ``replicas > 1`` (the other options are
+    :func:`~seqify.pipe.assemble.build`'s, for each replica; ``sample``, the whole batch, is cut into shares).
+    The first replica is balanced as asked and the others get its balance, schedule and checkpointing."""
+    placed = resolve_devices(gpus, devices, None)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise BalanceError(f"replicas={replicas!r}: give the number of data-parallel copies of the pipeline, a whole "
+                           "number >= 1")
+    if replicas == 1:
+        raise BalanceError("replicas=1 is one pipeline: build it without replicas")
+    if len(placed) % replicas:
+        raise BalanceError(f"replicas={replicas} does not divide the {len(placed)} devices "
+                           f"({', '.join(map(str, placed))}): each replica takes an equal group of them")
+    if options.get("deferred_batch_norm"):
+        raise BalanceError("deferred_batch_norm folds statistics over one pipeline's micro-batches; with replicas "
+                           "use deferred_batch_norm=False (their running statistics are combined as one pipeline "
+                           "running every micro-batch would leave them)")
+    per = len(placed) // replicas
+    groups = [placed[r * per:(r + 1) * per] for r in range(replicas)]
+    share = _share(sample, replicas)
+    copies = [copy.deepcopy(model) for _ in groups[1:]]
+    first = build(model, devices=groups[0], balance=balance, sample=share, **options)
+    same = {**options, "memory_cap": None, "schedule": first.schedule, "checkpoint": first.checkpoint}
+    rest = [build(c, devices=g, balance=list(first.balance), sample=share, **same) for c, g in zip(copies, groups[1:])]
+    return ReplicatedPipeline([first, *rest])
+
+
+def _share(sample: Any, replicas: int) -> Any:
+    """The first replica's share of ``sample``: every tensor's first ``1 / replicas`` samples."""
+    if sample is None:
+        return None
+    return pytree.tree_map(lambda t: t[:max(1, t.size(0) // replicas)] if isinstance(t, torch.Tensor) and t.dim()
+                           else t, sample)

@@ -1,0 +1,240 @@
+"""Replicated pipelines (stages x replicas): every layout trains like one device on the same micro-batches."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import seqify
+from seqify.errors import BalanceError, ConfigError, DeviceError, MicroBatchError
+from seqify.pipe.replicated import ReplicatedPipeline
+
+from pipe.test_step import UNet, data, even
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def setup(schedule: str, stages: int, replicas: int, chunks: int = 2, loops: int = 1
+          ) -> tuple[nn.Module, ReplicatedPipeline]:
+    torch.manual_seed(0)
+    source = UNet().double()
+    seq = seqify.convert(copy.deepcopy(source))
+    pipe = seqify.pipeline(seq, devices=["cpu"] * (stages * replicas), loops=loops,
+                           balance=even(len(seq), stages * loops), chunks=chunks, checkpoint="never",
+                           schedule=schedule, replicas=replicas)
+    assert isinstance(pipe, ReplicatedPipeline) and len(pipe.replicas) == replicas
+    return source, pipe
+
+
+def micro_batches(x: torch.Tensor, replicas: int, chunks: int) -> list[torch.Tensor]:
+    """The micro-batches a replicated step runs, in replica order: each replica's share cut into ``chunks``."""
+    return [c for share in x.tensor_split(replicas) for c in share.tensor_split(chunks)]
+
+
+def assert_like_source(source: nn.Module, pipe: ReplicatedPipeline, rtol: float = 1e-12) -> None:
+    """The first replica's gradients and buffers are the source's (float64 sums in another order: close; on
+    GPUs, whose float64 reductions are ordered otherwise too, after Adam steps that magnify the difference,
+    closer than ``rtol``)."""
+    for (name, a), b in zip(source.named_parameters(), pipe.model.parameters()):
+        assert b.grad is not None, name
+        torch.testing.assert_close(b.grad.cpu(), a.grad.cpu(), rtol=max(rtol, 1e-10), atol=1e-12,
+                                   msg=lambda m: f"{name}: {m}")
+    for (name, a), b in zip(source.named_buffers(), pipe.model.buffers()):
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=rtol, atol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def train(source: nn.Module, pipe: ReplicatedPipeline, loss_fn: Any, x: torch.Tensor, y: torch.Tensor,
+          steps: int = 3, accumulate: bool = False, rtol: float = 1e-12) -> None:
+    """``steps`` optimizer steps on both; each checked against the source on the same micro-batches."""
+    opt_s = torch.optim.Adam(source.parameters(), lr=1e-2)
+    opt_p = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    for _ in range(steps):
+        for _ in range(2 if accumulate else 1):  # gradients accumulate over steps as autograd's do
+            expected = loss_fn(torch.cat([source(c) for c in micro_batches(x, len(pipe.replicas), pipe.chunks)]), y)
+            expected.backward()
+            got = pipe.step(x, y, loss_fn)
+            torch.testing.assert_close(got.cpu(), expected.detach().cpu(), rtol=rtol, atol=rtol)
+        assert_like_source(source, pipe, rtol)
+        opt_s.step()
+        opt_p.step()
+        opt_s.zero_grad()
+        opt_p.zero_grad()
+
+
+LAYOUTS = [("gpipe", 2, 2), ("1f1b", 2, 2), ("zb-h1", 2, 2), ("zb-h2", 2, 2), ("1f1b", 2, 3), ("gpipe", 1, 4),
+           ("1f1b", 4, 2)]
+
+
+@pytest.mark.parametrize("schedule,stages,replicas", LAYOUTS)
+def test_every_layout_trains_like_one_device(schedule: str, stages: int, replicas: int) -> None:
+    source, pipe = setup(schedule, stages, replicas)
+    train(source, pipe, nn.CrossEntropyLoss(), *data(12))
+
+
+def test_cumulative_batch_norm_statistics_add_over_replicas() -> None:
+    """BatchNorm with ``momentum=None`` keeps a cumulative average: the replicas' updates add."""
+    source, pipe = setup("1f1b", 2, 2)
+    for m in [*source.modules(), *(m for r in pipe.replicas for m in r.model.modules())]:
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = None
+    train(source, pipe, nn.CrossEntropyLoss(), *data(12), steps=2)
+
+
+def test_replicas_in_threads_train_like_one_device() -> None:
+    """On GPUs each replica's part of a step runs in a thread of its own: the same on CPU devices."""
+    source, pipe = setup("zb-h1", 2, 2)
+    pipe._threads = True
+    train(source, pipe, nn.CrossEntropyLoss(), *data(12), steps=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():  # the caller's modes reach the threads
+        got = pipe._run([lambda: torch.ones(2, 2, requires_grad=True) @ torch.ones(2, 2)] * 2)
+    assert all(t.dtype == torch.bfloat16 and not t.requires_grad for t in got)
+
+
+def test_interleaved_replicas_and_accumulated_gradients() -> None:
+    source, pipe = setup("interleaved", 2, 2, loops=2)
+    train(source, pipe, nn.CrossEntropyLoss(), *data(12), steps=2, accumulate=True)
+
+
+def test_padded_targets_are_weighed_over_the_whole_batch() -> None:
+    """Ignored targets fall unevenly on the replicas: each micro-batch's loss is weighed by the whole batch's
+    count, so the gradients are one device's mean over the kept targets."""
+    source, pipe = setup("1f1b", 2, 2)
+    x, y = data(12)
+    y[:5] = -100  # the first replica's share keeps one target, the second all of its own
+    train(source, pipe, nn.CrossEntropyLoss(ignore_index=-100), x, y, steps=2)
+
+
+def test_a_plain_loss_function_and_uneven_shares() -> None:
+    source, pipe = setup("1f1b", 2, 2, chunks=3)
+    x, y = data(11)  # shares of 6 and 5 samples, micro-batches of 2-2-2 and 2-2-1
+    train(source, pipe, lambda out, t: nn.functional.cross_entropy(out, t), x, y, steps=2)
+
+
+def test_forward_and_backward_sum_gradients_when_backward_ends() -> None:
+    """``loss_fn(pipe(x), y).backward()``: the outputs of every replica, and their gradients summed at the end."""
+    source, pipe = setup("gpipe", 2, 2)
+    x, y = data(12)
+    loss_fn = nn.CrossEntropyLoss()
+    expected = torch.cat([source(c) for c in micro_batches(x, 2, pipe.chunks)])
+    loss_fn(expected, y).backward()
+    out = pipe(x)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-12, atol=1e-12)
+    loss_fn(out, y).backward()
+    for (name, a), b in zip(source.named_parameters(), pipe.model.parameters()):
+        assert b.grad is not None, name
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12, msg=name)
+    for (name, a), b in zip(source.named_buffers(), pipe.model.buffers()):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
+    assert all(p.grad is None or not p.grad.any() for r in pipe.replicas[1:] for p in r.model.parameters())
+
+
+def test_eval_forward_is_the_source_and_the_replicas_follow_the_first() -> None:
+    source, pipe = setup("1f1b", 2, 2)
+    x, _ = data(12)
+    with torch.no_grad():
+        next(pipe.parameters()).add_(1.0)  # an optimizer's change: the other replica takes it before it runs
+        next(source.parameters()).add_(1.0)
+    source.eval()
+    pipe.eval()
+    with torch.no_grad():
+        assert torch.equal(pipe(x), torch.cat([source(s) for s in x.tensor_split(2)]))
+
+
+def test_the_model_is_the_first_replica() -> None:
+    source, pipe = setup("1f1b", 2, 2)
+    assert [p.data_ptr() for p in pipe.parameters()] == [p.data_ptr() for p in pipe.model.parameters()]
+    assert len(list(pipe.parameters())) == len(list(source.parameters()))
+    assert "2 replicas x 2 devices" in repr(pipe)
+
+
+def test_bad_layouts_are_refused() -> None:
+    seq = seqify.convert(UNet().double())
+    with pytest.raises(BalanceError, match="does not divide the 3 devices"):
+        seqify.pipeline(seq, devices=["cpu"] * 3, balance=[7, 7], chunks=2, replicas=2)
+    with pytest.raises(BalanceError, match="deferred_batch_norm"):
+        seqify.pipeline(seq, devices=["cpu"] * 4, balance=[7, 7], chunks=2, replicas=2, deferred_batch_norm=True)
+    with pytest.raises(ConfigError, match="replicas = 3 does not divide"):
+        seqify.PipeConfig(devices=("cpu",) * 4, replicas=3)
+    _, pipe = setup("1f1b", 2, 2)
+    x, y = data(1)
+    with pytest.raises(MicroBatchError, match="2 replicas"):
+        pipe.step(x, y, nn.CrossEntropyLoss())
+
+
+def test_a_replaced_tensor_or_a_cast_is_refused() -> None:
+    """The other replicas follow the first through its flat tensors: a tensor swapped out would leave them behind."""
+    _, pipe = setup("1f1b", 2, 2)
+    with pytest.raises(DeviceError, match="before seqify.pipeline"):
+        pipe.float()
+    x, y = data(12)
+    first = next(pipe.parameters())
+    first.data = first.data.clone()
+    with pytest.raises(DeviceError, match="replaced, not updated in place"):
+        pipe.step(x, y, nn.CrossEntropyLoss())
+
+
+def test_a_configuration_keeps_the_layout(tmp_path: Any) -> None:
+    _, pipe = setup("1f1b", 2, 2)
+    cfg = seqify.PipeConfig(chunks=2, balance=tuple(pipe.balance), devices=("cpu",) * 4, schedule="1f1b",
+                            checkpoint="never", replicas=2)
+    assert "as 2 replicas of a pipeline" in str(cfg)
+    cfg.to_file(tmp_path / "cfg.toml")
+    again = seqify.PipeConfig.from_file(tmp_path / "cfg.toml")
+    assert again == cfg
+    torch.manual_seed(0)
+    source = UNet().double()
+    built = seqify.pipeline(seqify.convert(copy.deepcopy(source)), config=again)
+    assert isinstance(built, ReplicatedPipeline) and len(built.replicas) == 2 and built.config == again
+    train(source, built, nn.CrossEntropyLoss(), *data(12), steps=1)
+
+
+def _gpu_setup(schedule: str, stages: int, replicas: int, graphs: bool) -> tuple[nn.Module, ReplicatedPipeline]:
+    torch.manual_seed(0)
+    source = UNet().double().cuda(0)
+    seq = seqify.convert(copy.deepcopy(source).cpu())
+    pipe = seqify.pipeline(seq, gpus=stages * replicas, balance=even(len(seq), stages), chunks=2, checkpoint="never",
+                           schedule=schedule, replicas=replicas, graphs=graphs)
+    assert isinstance(pipe, ReplicatedPipeline)
+    return source, pipe
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("stages,replicas", [(1, 2), (2, 2)])
+def test_replicas_on_gpus_sum_through_nccl(stages: int, replicas: int, graphs: bool) -> None:
+    """On GPUs the gradients are reduced by NCCL within the process, eager and replayed as CUDA graphs."""
+    if torch.cuda.device_count() < stages * replicas:
+        pytest.skip(f"needs {stages * replicas} CUDA GPUs")
+    source, pipe = _gpu_setup("1f1b" if stages > 1 else "gpipe", stages, replicas, graphs)
+    x, y = (t.cuda(0) for t in data(12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # graphs that could not be captured would run eagerly with a warning
+        # a plain function is probed on the first output, the replicas' targets being on their own GPUs
+        loss_fn = nn.CrossEntropyLoss() if graphs else (lambda out, t: nn.functional.cross_entropy(out, t))
+        train(source, pipe, loss_fn, x, y, steps=3, rtol=1e-9)
+    assert all(r.graph_error is None and r.graphs == graphs for r in pipe.replicas)
+
+
+def test_a_checkpoint_holds_the_model_once_and_resumes_every_replica(tmp_path: Any) -> None:
+    """``seqify.checkpoint`` saves the first replica (the model); loading it reaches the others before their step."""
+    _, pipe = setup("1f1b", 2, 2)
+    x, y = data(12)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    for _ in range(2):
+        pipe.step(x, y, nn.CrossEntropyLoss())
+        opt.step()
+        opt.zero_grad()
+    seqify.checkpoint.save(pipe, tmp_path / "ckpt", optimizer=opt, step=2)
+    _, again = setup("1f1b", 2, 2)  # fresh weights, replicated
+    opt2 = torch.optim.Adam(again.parameters(), lr=1e-2)
+    seqify.checkpoint.load(again, tmp_path / "ckpt", optimizer=opt2)
+    for a, b in zip(pipe.parameters(), again.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(pipe.step(x, y, nn.CrossEntropyLoss()), again.step(x, y, nn.CrossEntropyLoss()))
+    for a, b in zip(pipe.parameters(), again.parameters()):
+        assert a.grad is not None and torch.equal(a.grad, b.grad)

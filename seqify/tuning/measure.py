@@ -15,6 +15,7 @@ from torch import nn
 
 from seqify.errors import TuneError
 from seqify.pipe.pipeline import Pipeline
+from seqify.pipe.replicated import ReplicatedPipeline
 from seqify.pipe.split_backward import input_grads, weight_values
 from seqify.tuning.predict import Calibration
 
@@ -70,13 +71,13 @@ def step_seconds(model: nn.Module, sample: Any, devices: Sequence[torch.device],
     """Median seconds of ``steps`` training steps (forward, a loss over every output, backward) after
     ``warm`` untimed ones; ``.grad`` is cleared after each. A :class:`Pipeline` whose schedule is not
     GPipe runs its steps as ``pipe.step`` (the only path that follows its schedule)."""
-    scheduled = isinstance(model, Pipeline) and model.schedule != "gpipe"
+    scheduled = isinstance(model, ReplicatedPipeline) or isinstance(model, Pipeline) and model.schedule != "gpipe"
     times = []
     for k in range(warm + steps):
         sync(devices)
         start = time.perf_counter()
         if scheduled:
-            cast(Pipeline, model).step(sample, None, _scored, reduction="mean")
+            cast(Pipeline, model).step(sample, None, _scored, reduction="mean")  # or a ReplicatedPipeline's
         else:
             loss(call(model, sample)).backward()
         sync(devices)

@@ -211,9 +211,12 @@ def device_orders(c: Candidate, m: int) -> list[list[Action]]:
 
 
 def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
-            weight_share: float = WEIGHT_SHARE) -> Prediction:
+            weight_share: float = WEIGHT_SHARE, replicas: int = 1) -> Prediction:
     """The step time and peak memory of candidate ``c`` for a mini-batch of ``batch`` samples
-    (``weight_share``: the share of a split backward that is weight gradients)."""
+    (``weight_share``: the share of a split backward that is weight gradients); with ``replicas``, of that
+    many copies of it, each on a share of ``batch`` (see :func:`_replicated`)."""
+    if replicas > 1:
+        return _replicated(c, layers, cal, batch, replicas, weight_share)
     m = max(1, min(c.chunks, batch))
     b = batch / m
     starts = [sum(c.balance[:j]) for j in range(len(c.balance))]
@@ -266,6 +269,27 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
     held = ahead(built) if c.overlap and c.graphs else built  # two lanes issue each forward a run earlier
     per_device = plan_memory(parts, held, c.checkpoint).per_device
     return Prediction(seconds, max(per_device), per_device)
+
+
+def _replicated(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, replicas: int,
+                weight_share: float) -> Prediction:
+    """``replicas`` copies of ``c``, each on its share of ``batch`` (the largest share times them). One host
+    thread issues them in turn, so replica ``r`` starts ``r`` times one replica's issue time late; after the
+    last backward the first device's gradients are reduced over the replicas and before the next step its
+    parameters are copied back (the other devices' both overlap the first's backward and forward), each
+    ``copy_latency_s + bytes / copy_bytes_per_s``. Memory per device is one replica's."""
+    share = -(-batch // replicas)
+    one = predict(c, layers, cal, share, weight_share=weight_share)
+    m = max(1, min(c.chunks, share))
+    starts = [sum(c.balance[:j]) for j in range(len(c.balance))]
+    issue = [cal.task_s + layers.issue_seconds(a, a + n, cal, c.graphs) for a, n in zip(starts, c.balance)]
+    slots = c.slots()
+    host = _host_seconds(c, issue, m, slots)
+    first = sum(sum(layers.state_bytes[a:a + n]) for a, n, d in zip(starts, c.balance, slots) if d == slots[0])
+    reduce = 2 * (cal.copy_latency_s + first / cal.copy_bytes_per_s)
+    if cal.host_serial:  # devices that share the host run the replicas one after another
+        return replace(one, seconds=replicas * one.seconds + reduce)
+    return replace(one, seconds=(replicas - 1) * host + one.seconds + reduce)
 
 
 def _host_seconds(c: Candidate, issue: list[float], m: int, placement: tuple[int, ...]) -> float:

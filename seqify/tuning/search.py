@@ -14,8 +14,10 @@ from torch import nn
 from seqify.errors import MemoryCapError, ScheduleError, SeqifyError, TuneError
 from seqify.partition.cost import LayerCosts
 from seqify.pipe import tied
+from seqify.pipe.assemble import build
 from seqify.pipe.config import PipeConfig, Trial
-from seqify.pipe.pipeline import CHECKPOINT, build, resolve_devices
+from seqify.pipe.pipeline import CHECKPOINT, resolve_devices
+from seqify.pipe.replicated import replicated
 from seqify.progress import progress
 from seqify.schedule.actions import SCHEDULES, SPLIT
 from seqify.tuning import cache as tune_cache
@@ -52,6 +54,7 @@ def tune(
     graphs: bool | None = None,
     schedule: str | None = None,
     overlap: bool | None = None,
+    replicas: int | None = None,
     top: int = 3,
     steps: int = 2,
     warm: int = 1,
@@ -84,6 +87,12 @@ def tune(
             it, and kept that way where it ran faster within the same memory bounds (its time is not
             predicted; its memory is, one micro-batch more in flight); ``True``: every candidate has it
             (graphs only); ``False``: none.
+        replicas: data-parallel copies of the pipeline (see :func:`seqify.pipeline`); ``None``: each number
+            that divides the GPUs is a layout (``stages x replicas``: every GPU one pipeline, plain data
+            parallelism, and those between), predicted with the reduction of its gradients, and the best of
+            each layout is timed (with ``top >= 2``). On CPU devices, one pipeline unless fixed. A
+            layout whose timed steps held more on some GPU than plain data parallelism's is chosen only where
+            no other stays under it.
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
             prediction; from 2, the best eager or replayed candidate is timed too where the ``top`` are
             all of the other kind, and the best of each other schedule predicted within ``BAND`` (5%) of
@@ -107,7 +116,7 @@ def tune(
     _check(schedule=schedule, checkpoint=checkpoint, memory_cap=memory_cap, overlap=overlap, graphs=graphs)
     fixed = dict(chunks=chunks, loops=loops, balance=list(balance) if isinstance(balance, (list, tuple)) else balance,
                  checkpoint=checkpoint, graphs=True if overlap else graphs, schedule=schedule, memory_cap=memory_cap,
-                 top=top, overlap=overlap)
+                 top=top, overlap=overlap, replicas=replicas)
     key = tune_cache.key(model, sample, placed, fixed)
     hit = _cached(key, len(model)) if cache else None
     if hit is not None:
@@ -124,7 +133,8 @@ def tune(
         fits = _predicted(model, sample, placed, fixed, costs, batch)
         confirmed, timed = _time_best(model, sample, placed, fits, costs.bound, top=top, steps=steps, warm=warm,
                                       show=show)
-        lightest = lean(confirmed, *costs.bound) or confirmed
+        lightest = lean(confirmed, *_bound(confirmed, costs.bound, len(placed))) or lean(confirmed, *costs.bound) \
+            or confirmed
         best = min(lightest, key=lambda t: t.measured_s or 0.0) if confirmed else fits[0]
         if overlap is None and best.measured_s is not None and best.graphs and (best.schedule or "gpipe") != "gpipe":
             best = _with_overlap(model, sample, placed, best, costs, batch, confirmed, timed, memory_cap=memory_cap,
@@ -175,7 +185,8 @@ def _measured(model: nn.Sequential, sample: Any, placed: list[torch.device], fix
     cal = measure.calibrate(placed, split=splits and not isinstance(sample, dict), replayed=not own_split)
     counts = [fixed["chunks"]] if fixed["chunks"] else [c for c in space.CHUNKS if c <= batch]
     lo = max(2 if batch >= 2 else 1, batch // max(counts))
-    micro = [batch // c for c in counts if batch // c >= lo]  # the sizes the candidates' micro-batches have
+    shares = [-(-batch // r) for r in space.replica_counts(placed, batch, fixed)]  # each layout's replica batch
+    micro = sorted({b // c for b in shares for c in counts if b // c >= lo})  # the candidates' micro-batch sizes
     layers, hi = profile.layer_model(model, sample, placed[0], lo=lo, sizes=micro, show=show)
     layers, alone = profile.anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
     # no timed candidate may hold more on some GPU than the model training on one (or than the cap)
@@ -191,20 +202,24 @@ def _measured(model: nn.Sequential, sample: Any, placed: list[torch.device], fix
 
 def _predicted(model: nn.Sequential, sample: Any, placed: list[torch.device], fixed: dict[str, Any], costs: _Costs,
                batch: int) -> list[Trial]:
-    """Every candidate predicted once per distinct run, those within the memory cap, best predicted first."""
-    found = space.candidates(model, sample, costs.hi, placed, fixed, costs.cal.copy_bytes_per_s, costs.layers)
+    """Every candidate of every layout predicted once per distinct run, those within the memory cap, best
+    predicted first."""
+    found = [(c, s, v, r) for r in space.replica_counts(placed, batch, fixed)
+             for c, s, v in space.candidates(model, measure.head(sample, -(-batch // r)), costs.hi,
+                                             placed[:len(placed) // r], fixed, costs.cal.copy_bytes_per_s,
+                                             costs.layers)]
     if not found:
         raise _no_candidate(model, placed, fixed)
     trials = []
     same: set[tuple[Any, ...]] = set()  # one trial per distinct run: zb-h2 with few micro-batches is zb-h1
-    for c, s, v in found:
+    for c, s, v, r in found:
         try:
-            run = schedule_of(c.schedule, c.slots(), max(1, min(c.chunks, batch))).actions
-            key_of = (c.balance, c.devices, c.checkpoint, c.graphs, c.chunks, run, c.schedule == "gpipe")
+            run = schedule_of(c.schedule, c.slots(), max(1, min(c.chunks, -(-batch // r)))).actions
+            key_of = (c.balance, c.devices, c.checkpoint, c.graphs, c.chunks, run, c.schedule == "gpipe", r)
             if key_of in same:
                 continue
             same.add(key_of)
-            trials.append(_trial(c, s, v, predict(c, costs.layers, costs.cal, batch)))
+            trials.append(_trial(c, s, v, predict(c, costs.layers, costs.cal, batch, replicas=r), r))
         except ScheduleError:
             continue  # a schedule that does not apply to this layout
     if not trials:
@@ -288,7 +303,7 @@ def _config(best: Trial, confirmed: list[Trial], fits: list[Trial], timed: list[
                       checkpoint=best.checkpoint, graphs=best.graphs, devices=tuple(str(d) for d in placed),
                       batch=batch, predicted_s=best.predicted_s, measured_s=best.measured_s,
                       schedule=best.schedule, memory_per_device=best.memory_per_device, overlap=best.overlap,
-                      trials=tuple(shown), key=key)
+                      trials=tuple(shown), key=key, replicas=best.replicas)
 
 
 def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], timed: list[Trial], *, steps: int,
@@ -301,7 +316,7 @@ def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], time
         pipe = None
         try:
             with measure.peaks(placed) as got:
-                pipe = build(model, **options(t, placed)).train()
+                pipe = _built(model, t, placed, sample).train()
                 seconds = measure.step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
         except torch.OutOfMemoryError:  # predicted to fit but did not: the next candidate
             continue
@@ -321,13 +336,18 @@ def to_time(fits: list[Trial], top: int) -> list[Trial]:
     """The candidates to time: the ``top`` best predicted (``fits`` is sorted), and with ``top >= 2`` also the
     best of the other kind (eager or replayed) when none of them is: the two kinds are predicted from different
     costs (the host's issue time against the GPU's work), and an error in one must not keep the other untimed.
-    Then the best of each schedule not yet among them, predicted within :data:`BAND` of the best."""
+    Then the best of each layout (stages x replicas) not yet among them, and the best of each schedule not yet
+    among them predicted within :data:`BAND` of the best."""
     best = fits[:top]
     if top < 2:
         return best
     if len({t.graphs for t in best}) == 1:
         other = next((t for t in fits[top:] if t.graphs != best[0].graphs), None)
         best += [other] if other is not None else []
+    for r in dict.fromkeys(t.replicas for t in fits):  # the best of each layout (stages x replicas)
+        first = next(t for t in fits if t.replicas == r)
+        if not any(first is u for u in best):
+            best.append(first)
     schedules = {t.schedule for t in best}
     for t in fits[top:]:
         if t.predicted_s > fits[0].predicted_s * (1 + BAND):
@@ -350,20 +370,43 @@ def lean(confirmed: list[Trial], allocated: int | None, reserved: int | None) ->
     return [t for t in confirmed if within(t.measured_peak, allocated) and within(t.measured_reserved, reserved)]
 
 
-def _trial(c: Candidate, by: str, loops: int, p: Prediction) -> Trial:
+def _trial(c: Candidate, by: str, loops: int, p: Prediction, replicas: int = 1) -> Trial:
     return Trial(chunks=c.chunks, loops=loops, by=by, checkpoint=c.checkpoint, graphs=c.graphs,
                  schedule=c.schedule, balance=c.balance, predicted_s=p.seconds, memory_bytes=p.memory_bytes,
-                 memory_per_device=p.per_device, overlap=c.overlap)
+                 memory_per_device=p.per_device, overlap=c.overlap, replicas=replicas)
+
+
+def _bound(confirmed: list[Trial], bound: tuple[int | None, int | None], gpus: int
+           ) -> tuple[int | None, int | None]:
+    """``bound`` lowered to what plain data parallelism held per GPU where it was timed: a layout is chosen over
+    it only at no more memory per GPU (a user's other choice, at that memory)."""
+    plain = [t for t in confirmed if t.replicas == gpus > 1 and t.measured_peak]
+    if not plain:
+        return bound
+    held = min(plain, key=lambda t: t.measured_s or 0.0)
+
+    def lower(a: int | None, b: int) -> int:
+        return b if a is None else min(a, b)
+
+    return lower(bound[0], max(held.measured_peak)), lower(bound[1], max(held.measured_reserved))
+
+
+def _built(model: nn.Sequential, t: Trial, devices: Sequence[torch.device], sample: Any) -> nn.Module:
+    """The pipeline trial ``t`` describes: one, or its replicas over the devices."""
+    if t.replicas == 1:
+        return build(model, **options(t, devices))
+    return replicated(model, t.replicas, sample=sample, **options(t, devices))
 
 
 def _twin(t: Trial, devices: Sequence[torch.device], layers: LayerModel, cal: Calibration, batch: int) -> Trial:
     """Trial ``t`` with two lanes per GPU, not yet timed: its memory predicted as they hold it."""
-    names, slots = space.layout(t.schedule or "gpipe", devices, t.loops)
+    names, slots = space.layout(t.schedule or "gpipe", devices[:len(devices) // t.replicas], t.loops)
     c = Candidate(t.balance, names, t.chunks, t.checkpoint, t.graphs, t.schedule or "gpipe", slots, overlap=True)
-    return _trial(c, t.by, t.loops, predict(c, layers, cal, batch))
+    return _trial(c, t.by, t.loops, predict(c, layers, cal, batch, replicas=t.replicas), t.replicas)
 
 
 def options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
-    """Keyword arguments of :func:`seqify.pipeline` that build trial ``t`` on ``devices``."""
+    """Keyword arguments of :func:`seqify.pipeline` that build trial ``t`` on ``devices`` (without ``replicas``:
+    pass ``replicas=t.replicas`` beside them where it is over 1)."""
     return dict(devices=list(devices), loops=t.loops, balance=list(t.balance), chunks=t.chunks,
                 checkpoint=t.checkpoint, graphs=t.graphs, schedule=t.schedule or "gpipe", overlap=t.overlap)

@@ -21,7 +21,7 @@ from seqify.schedule.actions import round_robin, v_shape
 from seqify.tuning import measure
 from seqify.tuning.predict import Candidate, LayerModel
 
-__all__ = ["CHUNKS", "LOOPS", "STRATEGIES", "schedules", "layout", "balances", "candidates"]
+__all__ = ["CHUNKS", "LOOPS", "STRATEGIES", "schedules", "layout", "balances", "candidates", "replica_counts"]
 
 
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
@@ -31,6 +31,18 @@ LOOPS = (1, 2, 4)
 
 
 STRATEGIES = ("time", "flops", "memory")
+
+
+def replica_counts(devices: Sequence[torch.device], batch: int, fixed: dict[str, Any]) -> list[int]:
+    """The layouts to consider, as data-parallel replica counts: the fixed one, or every divisor of the device
+    count that leaves each replica a sample (1: one pipeline over every device; the count itself: plain data
+    parallelism). One pipeline on CPU devices or on a GPU named twice: replicas there share the hardware."""
+    if fixed.get("replicas"):
+        return [fixed["replicas"]]
+    n = len(devices)
+    if len(set(devices)) < n or any(d.type != "cuda" for d in devices):
+        return [1]
+    return [r for r in range(1, n + 1) if n % r == 0 and r <= batch]
 
 
 def schedules(loops: int, sample: Any) -> tuple[str, ...]:

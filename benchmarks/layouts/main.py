@@ -1,0 +1,273 @@
+"""Layouts (stages x replicas) beside data parallelism, in one run: torchvision ResNet-101 (fp32, SGD) or, with
+``--model llama``, the 0.89 B Llama of benchmarks/data_parallel/fsdp.py (bf16 autocast, SGD, sequences of 2048),
+``--per-gpu`` samples per GPU. Rows: one GPU on its share, DDP over every GPU (benchmarks/data_parallel/ under
+torchrun; FSDP2 too for the Llama), seqify with each layout given by ``--layouts``
+(``STAGESxREPLICAS:schedule:chunks[:graphs]``), and seqify's automatic choice (``--auto``). Each row: samples/s,
+its ratio to one GPU and to DDP, peak allocated and reserved GiB per GPU (from the first timed step's start).
+
+    python benchmarks/layouts/main.py --gpus 4 --layouts 4x1:zb-h2:4:graphs 2x2:1f1b:4:graphs 1x4:gpipe:1:graphs --auto
+    python benchmarks/layouts/main.py --tiny --device cpu --gpus 4 --layouts 2x2:1f1b:2 --no-ddp   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import seqify
+
+GIB = 2**30
+
+
+@dataclass
+class Workload:
+    """A model to train, its data, its loss and precision."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    data: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    autocast: bool  # bf16 autocast around forward and loss
+    example: bool = False  # converted with the first samples as example inputs
+
+
+def resnet(tiny: bool) -> Workload:
+    from torchvision.models.resnet import Bottleneck, ResNet, resnet101
+
+    def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        side, classes = (32, 10) if tiny else (224, 1000)
+        return torch.randn(n, 3, side, side, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return ResNet(Bottleneck, [1, 1, 2, 1], num_classes=10) if tiny else resnet101()
+
+    return Workload("ResNet-101, fp32, SGD", build, data, F.cross_entropy, autocast=False)
+
+
+def llama(tiny: bool) -> Workload:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seq, vocab = (16, 128) if tiny else (2048, 32000)
+    config = (LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=seq, use_cache=False)
+              if tiny else
+              LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                          num_key_value_heads=8, vocab_size=vocab, max_position_embeddings=seq, use_cache=False))
+
+    def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+        return ids, ids
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+    def loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out["logits"] if isinstance(out, dict) else out
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    return Workload("Llama 0.89 B, bf16 autocast, SGD", build, data, loss, autocast=True, example=True)
+
+
+def devices_of(kind: str, n: int) -> list[torch.device]:
+    return [torch.device(f"cuda:{i}") for i in range(n)] if kind == "cuda" else [torch.device("cpu")] * n
+
+
+def reset(devices: list[torch.device]) -> None:
+    gc.collect()
+    for d in dict.fromkeys(devices):
+        if d.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(d)
+
+
+def peaks(devices: list[torch.device]) -> tuple[list[float], list[float]]:
+    if devices[0].type != "cuda":
+        return [], []
+    return ([round(torch.cuda.max_memory_allocated(d) / GIB, 2) for d in devices],
+            [round(torch.cuda.max_memory_reserved(d) / GIB, 2) for d in devices])
+
+
+def sync(devices: list[torch.device]) -> None:
+    for d in dict.fromkeys(devices):
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def timed(step: Any, devices: list[torch.device], steps: int, warm: int) -> float:
+    """Median seconds of ``step()`` (forward, backward and an SGD step) after ``warm`` untimed ones; peak memory
+    is counted from the first timed step (what building and capturing held is not a training step's)."""
+    times = []
+    for k in range(warm + steps):
+        sync(devices)
+        if k == warm:
+            for d in dict.fromkeys(devices):
+                if d.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(d)
+        start = time.perf_counter()
+        step()
+        sync(devices)
+        if k >= warm:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cast(work: Workload, device: torch.device) -> Any:
+    """bf16 autocast on ``device`` where the workload trains in it, else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=work.autocast)
+
+
+def one_gpu(args: argparse.Namespace, work: Workload, devices: list[torch.device]) -> dict[str, Any]:
+    """One device on one GPU's share of the batch: the throughput every ratio is against."""
+    dev = devices[0]
+    reset(devices)
+    net = work.build().to(dev)
+    x, y = (t.to(dev) for t in work.data(args.per_gpu))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with cast(work, dev):
+            out = net(x)
+        work.loss(out, y).backward()
+        opt.step()
+
+    sec = timed(step, [dev], args.steps, args.warm)
+    allocated, reserved = peaks([dev])
+    del net, opt
+    return dict(row="one GPU", batch=args.per_gpu, samples_per_s=args.per_gpu / sec, peak_gib=allocated,
+                reserved_gib=reserved)
+
+
+def data_parallel(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """DDP over every GPU, ``--per-gpu`` samples each, under torchrun (benchmarks/data_parallel/: main.py for
+    ResNet-101, fsdp.py with DDP and FSDP2 for the Llama)."""
+    here = os.path.join(os.path.dirname(__file__), "..", "data_parallel")
+    env = {**os.environ, "B": str(args.per_gpu * args.gpus), "STEPS": str(args.steps), "WARM": str(args.warm)}
+    script = os.path.join(here, "fsdp.py" if args.model == "llama" else "main.py")
+    got = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus), script],
+                         env=env, capture_output=True, text=True, timeout=600)
+    found = [json.loads(line) for line in got.stdout.splitlines() if line.startswith("{")]
+    if not found:
+        print(got.stdout[-2000:], got.stderr[-4000:], file=sys.stderr)
+    out = []
+    for r in found:
+        name = "FSDP2" if "fsdp" in r["name"] else "DDP"
+        rate = r["samples_per_s"] if "samples_per_s" in r else r["tokens_per_s"] / r["seq"]
+        out.append(dict(row=name, batch=r["batch"], samples_per_s=rate, peak_gib=r["peak_gib"],
+                        reserved_gib=r["reserved_gib"]))
+    return out
+
+
+def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.device], spec: str | None
+               ) -> dict[str, Any]:
+    """seqify on every device: the layout ``spec`` (``STAGESxREPLICAS:schedule:chunks[:graphs]``), or the tuner's
+    choice (``None``)."""
+    batch = args.per_gpu * args.gpus
+    reset(devices)
+    x, y = work.data(batch)
+    seq = seqify.convert(work.build(), (x[:2],) if work.example else None)
+    x, y = x.to(devices[0]), y.to(devices[0])
+    with cast(work, devices[0]):
+        if spec is None:
+            pipe = seqify.pipeline(seq, devices=devices, chunks="auto", sample=x)
+            name = "seqify automatic"
+        else:
+            shape, schedule, chunks, *rest = spec.split(":")
+            stages, replicas = (int(v) for v in shape.split("x"))
+            assert stages * replicas == args.gpus, f"{spec}: stages x replicas must be --gpus ({args.gpus})"
+            pipe = seqify.pipeline(seq, devices=devices, replicas=replicas, chunks=int(chunks), schedule=schedule,
+                                   graphs="graphs" in rest, checkpoint="never", balance="time", sample=x)
+            name = f"seqify {stages} x {replicas} {schedule} chunks {chunks}" + (" graphs" if "graphs" in rest else "")
+    opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with cast(work, devices[0]):
+            pipe.step(x, y, work.loss)
+        opt.step()
+
+    sec = timed(step, devices, args.steps, args.warm + 1)
+    allocated, reserved = peaks(devices)
+    cfg = pipe.config.without_trials() if pipe.config is not None else None
+    if spec is None and pipe.config is not None:
+        print(pipe.config, flush=True)
+    del pipe, opt, seq
+    return dict(row=name, batch=batch, samples_per_s=batch / sec, peak_gib=allocated, reserved_gib=reserved,
+                config=str(cfg) if cfg is not None else None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["resnet101", "llama"], default="resnet101")
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--per-gpu", type=int, default=128)
+    p.add_argument("--layouts", nargs="*", default=[])
+    p.add_argument("--auto", action="store_true")
+    p.add_argument("--no-ddp", action="store_true")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warm", type=int, default=2)
+    p.add_argument("--out", default=None, help="a JSON lines file to append the rows to")
+    args = p.parse_args(argv)
+    work = llama(args.tiny) if args.model == "llama" else resnet(args.tiny)
+    devices = devices_of(args.device, args.gpus)
+    head = dict(model=args.model, date=datetime.date.today().isoformat(), torch=torch.__version__,
+                seqify=seqify.__version__,
+                device=f"{args.gpus}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "cpu",
+                gpus=args.gpus, command="python benchmarks/layouts/main.py " + " ".join(
+                    argv if argv is not None else sys.argv[1:]))
+    rows: list[dict[str, Any]] = []
+
+    def keep(row: dict[str, Any] | None) -> None:
+        if row is not None:
+            rows.append(row)
+            print(json.dumps(row), flush=True)  # a run cut short keeps what it measured
+
+    keep(one_gpu(args, work, devices))
+    if not args.no_ddp and args.device == "cuda":
+        for row in data_parallel(args):
+            keep(row)
+    for spec in args.layouts:
+        keep(layout_row(args, work, devices, spec))
+    if args.auto:
+        keep(layout_row(args, work, devices, None))
+    base = rows[0]["samples_per_s"]
+    ddp_row = next((r["samples_per_s"] for r in rows if r["row"] == "DDP"), None)
+    print(f"{head['device']}, torch {head['torch']}, {head['date']}: {work.name}, {args.per_gpu} samples per GPU")
+    print("| row | samples/s | x one GPU | x DDP | peak allocated GiB per GPU | reserved GiB per GPU |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        r["x_one_gpu"] = round(r["samples_per_s"] / base, 3)
+        r["x_ddp"] = round(r["samples_per_s"] / ddp_row, 3) if ddp_row else None
+        print(f"| {r['row']} | {r['samples_per_s']:.1f} | {r['x_one_gpu']:.2f} | "
+              f"{r['x_ddp'] if r['x_ddp'] is not None else '-'} | {' / '.join(map(str, r['peak_gib']))} | "
+              f"{' / '.join(map(str, r['reserved_gib']))} |", flush=True)
+    if args.out:  # JSON lines under the run's environment (what benchmarks/pages.py reads)
+        new = not os.path.exists(args.out)
+        with open(args.out, "a") as f:
+            if new:
+                f.write("# environment: " + json.dumps(head) + "\n")
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

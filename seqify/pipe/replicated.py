@@ -75,8 +75,7 @@ class ReplicatedPipeline(nn.Module):
         self.training = replicas[0].training
 
     def _statistics_modules(self) -> list[list[nn.modules.batchnorm._NormBase]]:
-        """Each replica's modules that keep running statistics, in the same order (read again where a module's
-        momentum changes)."""
+        """Each replica's modules that keep running statistics, in the same order."""
         return [[m for m in p.partitions.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
                  and m.track_running_stats and m.running_mean is not None] for p in self.replicas]
 

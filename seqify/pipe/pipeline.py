@@ -331,11 +331,12 @@ class Pipeline(Placed):
         replayed backward follows the forward's order anyway)."""
         return self.schedule == "gpipe" and (self.graphs or self._replay_eager)
 
-    def _prepare(self, batches: list[Any], step: bool) -> None:
+    def _prepare(self, batches: list[Any], step: bool) -> Replay | None:
         """Build now, and capture where graphs are on, the programs a step (``step``) or a forward of these
-        micro-batches replays: a capture must not run beside another thread's CUDA work."""
+        micro-batches replays (a capture must not run beside another thread's CUDA work); None where it runs
+        eagerly."""
         schedule = self.schedule_for(len(batches)) if step else None
-        self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
+        return self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
 
     def _train(self, batches: list[Any], targets: list[Any], loss_of: Callable[[Any, int], torch.Tensor]
                ) -> torch.Tensor:

@@ -17,8 +17,10 @@ from seqify.errors import BalanceError, DeviceError, MicroBatchError
 from seqify.model.sequential import Sequential
 from seqify.pipe.assemble import build
 from seqify.pipe.config import PipeConfig
+from seqify.pipe.executors.replay import Replay
 from seqify.pipe.losses import Count, Weigher, reduction_of, scale_of, scaled
 from seqify.pipe.microbatch import gather, scatter, sizes_of, split_like
+from seqify.pipe.partition_sums import PartitionSums
 from seqify.pipe.pipeline import Pipeline, resolve_devices
 from seqify.pipe.replica_state import Statistics, copy_state, flattened, sum_gradients
 from seqify.pipe.transfer import refuse_meta
@@ -67,6 +69,7 @@ class ReplicatedPipeline(nn.Module):
         self._state = [flattened(self._params[r] + list(p.partitions.buffers())) for r, p in enumerate(replicas)]
         self._addresses = self._held()
         self._statistics = Statistics(self._statistics_modules())
+        self._sums = PartitionSums()
         self._versions: tuple[int, ...] | None = None
         self._threads = all(p.devices[0].type == "cuda" for p in replicas)
         self._pool: ThreadPoolExecutor | None = None
@@ -126,12 +129,12 @@ class ReplicatedPipeline(nn.Module):
         """Give the other replicas the first's parameters and buffers where they changed since the last time
         (running statistics a training forward left uncombined, with no backward after it, combined first)."""
         self._statistics.combine()
-        if self._held() != self._addresses:
+        mine = [*self._params[0], *self.pipeline.partitions.buffers()]
+        if tuple(t.data_ptr() for t in mine) != self._addresses:
             raise DeviceError("a tensor of the replicated pipeline's model was replaced, not updated in place "
                               "(p.data = ..., a cast or a move of pipe.model): the other replicas would no longer "
                               "follow it. Update parameters in place (optimizers and load_state_dict do), or "
                               "build the pipeline again from the changed model")
-        mine = [*self._params[0], *self.pipeline.partitions.buffers()]
         versions = tuple(t._version for t in mine)
         if versions != self._versions:
             copy_state(self._state[0], self._state[1:])
@@ -168,10 +171,28 @@ class ReplicatedPipeline(nn.Module):
         wait(futures)
         return [f.result() for f in futures]
 
-    def _after_training(self) -> None:
-        """Sum the gradients into the first replica and combine running statistics (after every replica ran)."""
+    def _after_training(self, summed: bool = False) -> None:
+        """Sum the gradients into the first replica, unless ``summed`` already, and combine running statistics
+        (after every replica ran)."""
         self._statistics.combine()
-        sum_gradients(self._params)
+        if not summed:
+            sum_gradients(self._params)
+
+    def _summed_by_partition(self, replays: list[Replay | None], run: Callable[[], list[torch.Tensor]]
+                             ) -> tuple[list[torch.Tensor], bool]:
+        """``run()``'s losses, with the gradients summed partition by partition beside the backward where every
+        replica replays programs with flat sums (:class:`~seqify.pipe.partition_sums.PartitionSums`); whether
+        they were (else they are summed after the step)."""
+        ready = [r for r in replays if r is not None]
+        if len(ready) < len(replays) or not PartitionSums.possible(ready):
+            return run(), False
+        self._sums.begin(ready)
+        try:
+            totals = run()
+        except BaseException:
+            self._sums.finish(hand=False)
+            raise
+        return totals, self._sums.finish()
 
     def step(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
              reduction: str | None = None, denominator: Count | None = None,
@@ -202,11 +223,18 @@ class ReplicatedPipeline(nn.Module):
                 for p, b, t, k in zip(self.replicas, batches, targets, starts)]
         # a loss probed on its first output decides its kind once: the replicas run in turn until it has
         threads = self._threads and weigh.kind != "probe"
-        if threads:
-            for p, b in zip(self.replicas, batches):
-                p._prepare(p._micro_batches(b[0], stacklevel=3) if whole else b, step=not whole)
-        totals = self._run(work) if threads else [w() for w in work]
-        self._after_training()
+        # built (and captured) before any replica runs: a capture must not run beside another thread's CUDA work
+        replays = [p._prepare(p._micro_batches(b[0], stacklevel=3) if whole else b, step=not whole)
+                   for p, b in zip(self.replicas, batches)]
+        try:
+            for p, replay in zip(self.replicas, replays):
+                p._replayer.pinned = replay is not None
+            totals, summed = self._summed_by_partition(replays, lambda: self._run(work) if threads else
+                                                       [w() for w in work])
+        finally:
+            for p in self.replicas:
+                p._replayer.pinned = False
+        self._after_training(summed)
         total = sum(t.to(first.devices[-1]) for t in totals)
         assert isinstance(total, torch.Tensor)
         return total if factor is None else scaled(total, factor, inverse=True)

@@ -95,6 +95,29 @@ def test_replicas_in_threads_train_like_one_device() -> None:
     assert all(t.dtype == torch.bfloat16 and not t.requires_grad for t in got)
 
 
+@pytest.mark.parametrize("schedule,stages,replicas,loops", [("gpipe", 2, 2, 1), ("1f1b", 2, 2, 1), ("zb-h1", 2, 2, 1),
+                                                            ("interleaved", 2, 2, 2), ("gpipe", 1, 3, 3)])
+def test_replayed_replicas_sum_each_partition_as_its_backward_ends(schedule: str, stages: int, replicas: int,
+                                                                   loops: int, monkeypatch: Any) -> None:
+    """Replicas that replay programs add each partition's gradient sums as soon as every replica's backward has
+    passed it (on GPUs, beside the earlier partitions' backward), not after the step: the same gradients, the
+    same BatchNorm statistics, over accumulated steps, in threads and with a probed loss function."""
+    source, pipe = setup(schedule, stages, replicas, loops=loops)
+    for r in pipe.replicas:
+        r._replay_eager = True
+    pipe._threads = True
+
+    def after_the_step(params: Any) -> None:
+        raise AssertionError("the gradients were summed after the step")
+
+    monkeypatch.setattr("seqify.pipe.replicated.sum_gradients", after_the_step)
+    # accumulated, the replicas' sum is added to the earlier gradient at once (g + (g0 + g1 + g2)), where autograd
+    # adds each micro-batch's part in turn: float64 rounding that Adam's steps magnify, hence rtol
+    train(source, pipe, nn.CrossEntropyLoss(), *data(12), steps=2, accumulate=True, rtol=1e-10)
+    train(source, pipe, lambda out, t: nn.functional.cross_entropy(out, t), *data(12), steps=1, rtol=1e-10)
+    assert all(p.grad is None for r in pipe.replicas[1:] for p in r.parameters())  # only the model holds them
+
+
 def test_interleaved_replicas_and_accumulated_gradients() -> None:
     source, pipe = setup("interleaved", 2, 2, loops=2)
     train(source, pipe, nn.CrossEntropyLoss(), *data(12), steps=2, accumulate=True)
@@ -218,6 +241,8 @@ def test_replicas_on_gpus_sum_through_nccl(stages: int, replicas: int, graphs: b
         loss_fn = nn.CrossEntropyLoss() if graphs else (lambda out, t: nn.functional.cross_entropy(out, t))
         train(source, pipe, loss_fn, x, y, steps=3, rtol=1e-9)
     assert all(r.graph_error is None and r.graphs == graphs for r in pipe.replicas)
+    # replayed, each partition was reduced beside the backward (the other replicas never hold gradients)
+    assert all(p.grad is None for r in pipe.replicas[1:] for p in r.parameters()) == graphs
 
 
 def test_a_checkpoint_holds_the_model_once_and_resumes_every_replica(tmp_path: Any) -> None:

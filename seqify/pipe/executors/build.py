@@ -21,7 +21,7 @@ from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
 from seqify.pipe.executors.lanes import Lanes
 from seqify.pipe.executors.options import ReplayOptions
-from seqify.pipe.executors.programs import Flat, Program, Unreplayable, checkpointing
+from seqify.pipe.executors.programs import Flat, Program, Unreplayable, accumulators, checkpointing
 from seqify.pipe.executors.replay import Handoff, Replay, Route, Wiring
 from seqify.pipe.recompute import draws_random
 from seqify.pipe.stage import Stage
@@ -175,7 +175,7 @@ class _Builder:
         device = stage.device
         # Under torch.no_grad() the programs are inference ones: forwards only, no gradient sums.
         params = [p for p in stage.layers.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-        acc = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+        acc = accumulators(params)
         sources = self._sources(j, stage)
         # Input and output-gradient buffers: one set per micro-batch the schedule keeps in flight on
         # this partition (1F1B: a few), not one per micro-batch; fill-drain and inference keep all.

@@ -255,6 +255,44 @@ def checkpointing(stage: Stage, j: int, capturing: bool) -> Callable[..., Any]:
 
 
 
+def accumulators(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """Zeroed gradient sums for ``params``, each a view (with its parameter's strides) of one flat tensor per
+    dtype: replicas add a whole partition's sums together in one call (:mod:`seqify.pipe.partition_sums`). A
+    parameter whose elements do not fill its memory densely gets a tensor of its own."""
+    acc: list[torch.Tensor | None] = [None] * len(params)
+    groups: dict[torch.dtype, list[int]] = {}
+    for k, p in enumerate(params):
+        if _dense(p):
+            groups.setdefault(p.dtype, []).append(k)
+        else:
+            acc[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    for dtype, ks in groups.items():
+        flat = torch.zeros(sum(params[k].numel() for k in ks), dtype=dtype, device=params[ks[0]].device)
+        offset = 0
+        for k in ks:
+            p = params[k]
+            acc[k] = flat.as_strided(p.shape, p.stride(), offset)
+            offset += p.numel()
+    return [a for a in acc if a is not None]
+
+
+def flat_sums(acc: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The flat tensors behind ``acc`` (:func:`accumulators`), in order; None where one is a tensor of its own."""
+    if any(a._base is None for a in acc):
+        return None
+    return list({id(a._base): a._base for a in acc if a._base is not None}.values())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive places in some order of its dimensions."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda s: s[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def hand_over(params: list[nn.Parameter], acc: list[torch.Tensor]) -> None:
     """What autograd would leave in ``.grad``: a new tensor where there was none, else the sum (for the
     parameters a backward reached; autograd leaves the others alone too)."""

@@ -18,7 +18,7 @@ from torch import nn
 from seqify.errors import GraphError
 from seqify.pipe.executors.casts import Casts
 from seqify.pipe.executors.lanes import Lanes
-from seqify.pipe.executors.programs import Program, hand_over
+from seqify.pipe.executors.programs import Program, flat_sums, hand_over
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
 from seqify.schedule.actions import Action, Schedule, gpipe
@@ -173,6 +173,13 @@ class Replay:
         # The actions pipe(x) and loss.backward() issue: the schedule's forwards, its backwards.
         self._forwards = [a for a in self.schedule.actions if a.kind == "F"]
         self._backwards = [a for a in self.schedule.actions if a.kind == "B"]
+        # Each partition's gradient sums as flat tensors (None: some sum is a tensor of its own), and the actions
+        # after which they are final (its last B or W in a step, its last B in a backward).
+        self.sums: list[list[torch.Tensor]] | None = _all_flat(self.acc)
+        self._finals = (_last_of_each(self.schedule.actions), _last_of_each(self._backwards))
+        #: Where set (replicas), ``ready(j)`` is called as soon as partition j's sums are final, with j's device
+        #: current, and ``.grad`` is not set: the caller adds the replicas' sums and hands them over.
+        self.ready: Callable[[int], None] | None = None
 
     def device_orders(self) -> dict[torch.device, list[tuple[str, int, int]]]:
         """See :meth:`Wiring.device_orders`."""
@@ -276,10 +283,17 @@ class Replay:
                 with _on(self.devices[j]):
                     torch._foreach_zero_(acc)
 
-    def _hand(self) -> None:
+    def hand(self) -> None:
+        """Put the step's gradient sums into ``.grad`` (what autograd would leave there)."""
         for j, (params, acc) in enumerate(self.handoff):
             with _on(self.devices[j]):
                 hand_over(params, acc)
+
+    def _done(self, action: Action, backward: bool) -> None:
+        """After ``action``: where it was its partition's last to add into the sums, tell ``ready``."""
+        if self.ready is not None and id(action) in self._finals[backward]:
+            with _on(self.devices[action.partition]):
+                self.ready(action.partition)
 
     def _outputs_of(self, i: int) -> tuple[torch.Tensor, ...]:
         program = self.programs[-1][i]
@@ -308,7 +322,8 @@ class Replay:
             sizes = [p.outputs[0].size(0) for p in self.programs[-1]]
             split = [g.split(sizes) if g is not None else None for g in grads]
             interpret(self._backwards, _Backwards(self, split), "Replay.backward")
-            self._hand()
+            if self.ready is None:
+                self.hand()
             return [tuple(g.clone() if g is not None else None for g in p.in_grads) for p in self.programs[0]]
 
     def train(self, batches: list[tuple[torch.Tensor, ...]], targets: list[Any],
@@ -325,7 +340,8 @@ class Replay:
             self._zero()
             step = _Training(self, batches, loss)
             interpret(self.schedule.actions, step, "Replay.train")
-            self._hand()
+            if self.ready is None:
+                self.hand()
         assert step.total is not None
         return step.total
 
@@ -355,7 +371,7 @@ class _Forwards:
         self.replay._run(i, j, backward=False)
 
 
-class _Backwards:
+class _Backwards(Hooks):
     """loss.backward()'s handler: each backward program fed (the last partition's from ``split``, the
     output gradients per slot split by micro-batch) and run."""
 
@@ -373,6 +389,9 @@ class _Backwards:
         else:
             replay._feed_grads(i, j)
         replay._run(i, j, backward=True)
+
+    def after(self, action: Action) -> None:
+        self.replay._done(action, backward=True)
 
 
 class _Training(Hooks):
@@ -417,10 +436,26 @@ class _Training(Hooks):
 
     def after(self, action: Action) -> None:
         self.replay._free(action.microbatch, action.partition, action.kind)
+        self.replay._done(action, backward=False)
 
     def end(self) -> None:
         if self.lanes is not None:
             self.lanes.close()
+
+
+def _last_of_each(actions: Sequence[Action]) -> frozenset[int]:
+    """The ids of each partition's last action among ``actions`` that adds into its gradient sums (B or W)."""
+    last: dict[int, Action] = {}
+    for a in actions:
+        if a.kind in ("B", "W"):
+            last[a.partition] = a
+    return frozenset(map(id, last.values()))
+
+
+def _all_flat(acc: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]] | None:
+    """Each partition's flat gradient sums (:func:`~.programs.flat_sums`); None unless every partition's are."""
+    flats = [flat_sums(a) for a in acc]
+    return None if any(f is None for f in flats) else [f for f in flats if f is not None]
 
 
 def _on(device: torch.device) -> Any:

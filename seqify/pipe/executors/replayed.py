@@ -49,6 +49,9 @@ class Replayer:
         self.eager = False
         self.built: tuple[Any, Replay] | None = None
         self.error: str | None = None
+        # Set while a caller runs the programs it has just had built for these very micro-batches (a replicated
+        # step): programs() then returns them without checking their key again (a walk over every parameter).
+        self.pinned = False
 
     def wanted(self, training: bool) -> bool:
         """Whether a forward now replays (graphs, or eager replay, on): a training step with gradients,
@@ -79,6 +82,8 @@ class Replayer:
         Micro-batches below ``stop`` are checkpointed (recomputed inside their backward programs)."""
         if not self.wanted(training):
             return None
+        if self.pinned and self.built is not None:
+            return self.built[1]
         autocast = torch.is_autocast_enabled("cuda")
         dtype = torch.get_autocast_dtype("cuda") if autocast else None
         schedule = schedule or gpipe(self.placement, len(batches))

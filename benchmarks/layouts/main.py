@@ -2,7 +2,8 @@
 ``--model llama``, the 0.89 B Llama of benchmarks/data_parallel/fsdp.py (bf16 autocast, SGD, sequences of 2048),
 ``--per-gpu`` samples per GPU. Rows: one GPU on its share, DDP over every GPU (benchmarks/data_parallel/ under
 torchrun; FSDP2 too for the Llama), seqify with each layout given by ``--layouts``
-(``STAGESxREPLICAS:schedule:chunks[:graphs]``), and seqify's automatic choice (``--auto``). Each row: samples/s,
+(``STAGESxREPLICAS:schedule:chunks[:graphs][:loopsK]``, ``loopsK``: K partitions per GPU), and seqify's automatic
+choice (``--auto``). Each row: samples/s,
 its ratio to one GPU and to DDP, peak allocated and reserved GiB per GPU (from the first timed step's start).
 
     python benchmarks/layouts/main.py --gpus 4 --layouts 4x1:zb-h2:4:graphs 2x2:1f1b:4:graphs 1x4:gpipe:1:graphs --auto
@@ -191,10 +192,12 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
         else:
             shape, schedule, chunks, *rest = spec.split(":")
             stages, replicas = (int(v) for v in shape.split("x"))
+            loops = next((int(r[len("loops"):]) for r in rest if r.startswith("loops")), 1)
             assert stages * replicas == args.gpus, f"{spec}: stages x replicas must be --gpus ({args.gpus})"
             pipe = seqify.pipeline(seq, devices=devices, replicas=replicas, chunks=int(chunks), schedule=schedule,
-                                   graphs="graphs" in rest, checkpoint="never", balance="time", sample=x)
-            name = f"seqify {stages} x {replicas} {schedule} chunks {chunks}" + (" graphs" if "graphs" in rest else "")
+                                   loops=loops, graphs="graphs" in rest, checkpoint="never", balance="time", sample=x)
+            name = (f"seqify {stages} x {replicas} {schedule} chunks {chunks}"
+                    + (f" loops {loops}" if loops > 1 else "") + (" graphs" if "graphs" in rest else ""))
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
 
     def step() -> None:

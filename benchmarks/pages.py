@@ -179,7 +179,26 @@ LAYOUTS_LLAMA = Source(["layouts/results/llama-two-gpus.jsonl"], H200x2, TORCH +
                        "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
                        "--layouts 1x2:gpipe:1 2x1:1f1b:4:graphs --out llama-two-gpus.jsonl", date="2026-11-27")
 
-SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA)
+LAYOUTS4 = Source(["layouts/results/four-gpus.jsonl"], H200x4, TORCH,
+                  "python benchmarks/layouts/main.py --gpus 4 --layouts 1x4:gpipe:1:graphs 2x2:1f1b:4:graphs --auto "
+                  "--out four-gpus.jsonl", date="2026-11-27")
+LAYOUTS4_LLAMA = Source(["layouts/results/llama-four-gpus.jsonl"], H200x4, TORCH + ", transformers 5.17",
+                        "python benchmarks/layouts/main.py --model llama --gpus 4 --per-gpu 4 --steps 4 --warm 2 "
+                        "--layouts 1x4:gpipe:1:graphs 2x2:1f1b:4:graphs 4x1:1f1b:8:graphs --out llama-four-gpus.jsonl",
+                        date="2026-11-27")
+LAYOUTS_H100_4 = Source(["layouts/results/h100-four-gpus.jsonl"], H100x4, TORCH,
+                        "python benchmarks/layouts/main.py --gpus 4 --layouts 1x4:gpipe:1:graphs --auto "
+                        "--out h100-four-gpus.jsonl", date="2026-11-27")
+LAYOUTS_H100_2 = Source(["layouts/results/h100-two-gpus.jsonl"], "2 of the 4× NVIDIA H100 80GB HBM3 (NVLink)", TORCH,
+                        "python benchmarks/layouts/main.py --gpus 2 --layouts 1x2:gpipe:1:graphs --auto "
+                        "--out h100-two-gpus.jsonl", date="2026-11-27")
+LAYOUTS_H100_LLAMA = Source(["layouts/results/h100-llama-two-gpus.jsonl"], "2 of the 4× NVIDIA H100 80GB HBM3 (NVLink)",
+                            TORCH + ", transformers 5.17",
+                            "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
+                            "--layouts 1x2:gpipe:1:graphs --out h100-llama-two-gpus.jsonl", date="2026-11-27")
+
+SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA,
+           LAYOUTS4, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA)
 
 
 # -- the numbers the pages share ---------------------------------------------------------------------------------
@@ -638,35 +657,53 @@ def _layout_table(name: str) -> str:
 
 
 def layouts_page() -> str:
-    found = rows(LAYOUTS.files[0])
-    ddp = next(r for r in found if r["row"] == "DDP")
-    auto = next(r for r in found if r["row"] == "seqify automatic")
-    llama = {r["row"]: r for r in rows(LAYOUTS_LLAMA.files[0])}
-    pipe, plain = llama["seqify 2 x 1 1f1b chunks 4 graphs"], llama["seqify 1 x 2 gpipe chunks 1"]
+    def named(source: Source) -> dict[str, dict[str, Any]]:
+        return {r["row"]: r for r in rows(source.files[0])}
+
+    h100_4, h100_2, h100_llama = named(LAYOUTS_H100_4), named(LAYOUTS_H100_2), named(LAYOUTS_H100_LLAMA)
+    h200_4, h200_2, llama4 = named(LAYOUTS4), named(LAYOUTS), named(LAYOUTS4_LLAMA)
+    auto4, auto2 = h100_4["seqify automatic"], h100_2["seqify automatic"]
+    one4, one2 = h100_4["seqify 1 x 4 gpipe chunks 1 graphs"], h100_2["seqify 1 x 2 gpipe chunks 1 graphs"]
+    llama2 = h100_llama["seqify 1 x 2 gpipe chunks 1 graphs"]
+    pipes4 = llama4["seqify 4 x 1 1f1b chunks 8 graphs"]
     return page(
         "Layouts: pipelines times replicas, beside DDP",
         "**Method.** One run per table on one machine, one row after another: one GPU on its share of the batch; "
-        "DDP (and, for the Llama, FSDP2 with `fully_shard` per decoder layer) over both GPUs under torchrun "
+        "DDP (and, for the Llama, FSDP2 with `fully_shard` per decoder layer) over the same GPUs under torchrun "
         "(`benchmarks/data_parallel/`); seqify's replicated pipelines with a layout given by hand "
         "(`stages x replicas`); and `seqify.pipeline(model, devices=..., sample=batch)`, the tuner's choice among "
         "every layout. Each seqify step is `pipe.step` plus an SGD step; times are medians of timed steps after "
-        "warm ones. Peak memory: for ResNet-101 from the start of each row, so building the pipeline (and, for the "
-        "automatic row, tuning it) is included; for the Llama from the first timed step.",
+        "warm ones, each step synchronised. Peak memory counts from the first timed step (for ResNet-101's "
+        "automatic row on H200s, from the start of the row, tuning included). With CUDA graphs the activations live "
+        "in the graphs' memory pool, which `max_memory_allocated` does not count once captured: compare the "
+        "reserved column for graphed rows. Ratios compare rows of one table only; H100 and H200 tables are "
+        "separate runs on separate machines.",
         "## ResNet-101, fp32, SGD, 128 samples per GPU",
-        _layout_table(LAYOUTS.files[0]),
-        LAYOUTS.line(),
+        "### Four H100s", _layout_table(LAYOUTS_H100_4.files[0]), LAYOUTS_H100_4.line(),
+        "### Two H100s", _layout_table(LAYOUTS_H100_2.files[0]), LAYOUTS_H100_2.line(),
+        "### Four H200s (before replicas summed gradients per partition)",
+        _layout_table(LAYOUTS4.files[0]), LAYOUTS4.line(),
+        "### Two H200s (before replicas summed gradients per partition)",
+        _layout_table(LAYOUTS.files[0]), LAYOUTS.line(),
         "## Llama 0.89 B, bf16 autocast, SGD, 4 × 2048 tokens per GPU",
-        _layout_table(LAYOUTS_LLAMA.files[0]),
-        LAYOUTS_LLAMA.line(),
-        f"**Result.** For ResNet-101 the tuner chose {_layout_of(auto.get('config') or '')}: "
-        f"{x(auto['x_one_gpu'])} one GPU, {auto['x_ddp']:.2f} of DDP's throughput.",
-        f"**Where seqify loses.** DDP is faster on both models ({x(ddp['x_one_gpu'])} one GPU on ResNet-101). seqify's "
-        "in-process replicas sum their gradients after the last backward instead of overlapping it with the "
-        "backward, and broadcast the new parameters before the next step, where each DDP process runs the "
-        "optimizer itself. On the Llama, eager replicas are bound by the one Python process issuing both GPUs' "
-        f"work: `1 x 2` reaches {x(plain['x_one_gpu'])} one GPU, and the two-stage pipeline "
-        f"{x(pipe['x_one_gpu'])} ({pipe['x_ddp']:.2f} of DDP) at less than half DDP's memory per GPU. Four GPUs, "
-        "the 7.2 B Llama and the Llama's automatic choice are not measured yet.",
+        "### Two H100s", _layout_table(LAYOUTS_H100_LLAMA.files[0]), LAYOUTS_H100_LLAMA.line(),
+        "### Four H200s (before replicas summed gradients per partition)",
+        _layout_table(LAYOUTS4_LLAMA.files[0]), LAYOUTS4_LLAMA.line(),
+        "### Two H200s (before replicas summed gradients per partition)",
+        _layout_table(LAYOUTS_LLAMA.files[0]), LAYOUTS_LLAMA.line(),
+        f"**Result.** On H100s the tuner chose {_layout_of(auto4.get('config') or '')} for ResNet-101 on four GPUs "
+        f"({auto4['x_ddp']:.2f} of DDP's throughput; the same layout by hand {one4['x_ddp']:.2f}) and "
+        f"{_layout_of(auto2.get('config') or '')} on two ({auto2['x_ddp']:.2f}; by hand {one2['x_ddp']:.2f}). The "
+        f"Llama's `1 x 2` with graphs trains at {llama2['x_ddp']:.2f} of DDP's throughput and "
+        f"{llama2['samples_per_s'] / h100_llama['FSDP2']['samples_per_s']:.2f}x FSDP2's.",
+        "**Where seqify loses.** On H200s DDP is faster everywhere: ResNet-101's automatic choice reaches "
+        f"{h200_4['seqify automatic']['x_ddp']:.2f} of DDP on four GPUs and "
+        f"{h200_2['seqify automatic']['x_ddp']:.2f} on two. On four H200s the Llama's pipelines lose to DDP and "
+        f"FSDP2 (`4 x 1`: {pipes4['x_ddp']:.2f} of DDP). Replicas in one process keep a step's exchanges at its "
+        "edges: the first GPU runs the optimizer and broadcasts the parameters while the others wait "
+        "(`benchmarks/layouts/gaps.py` shows each GPU idle for several milliseconds at every step boundary), "
+        "where each DDP process steps its own copy. Replicated steps hold more reserved memory than DDP "
+        "(the graphs' pools). Not measured yet: the Llama's automatic choice, the 7.2 B Llama, eight GPUs.",
     )
 
 

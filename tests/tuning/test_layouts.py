@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 from torch import nn
 
 import seqify
+from seqify.pipe.config import Trial
 from seqify.pipe.replicated import ReplicatedPipeline
 from seqify.tuning import space
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, predict
+from seqify.tuning.search import TIE, steady
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,6 +48,22 @@ def test_replicas_are_priced_with_their_share_and_the_gradient_sum() -> None:
     assert predict(one, layers, host, 64, replicas=2).seconds >= 2 * predict(one, layers, host, 32).seconds
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_replayed_replicas_leave_only_the_first_partitions_sum_after_the_backward(graphs: bool) -> None:
+    """Two partitions on one GPU (1 and 3 layers): eagerly all four layers' gradients are reduced after the
+    backward, with graphs only the first partition's (the others' beside it); the broadcast is all four's."""
+    layers = _layers()
+    c = Candidate((1, 3), ("cuda:0", "cuda:0"), 2, "never", graphs=graphs, placement=(0, 0))
+
+    def at(bandwidth: float) -> float:
+        cal = Calibration(task_s=1e-5, launch_s=1e-5, copy_latency_s=1e-5, copy_bytes_per_s=bandwidth,
+                          host_serial=False)
+        return predict(c, layers, cal, 64, replicas=2).seconds
+
+    copied = (1 if graphs else 4) * 4 * 2**20 + 4 * 4 * 2**20  # the reduce left after the backward, the broadcast
+    assert at(1e10) - at(1e11) == pytest.approx(copied / 1e10 - copied / 1e11)
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -67,3 +86,21 @@ def test_a_fixed_layout_is_tuned_saved_and_built() -> None:
     assert isinstance(pipe, ReplicatedPipeline) and pipe.config == cfg and len(pipe.replicas) == 2
     loss = pipe.step(x, y, nn.CrossEntropyLoss())
     assert torch.isfinite(loss)
+
+
+def _timed(ms: float, **options: object) -> Trial:
+    base: dict[str, object] = dict(chunks=4, loops=1, by="time", checkpoint="never", graphs=True, schedule="1f1b",
+                                   balance=(2, 2), predicted_s=0.1, replicas=1)
+    return Trial(**{**base, **options, "measured_s": ms / 1e3})  # type: ignore[arg-type]
+
+
+def test_timed_candidates_within_noise_of_the_fastest_are_chosen_in_a_fixed_order() -> None:
+    """The same candidates timed again differ by timing noise: among those within TIE of the fastest the choice
+    follows their options, whatever their order and whichever of them ran fastest this time."""
+    plain = _timed(101.5, replicas=2, schedule="gpipe", chunks=1, balance=(4,))
+    piped = _timed(100.0, schedule="zb-h2", chunks=8)
+    checkpointed = _timed(100.5, checkpoint="always", replicas=2, schedule="gpipe", chunks=1, balance=(4,))
+    for order in itertools.permutations([plain, piped, checkpointed]):
+        assert steady(list(order)) is plain
+    faster = _timed(100.0 * (1 - 2 * TIE), schedule="zb-h2", chunks=8, balance=(1, 3))
+    assert steady([plain, piped, faster]) is faster  # beyond the noise, the fastest

@@ -19,6 +19,7 @@ import seqify
 from seqify.pipe.microbatch import scatter
 from seqify.pipe.config import Trial
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, predict
+from seqify.tuning.search import TIE, steady
 
 from helpers.exactness import assert_unchanged, loss_of, snapshot
 
@@ -111,7 +112,8 @@ def test_predicted_next_to_measured() -> None:
     assert "predicted ms" in text and "measured ms" in text
     chosen = [line for line in text.splitlines() if line.startswith("*")]
     assert len(chosen) == 1 and f"{cfg.measured_s * 1e3:.2f}" in chosen[0] and f"{cfg.predicted_s * 1e3:.2f}" in chosen[0]
-    assert cfg.measured_s == min(t.measured_s for t in confirmed)  # the fastest confirmed one wins
+    # the fastest confirmed one wins, or one timed within noise of it that comes first in a fixed order
+    assert cfg.measured_s <= (1 + TIE) * min(t.measured_s for t in confirmed)
 
 
 def test_candidates_that_run_alike_are_weighed_once(monkeypatch) -> None:
@@ -1154,7 +1156,7 @@ def test_best_graphed_candidate_is_timed_again_with_two_lanes_and_kept_where_fas
     cfg = seqify.tune(seq, x, graphs=True, **fixed)
     twins = [t for t in timed if t.overlap]
     assert len(twins) == 1 and len(timed) == 3
-    first = min(timed[:2], key=lambda t: t.predicted_s)
+    first = steady(timed[:2])  # the fastest, or the first in order of those within timing noise of it
     twin = twins[0]
     assert replace(twin, overlap=False, memory_bytes=0, memory_per_device=()) == \
         replace(first, memory_bytes=0, memory_per_device=())

@@ -27,7 +27,11 @@ class Scaled(nn.Module):
         self.b = nn.Linear(8, 8)
         self.c = nn.Linear(8, 3)
         self.register_buffer("shift", torch.randn(8))
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8), persistent=False)
+        # torch.empty, not torch.linspace: once transformers' from_pretrained has run in the process, torch.device()
+        # contexts no longer place torch.linspace (transformers.initialization swaps it while torch caches its
+        # list of factory functions), and a later Scaled built on meta would hold real values
+        self.register_buffer("scale", torch.empty(8), persistent=False)
+        scale_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.a(x)) * self.scale + self.shift
@@ -37,7 +41,8 @@ class Scaled(nn.Module):
 def scale_init(module: nn.Module) -> None:
     """What ``Scaled.__init__`` does for its non-persistent buffer."""
     if isinstance(module, Scaled):
-        module.scale.copy_(torch.linspace(0.5, 1.5, 8))
+        with torch.no_grad():
+            module.scale.copy_(torch.linspace(0.5, 1.5, 8))
 
 
 class Big(nn.Module):

@@ -10,6 +10,7 @@ import torch
 import torch.cuda.nccl
 
 from seqify.pipe.executors.replay import Replay
+from seqify.pipe.replica_state import distinct_cuda
 
 __all__ = ["PartitionSums"]
 
@@ -43,7 +44,7 @@ class PartitionSums:
         for j in range(len(first.stages)):
             shapes = {tuple((f.numel(), f.dtype) for f in r.sums[j]) for r in replays}  # type: ignore[index]
             devices = [r.devices[j] for r in replays]
-            if len(shapes) > 1 or (any(d.type == "cuda" for d in devices) and not _distinct_cuda(devices)):
+            if len(shapes) > 1 or (any(d.type == "cuda" for d in devices) and not distinct_cuda(devices)):
                 return False
         return True
 
@@ -105,6 +106,3 @@ class PartitionSums:
             stream = self._streams[device] = torch.cuda.Stream(device)
         return stream
 
-
-def _distinct_cuda(devices: Sequence[torch.device]) -> bool:
-    return all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices)

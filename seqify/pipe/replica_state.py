@@ -10,7 +10,7 @@ import torch.cuda.nccl
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["BUCKET_BYTES", "sum_gradients", "flattened", "copy_state", "Statistics"]
+__all__ = ["BUCKET_BYTES", "sum_gradients", "flattened", "copy_state", "Statistics", "distinct_cuda"]
 
 #: Gradients are summed in flat buckets of at most this many bytes: one NCCL call per bucket rather than per
 #: parameter, and no more than one bucket of extra memory per device.
@@ -43,7 +43,7 @@ def _grad(p: nn.Parameter, like: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(like, device=p.device)
 
 
-def _distinct_cuda(devices: Sequence[torch.device]) -> bool:
+def distinct_cuda(devices: Sequence[torch.device]) -> bool:
     """Whether NCCL can join these devices in one process: each a CUDA device of its own."""
     return all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices)
 
@@ -71,7 +71,7 @@ def _summed(grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """The sums of ``grads[r][k]`` over the replicas ``r``, on the first's device: one NCCL reduction of the
     flattened bucket where each replica is on its own CUDA device, else added in replica order."""
     flats = [_flatten_dense_tensors(g) for g in grads]
-    if _distinct_cuda([f.device for f in flats]):
+    if distinct_cuda([f.device for f in flats]):
         torch.cuda.nccl.reduce(flats, root=0)
     else:
         for other in flats[1:]:
@@ -107,7 +107,7 @@ def copy_state(source: Sequence[torch.Tensor], targets: Sequence[Sequence[torch.
     with torch.no_grad():
         for k, s in enumerate(source):
             group = [s, *(t[k] for t in targets)]
-            if _distinct_cuda([t.device for t in group]):
+            if distinct_cuda([t.device for t in group]):
                 torch.cuda.nccl.broadcast(group, root=0)
             else:
                 for t in group[1:]:

@@ -1,5 +1,7 @@
-"""Where each GPU waits during a replicated step: a profiled step of ResNet-101 (fp32), each GPU's busy time and its
-longest idle gaps with what ran before and after them.
+"""Where each GPU waits during replicated steps run back to back: a profile of ResNet-101 (fp32) steps, each
+GPU's busy time per step and its longest idle gaps, with what ran before and after each and whether the host
+was late (the kernel after the gap started within ``--host-us`` of its launch: the GPU waited for the host) or
+the GPU waited on another stream or GPU (the kernel was launched well before it could start).
 
     python benchmarks/layouts/gaps.py --gpus 4 --layout 1x4:gpipe:1:graphs
 """
@@ -8,74 +10,77 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-import torchvision
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-import seqify
+from replicated_resnet import arguments, build
+
+
+def extra(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gap-ms", type=float, default=0.2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--host-us", type=float, default=50.0)
+
+
+def phase_at(ranges: list[tuple[int, int, str]], t: int) -> str:
+    """The innermost benchmark range (zero_grad, pipe.step, opt.step) running on the host at ``t``."""
+    inside = [r for r in ranges if r[0] <= t <= r[1]]
+    return min(inside, key=lambda r: r[1] - r[0])[2] if inside else "between steps"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--gpus", type=int, default=2)
-    p.add_argument("--per-gpu", type=int, default=128)
-    p.add_argument("--layout", default="1x2:gpipe:1:graphs")
-    p.add_argument("--gap-ms", type=float, default=0.2)
-    args = p.parse_args()
-    shape, schedule, chunks, *rest = args.layout.split(":")
-    stages, replicas = (int(v) for v in shape.split("x"))
-    devices = [torch.device(f"cuda:{i}") for i in range(args.gpus)]
-    torch.manual_seed(0)
-    seq = seqify.convert(torchvision.models.resnet101())
-    n = args.per_gpu * args.gpus
-    x, y = torch.randn(n, 3, 224, 224, device="cuda:0"), torch.randint(0, 1000, (n,), device="cuda:0")
-    pipe = seqify.pipeline(seq, devices=devices, replicas=replicas, chunks=int(chunks), schedule=schedule,
-                           graphs="graphs" in rest, checkpoint="never", balance="time", sample=x)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    args = arguments(__doc__, extra)
+    run = build(args)
 
     def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        pipe.step(x, y, F.cross_entropy)
-        opt.step()
+        with record_function("zero_grad"):
+            run.opt.zero_grad(set_to_none=True)
+        with record_function("pipe.step"):
+            run.pipe.step(run.x, run.y, torch.nn.functional.cross_entropy)
+        with record_function("opt.step"):
+            run.opt.step()
 
     for _ in range(4):
         step()
-    for d in devices:
-        torch.cuda.synchronize(d)
+    run.sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        for d in devices:
-            torch.cuda.synchronize(d)
         t0 = time.perf_counter()
-        step()
-        for d in devices:
-            torch.cuda.synchronize(d)
-        wall = time.perf_counter() - t0
-    print(f"{args.layout} on {args.gpus} GPUs: last step {wall * 1e3:.1f} ms wall")
-    events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
-    per: dict[int, list[tuple[int, int, str]]] = {}
+        for _ in range(args.steps):
+            step()
+        run.sync()
+        wall = (time.perf_counter() - t0) / args.steps
+    print(f"{args.layout} on {args.gpus} GPUs: {wall * 1e3:.1f} ms a step ({args.steps} back to back)")
+    events: list[Any] = list(prof.profiler.kineto_results.events())
+    ranges = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in events
+              if e.name() in ("zero_grad", "pipe.step", "opt.step")]
+    launches = {e.correlation_id(): e.start_ns() for e in events
+                if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith("cuda")}
+    per: dict[int, list[tuple[int, int, str, int]]] = {}
     for e in events:
-        per.setdefault(e.device_index(), []).append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            per.setdefault(e.device_index(), []).append(
+                (e.start_ns(), e.start_ns() + e.duration_ns(), e.name(), e.correlation_id()))
     for dev, spans in sorted(per.items()):
         spans.sort()
-        last_start = max(s for s, _, _ in spans)
-        # the last step: from the first kernel after the last host sync (the final third of the profile)
-        window = [s for s in spans if s[0] >= last_start - wall * 1e9]
-        busy, gaps, end = 0, [], window[0][0]
-        prev = window[0][2]
-        for s, e, name in window:
+        busy, gaps, end, prev = 0, [], spans[0][0], spans[0][2]
+        for s, e, name, corr in spans:
             if s > end and (s - end) / 1e6 >= args.gap_ms:
-                gaps.append(((s - end) / 1e6, prev[:60], name[:60]))
+                launched = launches.get(corr)
+                late = launched is not None and (s - launched) / 1e3 < args.host_us
+                why = (f"host late, in {phase_at(ranges, launched)}" if late else
+                       f"waited {(s - launched) / 1e6:.2f} ms after launch" if launched else "launch unknown")
+                gaps.append(((s - end) / 1e6, prev[:50], name[:50], why))
             busy += max(0, e - max(s, end))
             if e > end:
                 end, prev = e, name
-        span = (end - window[0][0]) / 1e6
-        print(f"cuda:{dev}: {len(window)} kernels, busy {busy / 1e6:.1f} ms of {span:.1f} ms")
-        for gap, before, after in sorted(gaps, reverse=True)[:8]:
-            print(f"   idle {gap:6.2f} ms  after {before!r}  before {after!r}")
+        span = (end - spans[0][0]) / 1e6
+        idle = sum(g[0] for g in gaps)
+        print(f"cuda:{dev}: busy {busy / 1e6 / args.steps:.1f} ms a step; over {args.steps} steps ({span:.1f} ms) "
+              f"idle {idle:.1f} ms in {len(gaps)} gaps of >= {args.gap_ms} ms")
+        for gap, before, after, why in sorted(gaps, reverse=True)[:8]:
+            print(f"   idle {gap:6.2f} ms  after {before!r}  before {after!r}  ({why})")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ torchrun; FSDP2 too for the Llama), seqify with each layout given by ``--layouts
 (``STAGESxREPLICAS:schedule:chunks[:graphs][:loopsK]``, ``loopsK``: K partitions per GPU), and seqify's automatic
 choice (``--auto``). Each row: samples/s,
 its ratio to one GPU and to DDP, peak allocated and reserved GiB per GPU (from the first timed step's start).
+Every row is timed as the DDP and FSDP2 scripts time theirs: steps run back to back, synchronized at the ends.
 
     python benchmarks/layouts/main.py --gpus 4 --layouts 4x1:zb-h2:4:graphs 2x2:1f1b:4:graphs 1x4:gpipe:1:graphs --auto
     python benchmarks/layouts/main.py --tiny --device cpu --gpus 4 --layouts 2x2:1f1b:2 --no-ddp   # CPU smoke run
@@ -17,7 +18,6 @@ import datetime
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -112,21 +112,22 @@ def sync(devices: list[torch.device]) -> None:
 
 
 def timed(step: Any, devices: list[torch.device], steps: int, warm: int) -> float:
-    """Median seconds of ``step()`` (forward, backward and an SGD step) after ``warm`` untimed ones; peak memory
-    is counted from the first timed step (what building and capturing held is not a training step's)."""
-    times = []
-    for k in range(warm + steps):
-        sync(devices)
-        if k == warm:
-            for d in dict.fromkeys(devices):
-                if d.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(d)
-        start = time.perf_counter()
+    """Mean seconds of ``step()`` (forward, backward and an SGD step) over ``steps`` run back to back after ``warm``
+    untimed ones, the GPUs synchronized only at the ends: how benchmarks/data_parallel/ times DDP and FSDP2, and
+    how a training loop that does not read the loss every step runs (the host prepares a step while the GPUs
+    still run the last). Peak memory is counted from the first timed step (what building and capturing held is
+    not a training step's)."""
+    for _ in range(warm):
         step()
-        sync(devices)
-        if k >= warm:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    sync(devices)
+    for d in dict.fromkeys(devices):
+        if d.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(d)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(devices)
+    return (time.perf_counter() - start) / steps
 
 
 def cast(work: Workload, device: torch.device) -> Any:
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     head = dict(model=args.model, date=datetime.date.today().isoformat(), torch=torch.__version__,
                 seqify=seqify.__version__,
                 device=f"{args.gpus}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "cpu",
-                gpus=args.gpus, command="python benchmarks/layouts/main.py " + " ".join(
+                gpus=args.gpus, timing="steps back to back, synchronized at the ends", command="python benchmarks/layouts/main.py " + " ".join(
                     argv if argv is not None else sys.argv[1:]))
     rows: list[dict[str, Any]] = []
 

@@ -22,6 +22,7 @@ from seqify.pipe.placement import _check_meta
 from seqify.pipe.replicated import ReplicatedPipeline, replicated
 from seqify.schedule.actions import Schedule
 from seqify.tuning import tune
+from seqify.tuning.optimizer_state import OptimizerSpec
 
 __all__ = ["pipeline"]
 
@@ -45,6 +46,7 @@ def pipeline(
     overlap: bool | None = None,
     replay_options: ReplayOptions | None = None,
     replicas: int | None = None,
+    optimizer: OptimizerSpec = None,
     **convert_options: Any,
 ) -> Pipeline | ReplicatedPipeline:
     """Run ``model`` as a GPipe pipeline over GPUs (or CPU devices).
@@ -109,6 +111,10 @@ def pipeline(
         replay_options: how graphs (and their eager replay) are built: a
             :class:`~seqify.pipe.executors.options.ReplayOptions` (``share_buffers``, ``cast_once``; both on by
             default), for measuring what each buys. Applies to pipelines built by hand (a fixed ``chunks``).
+        optimizer: with ``chunks='auto'``, the optimizer training will use (its class, a function that builds
+            it from parameters, or its state bytes per parameter byte): the tuner counts its state in each
+            candidate's memory (see :func:`seqify.tune`), so Adam's moments do not push the chosen pipeline
+            out of memory at the first ``opt.step()``. Build the optimizer itself on ``pipe.parameters()``.
 
     Note: the pipeline moves the model's layers to their devices. Converted layers share modules with
     the source model, so its parameters move too; pipeline a ``copy.deepcopy`` to keep the source.
@@ -131,7 +137,7 @@ def pipeline(
             return capped(from_config(model, cfg, gpus, devices, deferred_batch_norm, schedule, overlap), memory_cap,
                           probe)
         given = dict(gpus=gpus, devices=devices, schedule=schedule, overlap=overlap, memory_cap=memory_cap,
-                     deferred_batch_norm=deferred_batch_norm, replicas=replicas)
+                     deferred_batch_norm=deferred_batch_norm, replicas=replicas, optimizer=optimizer)
         pipe = pipeline(model, example_inputs=example_inputs, sample=sample, replay_options=replay_options,
                         **_options(cfg, given))
         pipe.config = pipe.config or cfg
@@ -147,7 +153,8 @@ def pipeline(
                    overlap=overlap,
                    loops=None if loops == 1 else loops,
                    schedule=fixed_schedule if isinstance(fixed_schedule, str) else None,
-                   memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)), replicas=replicas)
+                   memory_cap=None if memory_cap is None else float(parse_bytes(memory_cap)), replicas=replicas,
+                   optimizer=optimizer)
         if cfg.replicas > 1:
             return _replicated_config(model, cfg, None, None, deferred_batch_norm,
                                       fixed_schedule if isinstance(fixed_schedule, Schedule) else None, None, probe)

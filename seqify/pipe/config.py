@@ -26,6 +26,8 @@ class Trial:
     GPipe), predicted step seconds, measured step seconds (``None`` when it was not confirmed by timed
     steps), predicted peak bytes on the fullest device and on each pipeline device, and the peak bytes each
     CUDA device allocated and reserved while it was built and timed (empty where not measured);
+    ``optimizer_bytes``: the optimizer state each of those devices will hold in training (``seqify.tune(...,
+    optimizer=)``; counted in the predicted peaks and, beside the measured ones, in the memory bounds);
     ``overlap``: ``pipe.step``'s graphs on two streams per GPU (``seqify.pipeline(overlap=True)``);
     ``replicas``: data-parallel copies of the pipeline (its devices are the whole set's ``1 / replicas``)."""
 
@@ -44,6 +46,13 @@ class Trial:
     measured_reserved: tuple[int, ...] = ()
     overlap: bool = False
     replicas: int = 1
+    optimizer_bytes: tuple[int, ...] = ()
+
+    def held(self) -> tuple[int, ...]:
+        """The timed step's allocated peak per CUDA device plus the optimizer state it will hold there in
+        training (``optimizer_bytes``, where the tuner was told the optimizer): what training allocates."""
+        extra = self.optimizer_bytes or (0,) * len(self.measured_peak)
+        return tuple(a + o for a, o in zip(self.measured_peak, extra))
 
     def layout(self) -> str:
         """The options but the schedule: ``2 x 2, chunks 4, loops 1, by time, checkpoint never`` (stages x
@@ -290,7 +299,7 @@ def _trial(data: Any) -> Trial:
     if missing:
         raise ConfigError(f"a trial lacks {missing}: trials are written by seqify.tune; leave them out of a "
                           "configuration written by hand")
-    tuples = ("balance", "memory_per_device", "measured_peak", "measured_reserved")
+    tuples = ("balance", "memory_per_device", "measured_peak", "measured_reserved", "optimizer_bytes")
     entries: dict[str, Any] = {k: tuple(v) if k in tuples else v for k, v in data.items()}
     return Trial(**entries)
 

@@ -22,6 +22,7 @@ from seqify.progress import progress
 from seqify.schedule.actions import SCHEDULES, SPLIT
 from seqify.tuning import cache as tune_cache
 from seqify.tuning import measure, profile, space
+from seqify.tuning.optimizer_state import OptimizerSpec, state_ratio, trainable_bytes, with_room, with_state
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 
 __all__ = ["tune", "BAND", "to_time", "lean", "options"]
@@ -38,6 +39,10 @@ class _Costs:
     layers: LayerModel
     hi: LayerCosts
     bound: tuple[int | None, int | None]
+    #: the optimizer's state bytes per parameter byte, and each layer's trainable parameter bytes
+    state_ratio: float = 0.0
+    trainable: tuple[int, ...] = ()
+
 
 
 def tune(
@@ -55,6 +60,7 @@ def tune(
     schedule: str | None = None,
     overlap: bool | None = None,
     replicas: int | None = None,
+    optimizer: OptimizerSpec = None,
     top: int = 3,
     steps: int = 2,
     warm: int = 1,
@@ -93,6 +99,14 @@ def tune(
             each layout is timed (with ``top >= 2``). On CPU devices, one pipeline unless fixed. A
             layout whose timed steps held more on some GPU than plain data parallelism's is chosen only where
             no other stays under it.
+        optimizer: the optimizer training will use: its class (``torch.optim.AdamW``), a function that builds
+            it from parameters (``functools.partial(torch.optim.AdamW, lr=3e-4)``), or the bytes of state it
+            keeps per parameter byte (``2.0`` for Adam). Its state (probed on one small parameter: Adam's two
+            moments) is added to each candidate's predicted and timed peaks on the GPUs that will hold it
+            (with replicas, the first replica's: the optimizer steps ``pipe.parameters()``), so the bounds
+            above compare what training will hold; a timed candidate whose peak plus that state fills more
+            than ``optimizer_state.ROOM`` (95%) of a GPU is never chosen, and :class:`MemoryCapError` says so
+            when none is left. ``None``: no state counted (SGD without momentum keeps none).
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
             prediction; from 2, the best eager or replayed candidate is timed too where the ``top`` are
             all of the other kind, and the best of each other schedule predicted within ``BAND`` (5%) of
@@ -114,9 +128,12 @@ def tune(
         model = convert(model, example_inputs, **convert_options)
     placed = resolve_devices(gpus, devices, None if gpus is not None or devices is not None else 1)
     _check(schedule=schedule, checkpoint=checkpoint, memory_cap=memory_cap, overlap=overlap, graphs=graphs)
+    ratio = state_ratio(optimizer)
     fixed = dict(chunks=chunks, loops=loops, balance=list(balance) if isinstance(balance, (list, tuple)) else balance,
                  checkpoint=checkpoint, graphs=True if overlap else graphs, schedule=schedule, memory_cap=memory_cap,
                  top=top, overlap=overlap, replicas=replicas)
+    if ratio:  # a choice for training with this much optimizer state (no key change for the stateless)
+        fixed["optimizer"] = ratio
     key = tune_cache.key(model, sample, placed, fixed)
     hit = _cached(key, len(model)) if cache else None
     if hit is not None:
@@ -133,6 +150,8 @@ def tune(
         fits = _predicted(model, sample, placed, fixed, costs, batch)
         confirmed, timed = _time_best(model, sample, placed, fits, costs.bound, top=top, steps=steps, warm=warm,
                                       show=show)
+        if ratio:
+            confirmed = with_room(confirmed, placed)
         lightest = lean(confirmed, *_bound(confirmed, costs.bound, len(placed))) or lean(confirmed, *costs.bound) \
             or confirmed
         best = steady(lightest) if confirmed else fits[0]
@@ -190,14 +209,17 @@ def _measured(model: nn.Sequential, sample: Any, placed: list[torch.device], fix
     layers, hi = profile.layer_model(model, sample, placed[0], lo=lo, sizes=micro, show=show)
     layers, alone = profile.anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
     # no timed candidate may hold more on some GPU than the model training on one (or than the cap)
-    limits = [b for b in (alone[0] if alone else None, memory_cap) if b is not None]
-    bound = (int(min(limits)) if limits else None, alone[1] if alone else None)
+    ratio = fixed.get("optimizer", 0.0)
+    trainable = tuple(trainable_bytes(model)) if ratio else ()
+    state = int(ratio * sum(trainable))  # what one device training the whole model adds for the optimizer
+    limits = [b for b in (alone[0] + state if alone else None, memory_cap) if b is not None]
+    bound = (int(min(limits)) if limits else None, alone[1] + state if alone else None)
     if own_split:  # a replayed split, as this model splits; where it cannot be measured, as a chain does
         own = measure.model_split(model, sample, placed[0])
         if own is None and not isinstance(sample, dict):
             own = measure.chain_split(placed[0])
         cal = replace(cal, split_replayed=own) if own is not None else cal
-    return _Costs(cal, layers, hi, bound)
+    return _Costs(cal, layers, hi, bound, ratio, trainable)
 
 
 def _predicted(model: nn.Sequential, sample: Any, placed: list[torch.device], fixed: dict[str, Any], costs: _Costs,
@@ -219,7 +241,10 @@ def _predicted(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
             if key_of in same:
                 continue
             same.add(key_of)
-            trials.append(_trial(c, s, v, predict(c, costs.layers, costs.cal, batch, replicas=r), r))
+            trial = _trial(c, s, v, predict(c, costs.layers, costs.cal, batch, replicas=r), r)
+            if costs.state_ratio:
+                trial = with_state(trial, c, costs.state_ratio, costs.trainable, placed)
+            trials.append(trial)
         except ScheduleError:
             continue  # a schedule that does not apply to this layout
     if not trials:
@@ -282,7 +307,7 @@ def _with_overlap(model: nn.Sequential, sample: Any, placed: list[torch.device],
                   show: bool) -> Trial:
     """``best`` timed once more with two streams per GPU (its twin joins ``confirmed`` and ``timed``); the twin
     where it ran faster within the same memory bounds, else ``best``."""
-    twin = _twin(best, placed, costs.layers, costs.cal, batch)
+    twin = _twin(best, placed, costs, batch)
     if memory_cap is not None and twin.memory_bytes > memory_cap:
         return best
     more = _confirm(model, sample, placed, [twin], steps=steps, warm=warm, show=show)
@@ -385,13 +410,19 @@ def _preference(t: Trial) -> tuple[Any, ...]:
 def lean(confirmed: list[Trial], allocated: int | None, reserved: int | None) -> list[Trial]:
     """The confirmed candidates whose timed steps allocated at most ``allocated`` and reserved at most
     ``reserved`` bytes on every device (the model training on one device; the allocated bound also the
-    user's memory cap): a pipeline that holds more on some GPU than one GPU training the whole model is no
-    gain (people pipeline because a model does not fit). A bound that is ``None``, or a candidate not
-    measured (the CPU), passes."""
+    user's memory cap), each with the optimizer state the candidate will hold (:meth:`Trial.held`): a pipeline
+    that holds more on some GPU than one GPU training the whole model is no gain (people pipeline because a
+    model does not fit). A bound that is ``None``, or a candidate not measured (the CPU), passes."""
     def within(peaks: tuple[int, ...], bound: int | None) -> bool:
         return bound is None or not peaks or max(peaks) <= bound
 
-    return [t for t in confirmed if within(t.measured_peak, allocated) and within(t.measured_reserved, reserved)]
+    return [t for t in confirmed if within(t.held(), allocated) and within(_reserved(t), reserved)]
+
+
+def _reserved(t: Trial) -> tuple[int, ...]:
+    """The timed step's reserved peak per CUDA device plus the optimizer state it will hold there."""
+    extra = t.optimizer_bytes or (0,) * len(t.measured_reserved)
+    return tuple(r + o for r, o in zip(t.measured_reserved, extra))
 
 
 def _trial(c: Candidate, by: str, loops: int, p: Prediction, replicas: int = 1) -> Trial:
@@ -412,7 +443,7 @@ def _bound(confirmed: list[Trial], bound: tuple[int | None, int | None], gpus: i
     def lower(a: int | None, b: int) -> int:
         return b if a is None else min(a, b)
 
-    return lower(bound[0], max(held.measured_peak)), lower(bound[1], max(held.measured_reserved))
+    return lower(bound[0], max(held.held())), lower(bound[1], max(_reserved(held)))
 
 
 def _built(model: nn.Sequential, t: Trial, devices: Sequence[torch.device], sample: Any) -> nn.Module:
@@ -422,11 +453,12 @@ def _built(model: nn.Sequential, t: Trial, devices: Sequence[torch.device], samp
     return replicated(model, t.replicas, sample=sample, **options(t, devices))
 
 
-def _twin(t: Trial, devices: Sequence[torch.device], layers: LayerModel, cal: Calibration, batch: int) -> Trial:
+def _twin(t: Trial, devices: Sequence[torch.device], costs: _Costs, batch: int) -> Trial:
     """Trial ``t`` with two lanes per GPU, not yet timed: its memory predicted as they hold it."""
     names, slots = space.layout(t.schedule or "gpipe", devices[:len(devices) // t.replicas], t.loops)
     c = Candidate(t.balance, names, t.chunks, t.checkpoint, t.graphs, t.schedule or "gpipe", slots, overlap=True)
-    return _trial(c, t.by, t.loops, predict(c, layers, cal, batch, replicas=t.replicas), t.replicas)
+    twin = _trial(c, t.by, t.loops, predict(c, costs.layers, costs.cal, batch, replicas=t.replicas), t.replicas)
+    return with_state(twin, c, costs.state_ratio, costs.trainable, list(devices)) if costs.state_ratio else twin
 
 
 def options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:

@@ -1,13 +1,15 @@
 """Layouts (stages x replicas) beside data parallelism, in one run: torchvision ResNet-101 (fp32, SGD) or, with
 ``--model llama``, the 0.89 B Llama of benchmarks/data_parallel/fsdp.py (bf16 autocast, SGD, sequences of 2048),
-``--per-gpu`` samples per GPU. Rows: one GPU on its share, DDP over every GPU (benchmarks/data_parallel/ under
-torchrun; FSDP2 too for the Llama), seqify with each layout given by ``--layouts``
+or ``--model llama8b``, its ~7.2 B config with fp32 Adam (no one GPU trains it: no one-GPU or DDP row, FSDP2 is the
+anchor), ``--per-gpu`` samples per GPU. Rows: one GPU on its share, DDP over every GPU (benchmarks/data_parallel/
+under torchrun; FSDP2 too for the Llamas), seqify with each layout given by ``--layouts``
 (``STAGESxREPLICAS:schedule:chunks[:graphs][:loopsK]``, ``loopsK``: K partitions per GPU), and seqify's automatic
-choice (``--auto``). Each row: samples/s,
-its ratio to one GPU and to DDP, peak allocated and reserved GiB per GPU (from the first timed step's start).
+choice (``--auto``, told the optimizer). Each row: samples/s,
+its ratio to one GPU, DDP and FSDP2, peak allocated and reserved GiB per GPU (from the first timed step's start).
 Every row is timed as the DDP and FSDP2 scripts time theirs: steps run back to back, synchronized at the ends.
 
     python benchmarks/layouts/main.py --gpus 4 --layouts 4x1:zb-h2:4:graphs 2x2:1f1b:4:graphs 1x4:gpipe:1:graphs --auto
+    python benchmarks/layouts/main.py --model llama8b --gpus 2 --per-gpu 2 --steps 4 --warm 2 --auto
     python benchmarks/layouts/main.py --tiny --device cpu --gpus 4 --layouts 2x2:1f1b:2 --no-ddp   # CPU smoke run
 """
 
@@ -22,7 +24,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +47,9 @@ class Workload:
     loss: Callable[[Any, torch.Tensor], torch.Tensor]
     autocast: bool  # bf16 autocast around forward and loss
     example: bool = False  # converted with the first samples as example inputs
+    optimizer: Callable[[Any], torch.optim.Optimizer] = functools.partial(torch.optim.SGD, lr=1e-3)
+    one_gpu: bool = True  # whether one GPU can train it (else no one-GPU row and no DDP)
+    data_parallel_env: dict[str, str] = field(default_factory=dict)  # for benchmarks/data_parallel/fsdp.py
 
 
 def resnet(tiny: bool) -> Workload:
@@ -61,14 +67,17 @@ def resnet(tiny: bool) -> Workload:
     return Workload("ResNet-101, fp32, SGD", build, data, F.cross_entropy, autocast=False)
 
 
-def llama(tiny: bool) -> Workload:
+def llama(tiny: bool, size: str = "0.89b") -> Workload:
+    """The 0.89 B Llama with SGD, or (``size="8b"``) the ~7.2 B one with Adam, which no one GPU trains."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     seq, vocab = (16, 128) if tiny else (2048, 32000)
+    big = size == "8b"
+    hidden, inter, layers, heads = (4096, 14336, 32, 32) if big else (2048, 5632, 16, 16)
     config = (LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=seq, use_cache=False)
               if tiny else
-              LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+              LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                           num_key_value_heads=8, vocab_size=vocab, max_position_embeddings=seq, use_cache=False))
 
     def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +92,10 @@ def llama(tiny: bool) -> Workload:
         logits = out.logits if hasattr(out, "logits") else out["logits"] if isinstance(out, dict) else out
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
+    if big:
+        return Workload("Llama 7.2 B, bf16 autocast, fp32 Adam", build, data, loss, autocast=True, example=True,
+                        optimizer=functools.partial(torch.optim.Adam, lr=1e-5), one_gpu=False,
+                        data_parallel_env=dict(SIZE="8b", OPT="adam", MODES="fsdp"))
     return Workload("Llama 0.89 B, bf16 autocast, SGD", build, data, loss, autocast=True, example=True)
 
 
@@ -141,7 +154,7 @@ def one_gpu(args: argparse.Namespace, work: Workload, devices: list[torch.device
     reset(devices)
     net = work.build().to(dev)
     x, y = (t.to(dev) for t in work.data(args.per_gpu))
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    opt = work.optimizer(net.parameters())
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -157,12 +170,13 @@ def one_gpu(args: argparse.Namespace, work: Workload, devices: list[torch.device
                 reserved_gib=reserved)
 
 
-def data_parallel(args: argparse.Namespace) -> list[dict[str, Any]]:
+def data_parallel(args: argparse.Namespace, work: Workload) -> list[dict[str, Any]]:
     """DDP over every GPU, ``--per-gpu`` samples each, under torchrun (benchmarks/data_parallel/: main.py for
     ResNet-101, fsdp.py with DDP and FSDP2 for the Llama)."""
     here = os.path.join(os.path.dirname(__file__), "..", "data_parallel")
-    env = {**os.environ, "B": str(args.per_gpu * args.gpus), "STEPS": str(args.steps), "WARM": str(args.warm)}
-    script = os.path.join(here, "fsdp.py" if args.model == "llama" else "main.py")
+    env = {**os.environ, "B": str(args.per_gpu * args.gpus), "STEPS": str(args.steps), "WARM": str(args.warm),
+           **work.data_parallel_env}
+    script = os.path.join(here, "fsdp.py" if args.model.startswith("llama") else "main.py")
     got = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus), script],
                          env=env, capture_output=True, text=True, timeout=600)
     found = [json.loads(line) for line in got.stdout.splitlines() if line.startswith("{")]
@@ -184,11 +198,12 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
     batch = args.per_gpu * args.gpus
     reset(devices)
     x, y = work.data(batch)
-    seq = seqify.convert(work.build(), (x[:2],) if work.example else None)
+    # the self-check runs the model on the CPU: minutes for 7.2 B parameters (tests/convert checks Llamas exactly)
+    seq = seqify.convert(work.build(), (x[:2],) if work.example else None, verify=work.one_gpu)
     x, y = x.to(devices[0]), y.to(devices[0])
     with cast(work, devices[0]):
         if spec is None:
-            pipe = seqify.pipeline(seq, devices=devices, chunks="auto", sample=x)
+            pipe = seqify.pipeline(seq, devices=devices, chunks="auto", sample=x, optimizer=work.optimizer)
             name = "seqify automatic"
         else:
             shape, schedule, chunks, *rest = spec.split(":")
@@ -199,7 +214,7 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
                                    loops=loops, graphs="graphs" in rest, checkpoint="never", balance="time", sample=x)
             name = (f"seqify {stages} x {replicas} {schedule} chunks {chunks}"
                     + (f" loops {loops}" if loops > 1 else "") + (" graphs" if "graphs" in rest else ""))
-    opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+    opt = work.optimizer(pipe.parameters())
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -219,7 +234,7 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["resnet101", "llama"], default="resnet101")
+    p.add_argument("--model", choices=["resnet101", "llama", "llama8b"], default="resnet101")
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--per-gpu", type=int, default=128)
     p.add_argument("--layouts", nargs="*", default=[])
@@ -231,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--out", default=None, help="a JSON lines file to append the rows to")
     args = p.parse_args(argv)
-    work = llama(args.tiny) if args.model == "llama" else resnet(args.tiny)
+    work = (llama(args.tiny, "8b" if args.model == "llama8b" else "0.89b") if args.model.startswith("llama")
+            else resnet(args.tiny))
     devices = devices_of(args.device, args.gpus)
     head = dict(model=args.model, date=datetime.date.today().isoformat(), torch=torch.__version__,
                 seqify=seqify.__version__,
@@ -245,24 +261,27 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)  # a run cut short keeps what it measured
 
-    keep(one_gpu(args, work, devices))
+    if work.one_gpu:
+        keep(one_gpu(args, work, devices))
     if not args.no_ddp and args.device == "cuda":
-        for row in data_parallel(args):
+        for row in data_parallel(args, work):
             keep(row)
     for spec in args.layouts:
         keep(layout_row(args, work, devices, spec))
     if args.auto:
         keep(layout_row(args, work, devices, None))
-    base = rows[0]["samples_per_s"]
-    ddp_row = next((r["samples_per_s"] for r in rows if r["row"] == "DDP"), None)
+    def rate(name: str) -> float | None:
+        return next((r["samples_per_s"] for r in rows if r["row"] == name), None)
+
+    anchors = {"x_one_gpu": rate("one GPU"), "x_ddp": rate("DDP"), "x_fsdp2": rate("FSDP2")}
     print(f"{head['device']}, torch {head['torch']}, {head['date']}: {work.name}, {args.per_gpu} samples per GPU")
-    print("| row | samples/s | x one GPU | x DDP | peak allocated GiB per GPU | reserved GiB per GPU |")
-    print("|---|---|---|---|---|---|")
+    print("| row | samples/s | x one GPU | x DDP | x FSDP2 | peak allocated GiB per GPU | reserved GiB per GPU |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        r["x_one_gpu"] = round(r["samples_per_s"] / base, 3)
-        r["x_ddp"] = round(r["samples_per_s"] / ddp_row, 3) if ddp_row else None
-        print(f"| {r['row']} | {r['samples_per_s']:.1f} | {r['x_one_gpu']:.2f} | "
-              f"{r['x_ddp'] if r['x_ddp'] is not None else '-'} | {' / '.join(map(str, r['peak_gib']))} | "
+        for k, base in anchors.items():
+            r[k] = round(r["samples_per_s"] / base, 3) if base else None
+        ratios = " | ".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in anchors)
+        print(f"| {r['row']} | {r['samples_per_s']:.1f} | {ratios} | {' / '.join(map(str, r['peak_gib']))} | "
               f"{' / '.join(map(str, r['reserved_gib']))} |", flush=True)
     if args.out:  # JSON lines under the run's environment (what benchmarks/pages.py reads)
         new = not os.path.exists(args.out)

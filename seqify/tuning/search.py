@@ -229,7 +229,7 @@ def _predicted(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
     found = [(c, s, v, r) for r in space.replica_counts(placed, batch, fixed)
              for c, s, v in space.candidates(model, measure.head(sample, -(-batch // r)), costs.hi,
                                              placed[:len(placed) // r], fixed, costs.cal.copy_bytes_per_s,
-                                             costs.layers)]
+                                             costs.layers, replicas=r)]
     if not found:
         raise _no_candidate(model, placed, fixed)
     trials = []

@@ -110,16 +110,20 @@ def _at(hi: LayerCosts, layers: LayerModel, batch: int, m: int) -> LayerCosts:
 
 
 def candidates(model: nn.Sequential, sample: Any, hi: LayerCosts, devices: list[torch.device], fixed: dict[str, Any],
-                bandwidth: float, layers: LayerModel | None = None) -> list[tuple[Candidate, str, int]]:
+                bandwidth: float, layers: LayerModel | None = None, replicas: int = 1
+                ) -> list[tuple[Candidate, str, int]]:
     """Every configuration to predict: per loops and micro-batch count, each balance strategy's plan (by
     time at that micro-batch size where ``layers`` has it: ResNet-101's batch-256 times cut it at [92, 253],
     its micro-batches of 64 at [101, 244], 1.62x and 1.64x one GPU under ZB-H2 on two H200s) with every
-    checkpointing, graphs and schedule choice that applies."""
+    checkpointing, graphs and schedule choice that applies. ``devices`` are one pipeline's; with ``replicas``
+    of a pipeline on one GPU, ``loops`` cut it into partitions that are DDP's buckets: each partition's gradient
+    sum starts as its backward ends (replayed graphs only, fill-drain, :mod:`seqify.pipe.partition_sums`)."""
     batch = measure.batch_size(sample)
     n = len(hi)
     cuda = all(d.type == "cuda" for d in devices)
     chunk_set = [fixed["chunks"]] if fixed.get("chunks") else [c for c in CHUNKS if c <= batch]
-    loop_set = [fixed["loops"]] if fixed.get("loops") else [v for v in LOOPS if v == 1 or len(devices) > 1]
+    buckets = replicas > 1 and len(devices) == 1 and cuda  # a replica on one GPU: its loops are buckets
+    loop_set = [fixed["loops"]] if fixed.get("loops") else [v for v in LOOPS if v == 1 or len(devices) > 1 or buckets]
     ckpt_set = [fixed["checkpoint"]] if fixed.get("checkpoint") else list(CHECKPOINT)
     graph_set = [fixed["graphs"]] if fixed.get("graphs") is not None else ([False, True] if cuda else [False])
     balance = fixed.get("balance")
@@ -132,7 +136,7 @@ def candidates(model: nn.Sequential, sample: Any, hi: LayerCosts, devices: list[
         parts = len(devices) * loops
         if parts > n:
             continue
-        valid = schedules(loops, sample)
+        valid = ("gpipe",) if buckets and loops > 1 else schedules(loops, sample)
         if fixed.get("schedule"):
             sched_set = [fixed["schedule"]] if fixed["schedule"] in valid else []
         else:
@@ -160,6 +164,8 @@ def candidates(model: nn.Sequential, sample: Any, hi: LayerCosts, devices: list[
                     apart_of[bal] = {sched: bool(tied.crossing(ties, names)) for sched, (names, _) in layouts.items()}
                 apart = apart_of[bal]
                 for ckpt, graphs, sched in itertools.product(ckpt_set, graph_set, sched_set):
+                    if buckets and loops > 1 and not graphs:
+                        continue  # eager replicas sum after the step: partitions on one GPU would only cost
                     if m == 1 and ckpt == "except_last" and not fixed.get("checkpoint"):
                         continue  # one micro-batch, the last: the same run as checkpoint='never'
                     if m == 1 and sched != "gpipe" and not fixed.get("schedule"):

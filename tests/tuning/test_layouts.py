@@ -64,6 +64,28 @@ def test_replayed_replicas_leave_only_the_first_partitions_sum_after_the_backwar
     assert at(1e10) - at(1e11) == pytest.approx(copied / 1e10 - copied / 1e11)
 
 
+def test_a_replica_on_one_gpu_is_cut_into_buckets_only_where_its_graphs_sum_them_early() -> None:
+    """Replicas on one GPU each: loops 2 and 4 are considered as buckets (fill-drain, replayed graphs, whose
+    partitions' sums start beside the backward); eager replicas, one pipeline on one GPU and replicas of a
+    two-GPU pipeline get no extra candidates."""
+    torch.manual_seed(0)
+    seq = seqify.convert(Net())
+    x = torch.randn(16, 8)
+    hi = seqify.partition.cost.param_costs(seq, x)
+    one = [torch.device("cuda:0")]
+    fixed = dict(balance="params")
+
+    def looped(devices: list[torch.device], replicas: int) -> set[tuple[int, bool, str]]:
+        found = space.candidates(seq, x, hi, devices, fixed, 1e11, replicas=replicas)
+        return {(loops, c.graphs, c.schedule) for c, _, loops in found if loops > 1}
+
+    assert looped(one, 2) == {(2, True, "gpipe"), (4, True, "gpipe")}
+    assert looped(one, 1) == set()
+    assert looped([torch.device("cpu")], 2) == set()  # on the host replicas share it: no graphs, no buckets
+    two = looped([torch.device("cuda:0"), torch.device("cuda:1")], 2)
+    assert two and two == looped([torch.device("cuda:0"), torch.device("cuda:1")], 1)  # a pipeline's own loops
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -126,6 +126,12 @@ def profile(
                 skips.keep(layer, last.tracker)
                 x = apply(torch.Tensor.detach, last.output)
                 del step, runs, last
+                if torch.is_autocast_enabled(dev.type):
+                    # autocast keeps each weight's cast until the caller's region ends, and the cast's autograd
+                    # node keeps the weight: every profiled copy would stay on the device (a 7.2 B model's
+                    # second profile ran out of 80 GB), and a later forward in the region would read a cast made
+                    # before the weights changed
+                    torch.clear_autocast_cache()
     finally:
         _restore(snapshot)
     return Profile(dev, tuple(times), tuple(peaks), tuple(saved), tuple(outputs), dict(skips.bytes),

@@ -426,3 +426,20 @@ def test_time_is_measured_on_the_models_own_device_by_default(monkeypatch: pytes
     assert balancer.home(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))) is None
     assert balancer.home(nn.Sequential(nn.ReLU())) is None
     assert balancer.home(nn.Sequential(nn.Linear(2, 2).to("meta"))) == torch.device("meta")
+
+
+def test_profiling_under_autocast_leaves_no_cast_behind() -> None:
+    """autocast keeps every weight's cast until the caller's region ends, and the cast keeps its weight: a
+    profile must drop them, or each profiled copy of a layer would stay on the device and a later forward in the
+    same region would read a cast made before the weights changed."""
+    torch.manual_seed(0)
+    seq = seqify.convert(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)))
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        time_costs(seq, x, "cpu", repeats=1)
+        with torch.no_grad():
+            seq[0].weight.mul_(2)
+        out = seq(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = seq(x)
+    assert torch.equal(out, fresh)

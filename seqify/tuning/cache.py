@@ -19,7 +19,7 @@ __all__ = ["cache_path", "fingerprint", "key", "read", "write", "SPACE"]
 
 #: The version of the search space, in the cache key: what the candidates range over and how they are weighed.
 #: Raise it whenever either changes, so that no choice cached by an earlier search is reused (CHANGELOG.md).
-SPACE = "6"
+SPACE = "7"
 
 
 def cache_path() -> str:

@@ -22,7 +22,7 @@ from seqify.pipe.placement import _check_meta
 from seqify.pipe.replicated import ReplicatedPipeline, replicated
 from seqify.schedule.actions import Schedule
 from seqify.tuning import tune
-from seqify.tuning.optimizer_state import OptimizerSpec
+from seqify.tuning.memory_bounds import OptimizerSpec
 
 __all__ = ["pipeline"]
 

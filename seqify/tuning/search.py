@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -21,8 +22,8 @@ from seqify.pipe.replicated import replicated
 from seqify.progress import progress
 from seqify.schedule.actions import SCHEDULES, SPLIT
 from seqify.tuning import cache as tune_cache
-from seqify.tuning import measure, profile, space
-from seqify.tuning.optimizer_state import OptimizerSpec, state_ratio, trainable_bytes, with_room, with_state
+from seqify.tuning import measure, memory_bounds, profile, space
+from seqify.tuning.memory_bounds import OptimizerSpec
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 
 __all__ = ["tune", "BAND", "to_time", "lean", "options"]
@@ -105,7 +106,7 @@ def tune(
             moments) is added to each candidate's predicted and timed peaks on the GPUs that will hold it
             (with replicas, the first replica's: the optimizer steps ``pipe.parameters()``), so the bounds
             above compare what training will hold; a timed candidate whose peak plus that state fills more
-            than ``optimizer_state.ROOM`` (95%) of a GPU is never chosen, and :class:`MemoryCapError` says so
+            than ``memory_bounds.ROOM`` (95%) of a GPU is never chosen, and :class:`MemoryCapError` says so
             when none is left. ``None``: no state counted (SGD without momentum keeps none).
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
             prediction; from 2, the best eager or replayed candidate is timed too where the ``top`` are
@@ -128,7 +129,7 @@ def tune(
         model = convert(model, example_inputs, **convert_options)
     placed = resolve_devices(gpus, devices, None if gpus is not None or devices is not None else 1)
     _check(schedule=schedule, checkpoint=checkpoint, memory_cap=memory_cap, overlap=overlap, graphs=graphs)
-    ratio = state_ratio(optimizer)
+    ratio = memory_bounds.state_ratio(optimizer)
     fixed = dict(chunks=chunks, loops=loops, balance=list(balance) if isinstance(balance, (list, tuple)) else balance,
                  checkpoint=checkpoint, graphs=True if overlap else graphs, schedule=schedule, memory_cap=memory_cap,
                  top=top, overlap=overlap, replicas=replicas)
@@ -151,7 +152,7 @@ def tune(
         confirmed, timed = _time_best(model, sample, placed, fits, costs.bound, top=top, steps=steps, warm=warm,
                                       show=show)
         if ratio:
-            confirmed = with_room(confirmed, placed)
+            confirmed = memory_bounds.with_room(confirmed, placed)
         lightest = lean(confirmed, *_bound(confirmed, costs.bound, len(placed))) or lean(confirmed, *costs.bound) \
             or confirmed
         best = steady(lightest) if confirmed else fits[0]
@@ -210,7 +211,7 @@ def _measured(model: nn.Sequential, sample: Any, placed: list[torch.device], fix
     layers, alone = profile.anchor(model, sample, placed[0], layers, cal, batch, steps=steps, warm=warm)
     # no timed candidate may hold more on some GPU than the model training on one (or than the cap)
     ratio = fixed.get("optimizer", 0.0)
-    trainable = tuple(trainable_bytes(model)) if ratio else ()
+    trainable = tuple(memory_bounds.trainable_bytes(model)) if ratio else ()
     state = int(ratio * sum(trainable))  # what one device training the whole model adds for the optimizer
     limits = [b for b in (alone[0] + state if alone else None, memory_cap) if b is not None]
     bound = (int(min(limits)) if limits else None, alone[1] + state if alone else None)
@@ -243,7 +244,7 @@ def _predicted(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
             same.add(key_of)
             trial = _trial(c, s, v, predict(c, costs.layers, costs.cal, batch, replicas=r), r)
             if costs.state_ratio:
-                trial = with_state(trial, c, costs.state_ratio, costs.trainable, placed)
+                trial = memory_bounds.with_state(trial, c, costs.state_ratio, costs.trainable, placed)
             trials.append(trial)
         except ScheduleError:
             continue  # a schedule that does not apply to this layout
@@ -261,7 +262,7 @@ def _predicted(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
             f"{least.label()}); raise memory_cap to at least that, use more devices, or a smaller mini-batch"
         )
     fits.sort(key=lambda t: t.predicted_s)
-    return fits
+    return memory_bounds.predicted_to_fit(fits, placed)
 
 
 def _no_candidate(model: nn.Sequential, placed: list[torch.device], fixed: dict[str, Any]) -> TuneError:
@@ -343,7 +344,10 @@ def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], time
             with measure.peaks(placed) as got:
                 pipe = _built(model, t, placed, sample).train()
                 seconds = measure.step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
-        except torch.OutOfMemoryError:  # predicted to fit but did not: the next candidate
+        except Exception as e:  # predicted to fit but did not: the next candidate
+            if not memory_bounds.out_of_memory(e):
+                raise
+            gc.collect()  # what the failed step held, before the next candidate measures its peaks
             continue
         finally:
             del pipe
@@ -458,7 +462,9 @@ def _twin(t: Trial, devices: Sequence[torch.device], costs: _Costs, batch: int) 
     names, slots = space.layout(t.schedule or "gpipe", devices[:len(devices) // t.replicas], t.loops)
     c = Candidate(t.balance, names, t.chunks, t.checkpoint, t.graphs, t.schedule or "gpipe", slots, overlap=True)
     twin = _trial(c, t.by, t.loops, predict(c, costs.layers, costs.cal, batch, replicas=t.replicas), t.replicas)
-    return with_state(twin, c, costs.state_ratio, costs.trainable, list(devices)) if costs.state_ratio else twin
+    if not costs.state_ratio:
+        return twin
+    return memory_bounds.with_state(twin, c, costs.state_ratio, costs.trainable, list(devices))
 
 
 def options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Optimizer state in the tuner's memory bounds: the bytes an optimizer keeps per parameter byte, and where."""
+"""The tuner's memory bounds: the optimizer's state (bytes per parameter byte, and where it lands) and the GPUs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from seqify.errors import MemoryCapError, TuneError
 from seqify.pipe.config import Trial
 from seqify.tuning.predict import Candidate
 
-__all__ = ["OptimizerSpec", "ROOM", "state_ratio", "trainable_bytes", "per_device", "with_state", "with_room"]
+__all__ = ["OptimizerSpec", "ROOM", "state_ratio", "trainable_bytes", "per_device", "with_state", "with_room",
+           "predicted_to_fit", "out_of_memory"]
 
 #: The share of a GPU's memory a timed candidate may fill with its allocated peak plus the optimizer state it
 #: will hold (``optimizer=``): the rest is left to the allocator's fragmentation and what the caller keeps.
@@ -126,3 +127,28 @@ def with_room(confirmed: list[Trial], placed: list[torch.device]) -> list[Trial]
                              f"(over {ROOM:.0%}); use more GPUs, a smaller mini-batch, checkpoint='always', or an "
                              "optimizer that keeps less state")
     return roomy
+
+
+def _capacity(placed: Sequence[torch.device]) -> int | None:
+    """The memory of the smallest of ``placed``'s GPUs (``None`` without one)."""
+    cuda = [d for d in dict.fromkeys(placed) if d.type == "cuda"]
+    return min(torch.cuda.get_device_properties(d).total_memory for d in cuda) if cuda else None
+
+
+def predicted_to_fit(fits: list[Trial], placed: Sequence[torch.device]) -> list[Trial]:
+    """The candidates (in order) whose predicted peak on every device, the optimizer's state included, is within
+    the GPUs' memory; all of them where none is (predictions err, and the timed steps find out). Timing one
+    that cannot fit costs its build and capture, and can leave the GPU without room for cuBLAS's workspace."""
+    capacity = _capacity(placed)
+    if capacity is None:
+        return fits
+    return [t for t in fits if t.memory_bytes <= capacity] or fits
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says a GPU ran out of memory: PyTorch's error, or a library's (cuBLAS, cuDNN) failing to
+    allocate its handle or workspace, which surfaces as a plain ``RuntimeError``."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("ALLOC_FAILED" in text or "out of memory" in text.lower())

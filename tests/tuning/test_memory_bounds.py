@@ -12,8 +12,9 @@ from torch import nn
 
 import seqify
 from seqify.pipe.config import Trial
-from seqify.tuning import optimizer_state
-from seqify.tuning.optimizer_state import per_device, state_ratio, trainable_bytes, with_room, with_state
+from seqify.tuning import memory_bounds
+from seqify.tuning.memory_bounds import (out_of_memory, per_device, predicted_to_fit, state_ratio, trainable_bytes,
+                                         with_room, with_state)
 from seqify.tuning.predict import Candidate
 from seqify.tuning.search import lean
 
@@ -148,14 +149,73 @@ def test_the_choice_for_an_optimizer_is_cached_apart_and_the_pipeline_takes_it(m
     seq = seqify.convert(Wide())
     x = torch.randn(4, 8)
     ratios = []
-    real = optimizer_state.state_ratio
+    real = memory_bounds.state_ratio
 
     def seen(optimizer):
         ratios.append(real(optimizer))
         return ratios[-1]
 
-    monkeypatch.setattr(seqify.tuning.search, "state_ratio", seen)
+    monkeypatch.setattr(memory_bounds, "state_ratio", seen)
     pipe = seqify.pipeline(copy.deepcopy(seq), devices=CPU2, sample=x, optimizer=torch.optim.AdamW)
     assert ratios == [2.0] and pipe.config is not None
     assert seqify.tune(seq, x, devices=CPU2, optimizer=2.0, show=False).key == pipe.config.key  # a cache hit
     assert seqify.tune(seq, x, devices=CPU2, show=False).key != pipe.config.key  # tuned apart without the state
+
+
+def test_candidates_predicted_over_the_gpus_memory_are_not_timed_unless_none_fits(monkeypatch) -> None:
+    class Props:
+        total_memory = 1000
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    cuda = [torch.device("cuda:0"), torch.device("cuda:1")]
+    small, large = trial(memory_bytes=900), trial(memory_bytes=1500, balance=(1, 2))
+    assert predicted_to_fit([large, small], cuda) == [small]
+    assert predicted_to_fit([large], cuda) == [large]  # the timed steps find out
+    assert predicted_to_fit([large, small], [torch.device("cpu")] * 2) == [large, small]
+
+
+@pytest.mark.parametrize("error, oom", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 112.00 MiB"), True),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    (RuntimeError("CUDA error: out of memory"), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
+    (ValueError("out of memory"), False),
+])
+def test_a_library_failing_to_allocate_counts_as_running_out_of_memory(error, oom) -> None:
+    assert out_of_memory(error) is oom
+
+
+def test_a_timed_candidate_that_fails_to_allocate_is_passed_over_and_other_errors_are_not(monkeypatch) -> None:
+    torch.manual_seed(0)
+    seq = seqify.convert(Wide())
+    x = torch.randn(4, 8)
+    real, built = seqify.tuning.measure.step_seconds, seqify.tuning.search._built
+    timing, failed = [], []
+
+    def candidate(*args, **kwargs):  # only the timed candidates are built here: calibration builds its own
+        timing.append(True)
+        return built(*args, **kwargs)
+
+    def first_fails(pipe, *args, **kwargs):
+        if timing and not failed:
+            failed.append(pipe)
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return real(pipe, *args, **kwargs)
+
+    monkeypatch.setattr(seqify.tuning.search, "_built", candidate)
+    monkeypatch.setattr(seqify.tuning.measure, "step_seconds", first_fails)
+    options = dict(devices=CPU2, chunks=2, balance="params", top=2, steps=1, warm=0, show=False, cache=False)
+    cfg = seqify.tune(seq, x, **options)
+    timed = [t for t in cfg.trials if t.measured_s is not None]
+    assert failed and timed and cfg.measured_s is not None
+
+    def broken(pipe, *args, **kwargs):
+        if not timing:
+            return real(pipe, *args, **kwargs)
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    timing.clear()
+
+    monkeypatch.setattr(seqify.tuning.measure, "step_seconds", broken)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        seqify.tune(seq, x, **options)

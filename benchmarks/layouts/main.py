@@ -255,11 +255,19 @@ def main(argv: list[str] | None = None) -> None:
                 gpus=args.gpus, timing="steps back to back, synchronized at the ends", command="python benchmarks/layouts/main.py " + " ".join(
                     argv if argv is not None else sys.argv[1:]))
     rows: list[dict[str, Any]] = []
+    if args.out and not os.path.exists(args.out):  # JSON lines under the run's environment (what pages.py reads)
+        with open(args.out, "w") as f:
+            f.write("# environment: " + json.dumps(head) + "\n")
 
     def keep(row: dict[str, Any] | None) -> None:
+        """Print and record ``row`` as soon as it is measured: a run cut short (a later row out of memory, a
+        time limit) keeps what it measured."""
         if row is not None:
             rows.append(row)
-            print(json.dumps(row), flush=True)  # a run cut short keeps what it measured
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
 
     if work.one_gpu:
         keep(one_gpu(args, work, devices))
@@ -283,13 +291,6 @@ def main(argv: list[str] | None = None) -> None:
         ratios = " | ".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in anchors)
         print(f"| {r['row']} | {r['samples_per_s']:.1f} | {ratios} | {' / '.join(map(str, r['peak_gib']))} | "
               f"{' / '.join(map(str, r['reserved_gib']))} |", flush=True)
-    if args.out:  # JSON lines under the run's environment (what benchmarks/pages.py reads)
-        new = not os.path.exists(args.out)
-        with open(args.out, "a") as f:
-            if new:
-                f.write("# environment: " + json.dumps(head) + "\n")
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

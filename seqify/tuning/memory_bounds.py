@@ -104,7 +104,7 @@ def with_state(t: Trial, c: Candidate, ratio: float, trainable: Sequence[int], p
         added[slot] += int(ratio * sum(trainable[start:start + size]))
         start += size
     per_slot = tuple(m + a for m, a in zip(t.memory_per_device, added))
-    cuda = [d for d in dict.fromkeys(placed) if d.type == "cuda"]
+    cuda = _gpus(placed)
     held = per_device(c.balance, c.devices, trainable, ratio, cuda) if cuda else ()
     return replace(t, memory_per_device=per_slot, memory_bytes=max(per_slot, default=t.memory_bytes),
                    optimizer_bytes=held)
@@ -114,14 +114,18 @@ def with_room(confirmed: list[Trial], placed: list[torch.device]) -> list[Trial]
     """The timed candidates whose allocated peak plus optimizer state stays within :data:`ROOM` of every GPU;
     :class:`MemoryCapError` where some were timed and none does (each would run out of memory once the
     optimizer has stepped)."""
-    cuda = [d for d in dict.fromkeys(placed) if d.type == "cuda"]
+    cuda = _gpus(placed)
     if not cuda or not confirmed:
         return confirmed
     capacity = [torch.cuda.get_device_properties(d).total_memory for d in cuda]
-    roomy = [t for t in confirmed if all(h <= ROOM * c for h, c in zip(t.held(), capacity))]
+
+    def full(t: Trial) -> float:
+        return max((h / c for h, c in zip(t.held(), capacity)), default=0.0)
+
+    roomy = [t for t in confirmed if full(t) <= ROOM]
     if not roomy:
-        fullest = min(confirmed, key=lambda t: max(h / c for h, c in zip(t.held(), capacity)))
-        need = max(h / c for h, c in zip(fullest.held(), capacity))
+        fullest = min(confirmed, key=full)
+        need = full(fullest)
         raise MemoryCapError(f"no timed configuration leaves room for the optimizer's state: the least full "
                              f"({fullest.label()}) would hold {need:.0%} of a GPU once the optimizer has stepped "
                              f"(over {ROOM:.0%}); use more GPUs, a smaller mini-batch, checkpoint='always', or an "
@@ -129,9 +133,14 @@ def with_room(confirmed: list[Trial], placed: list[torch.device]) -> list[Trial]
     return roomy
 
 
+def _gpus(placed: Sequence[torch.device]) -> list[torch.device]:
+    """``placed``'s CUDA devices, each once, in order (how the timed peaks are kept)."""
+    return [d for d in dict.fromkeys(placed) if d.type == "cuda"]
+
+
 def _capacity(placed: Sequence[torch.device]) -> int | None:
     """The memory of the smallest of ``placed``'s GPUs (``None`` without one)."""
-    cuda = [d for d in dict.fromkeys(placed) if d.type == "cuda"]
+    cuda = _gpus(placed)
     return min(torch.cuda.get_device_properties(d).total_memory for d in cuda) if cuda else None
 
 

@@ -45,7 +45,6 @@ class _Costs:
     trainable: tuple[int, ...] = ()
 
 
-
 def tune(
     model: nn.Module,
     sample: Any,

@@ -14,7 +14,7 @@ from seqify.convert import convert
 from seqify.errors import SampleError
 from seqify.tools.console import OK, gpu_count
 from seqify.tools.model_cmds import convert_spec, load
-from seqify.tools.tuning_options import cap, devices_of, precision
+from seqify.tools.tuning_options import cap, devices_of, optimizer_of, precision
 
 __all__ = ["bench_cmd"]
 
@@ -29,7 +29,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
     with precision(args):
         result = run_bench(seq, x, devices_of(args), spec=args.spec, top=args.top, alternatives=args.alternatives,
                            steps=args.steps, warm=args.warm, cache=not args.no_cache, memory_cap=cap(args),
-                           schedule=args.schedule)
+                           schedule=args.schedule, optimizer=optimizer_of(args))
     print(result)
     print(f"\nuse it: seqify.pipeline(seq, config=cfg) with cfg = {result.config.without_trials().to_dict()}")
     if args.plot:

@@ -11,7 +11,8 @@ import torch
 from seqify.schedule.actions import SCHEDULES
 from seqify.tools.console import gpu_count
 
-__all__ = ["add_tune_options", "devices_of", "tune_for", "precision", "cap"]
+__all__ = ["add_tune_options", "devices_of", "tune_for", "precision", "cap", "optimizer_of"]
+
 
 def add_tune_options(p: argparse.ArgumentParser) -> None:
     if not any("--devices" in a.option_strings for a in p._actions):
@@ -23,6 +24,9 @@ def add_tune_options(p: argparse.ArgumentParser) -> None:
                    "over it are rejected")
     p.add_argument("--schedule", choices=SCHEDULES,
                    help="tuning: fix the schedule (default: the tuner weighs every one that applies)")
+    p.add_argument("--optimizer", metavar="NAME|BYTES", help="tuning: the optimizer training will use, a torch.optim "
+                   "class (AdamW, SGD) or its state bytes per parameter byte (2 for Adam): its state is counted in "
+                   "each candidate's memory")
     p.add_argument("--bf16", action="store_true", help="tuning: train under bf16 autocast (torch.autocast on the "
                    "devices' type), as mixed-precision training runs; the choice is cached apart from float32's")
 
@@ -40,7 +44,7 @@ def tune_for(seq: Any, x: torch.Tensor, args: argparse.Namespace) -> Any:
 
     with precision(args):
         return tune(seq, x, devices=devices_of(args), top=args.top, cache=not args.no_cache, memory_cap=cap(args),
-                    schedule=args.schedule)
+                    schedule=args.schedule, optimizer=optimizer_of(args))
 
 
 def precision(args: argparse.Namespace) -> Any:
@@ -54,3 +58,24 @@ def cap(args: argparse.Namespace) -> float | None:
     from seqify.pipe.memory import parse_bytes
 
     return None if args.memory_cap is None else float(parse_bytes(args.memory_cap))
+
+
+def optimizer_of(args: argparse.Namespace) -> Any:
+    """--optimizer as seqify.tune takes it: a torch.optim class by name (any case), or bytes per parameter byte."""
+    from seqify.errors import TuneError
+
+    given = getattr(args, "optimizer", None)
+    if given is None:
+        return None
+    try:
+        return float(given)
+    except ValueError:
+        pass
+    base = torch.optim.Optimizer
+    classes = {name.lower(): kind for name, kind in vars(torch.optim).items()
+               if isinstance(kind, type) and issubclass(kind, base) and kind is not base}
+    if given.lower() not in classes:
+        names = ", ".join(sorted(k.__name__ for k in classes.values()))
+        raise TuneError(f"--optimizer {given}: name a torch.optim optimizer ({names}) or give its state bytes per "
+                        "parameter byte (2 for Adam)")
+    return classes[given.lower()]

@@ -316,6 +316,12 @@ def test_inspect_tune_prints_the_choice(tmp_path, capsys) -> None:
     code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
                  "--top", "0", "--no-layers", "--no-cache", "--memory-cap", "16B"])
     assert code == 2 and "smallest cap that works" in capsys.readouterr().err
+    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
+                 "--top", "0", "--no-layers", "--no-cache", "--optimizer", "adamw"])
+    assert code == 0 and "PipeConfig: 2 devices (cpu, cpu)" in capsys.readouterr().out
+    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
+                 "--top", "0", "--no-layers", "--no-cache", "--optimizer", "adamm"])
+    assert code == 2 and "--optimizer adamm: name a torch.optim optimizer (ASGD, Adadelta" in capsys.readouterr().err
 
 
 def test_fixed_balance_strategy_is_kept() -> None:

@@ -18,6 +18,7 @@ fingerprint, input shapes and dtypes, devices, options) in ``$SEQIFY_CACHE_DIR/t
 One concept a module: :mod:`~seqify.tuning.measure` (timed steps, overheads, peak memory),
 :mod:`~seqify.tuning.profile` (the layer model), :mod:`~seqify.tuning.space` (the candidates),
 :mod:`~seqify.tuning.predict` (a candidate's predicted step), :mod:`~seqify.tuning.search` (:func:`tune`),
+:mod:`~seqify.tuning.memory_bounds` (the optimizer's state and the GPUs' memory in the bounds),
 :mod:`~seqify.tuning.cache` (choices on disk). The other modules call :mod:`~seqify.tuning.measure` through
 the module (``measure.step_seconds``), so one patch of a measurement there reaches every caller.
 """
@@ -26,8 +27,9 @@ from __future__ import annotations
 from seqify.pipe.config import PipeConfig, Trial
 from seqify.tuning.cache import cache_path, fingerprint
 from seqify.tuning.measure import calibrate, step_seconds
+from seqify.tuning.memory_bounds import ROOM, state_ratio
 from seqify.tuning.profile import fit_host, layer_model
 from seqify.tuning.search import tune
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds",
-           "fit_host"]
+           "fit_host", "state_ratio", "ROOM"]

@@ -105,7 +105,7 @@ def tune(
             moments) is added to each candidate's predicted and timed peaks on the GPUs that will hold it
             (with replicas, the first replica's: the optimizer steps ``pipe.parameters()``), so the bounds
             above compare what training will hold; a timed candidate whose peak plus that state fills more
-            than ``memory_bounds.ROOM`` (95%) of a GPU is never chosen, and :class:`MemoryCapError` says so
+            than :data:`~seqify.tuning.ROOM` (95%) of a GPU is never chosen, and :class:`MemoryCapError` says so
             when none is left. ``None``: no state counted (SGD without momentum keeps none).
         top: how many of the best predicted candidates to confirm with timed steps (0: trust the
             prediction; from 2, the best eager or replayed candidate is timed too where the ``top`` are

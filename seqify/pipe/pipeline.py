@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -362,7 +363,8 @@ class Pipeline(Placed):
         """Predicted peak bytes per device (the schedule's device numbers) for training on the mini-batch
         ``sample`` with ``schedule`` and ``checkpoint`` (default: the pipeline's own), from the bytes
         one micro-batch keeps for backward in each partition (measured once, running statistics left as
-        they were) times what the schedule keeps in flight. Optimizer state is not included."""
+        they were) times what the schedule keeps in flight, with the gradients twice where the step replays
+        programs (their own sums, then ``.grad``). Optimizer state is not included."""
         checkpoint = checkpoint or self.checkpoint
         if checkpoint not in CHECKPOINT:
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
@@ -378,7 +380,10 @@ class Pipeline(Placed):
         built = make(schedule if schedule is not None else self.schedule, self.placement, len(batches))
         if self.overlap and self.graphs:  # two lanes issue each forward a run earlier (one more in flight)
             built = ahead(built)
-        return predict(self._memory[1], built, checkpoint)
+        parts = self._memory[1]
+        if self.graphs or self._replay_eager:  # replayed programs add into sums of their own, copied into .grad
+            parts = [replace(p, grads=2 * p.grads) for p in parts]
+        return predict(parts, built, checkpoint)
 
     def fit_memory(self, cap: int | float | str, sample: Any) -> MemoryPlan:
         """Pick the fastest schedule and checkpointing whose predicted peak fits ``cap`` on every device

@@ -30,9 +30,10 @@ The model, per candidate (partitions on devices, ``m`` micro-batches of ``b`` sa
   micro-batch). Partitions on CPU devices share the host: nothing overlaps, so their step is the sum of
   their work;
 * peak memory per pipeline device is :func:`seqify.pipe.memory.predict` on the schedule: parameters
-  and gradients plus the most activations (or, checkpointed, stage inputs) the schedule keeps in flight,
-  and under a split backward what each B keeps for its W (``kept_per_sample``: each weighted layer's
-  output bytes, the shape of the gradient W starts from).
+  and gradients (twice with graphs: the programs' own sums and ``.grad``) plus the most activations (or,
+  checkpointed, stage inputs) the schedule keeps in flight, and under a split backward what each B keeps
+  for its W (``kept_per_sample``: each weighted layer's output bytes, the shape of the gradient W starts
+  from).
 """
 
 from __future__ import annotations
@@ -261,7 +262,10 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
     else:
         seconds = _simulate(orders, duration, copy, p, m, c.schedule == "gpipe")
         seconds = max(seconds, _host_seconds(c, issue, m, placement))
-    parts = [PartitionMemory(params=sum(layers.state_bytes[a:z]), grads=sum(layers.state_bytes[a:z]),
+    # replayed programs add into gradient sums of their own and copy them into .grad at the step's end: two
+    # copies of the gradients where eager steps hold one
+    copies = 2 if c.graphs else 1
+    parts = [PartitionMemory(params=sum(layers.state_bytes[a:z]), grads=copies * sum(layers.state_bytes[a:z]),
                              activations=int(math.fsum(layers.saved_per_sample[a:z]) * b),
                              inputs=int(layers.cut_per_sample[a] * b) if a > 0 else 0,
                              kept=int(math.fsum(layers.kept_per_sample[a:z]) * b) if a > 0 else 0)

@@ -125,3 +125,16 @@ def test_what_b_keeps_for_w_is_what_the_split_backward_keeps() -> None:
             assert part.kept == sum(g.numel() * g.element_size() for g in grads.values())
         pending.update(made)
         x = y
+
+
+def test_a_replayed_step_is_predicted_to_hold_its_gradients_twice() -> None:
+    """Replayed programs (CUDA graphs, or their eager stand-in on the CPU) add into sums of their own and copy
+    them into .grad at the step's end: one more copy of each partition's parameters than an eager step."""
+    torch.manual_seed(0)
+    seq = seqify.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    x = torch.randn(8, 8)
+    pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[2, 1], chunks=2, checkpoint="never")
+    eager = pipe.plan_memory(x).per_device
+    pipe._replay_eager = True
+    replayed = pipe.plan_memory(x).per_device
+    assert [r - e for r, e in zip(replayed, eager)] == [(8 * 16 + 16) * 4, (16 * 4 + 4) * 4]

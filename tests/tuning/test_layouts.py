@@ -86,6 +86,17 @@ def test_a_replica_on_one_gpu_is_cut_into_buckets_only_where_its_graphs_sum_them
     assert two and two == looped([torch.device("cuda:0"), torch.device("cuda:1")], 1)  # a pipeline's own loops
 
 
+def test_replayed_candidates_hold_the_gradients_twice() -> None:
+    """Replayed programs add into sums of their own and copy them into .grad at the step's end: a graphed
+    candidate's predicted peak is one more copy of its parameters' bytes than the eager one's, no more."""
+    layers = _layers()
+    cal = Calibration(task_s=1e-5, launch_s=1e-5, copy_latency_s=1e-5, copy_bytes_per_s=1e11, host_serial=False)
+    eager = Candidate((2, 2), ("cuda:0", "cuda:1"), 2, "never")
+    graphed = Candidate((2, 2), ("cuda:0", "cuda:1"), 2, "never", graphs=True)
+    extra = [g - e for g, e in zip(predict(graphed, layers, cal, 8).per_device, predict(eager, layers, cal, 8).per_device)]
+    assert extra == [2 * 4 * 2**20, 2 * 4 * 2**20]
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()

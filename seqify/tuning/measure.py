@@ -20,7 +20,7 @@ from seqify.pipe.split_backward import input_grads, weight_values
 from seqify.tuning.predict import Calibration
 
 __all__ = ["batch_size", "head", "call", "loss", "sync", "step_seconds", "kept", "calibrate", "chain_split",
-           "split_backward", "model_split", "peaks"]
+           "split_backward", "model_split", "peaks", "out_of_memory"]
 
 
 def batch_size(sample: Any) -> int:
@@ -177,7 +177,9 @@ def model_split(model: nn.Module, sample: Any, device: torch.device, *, rounds: 
             model.to(device).train()
             x = sample.to(device).detach().requires_grad_(True)
             return _split_ratio(lambda: loss(model(x)), x, weights, device, boundary=True, rounds=rounds)
-    except torch.OutOfMemoryError:
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return None
@@ -247,3 +249,12 @@ def peaks(devices: Sequence[torch.device]) -> Iterator[Callable[[], tuple[tuple[
         torch.cuda.reset_peak_memory_stats(d)
     yield lambda: (tuple(torch.cuda.max_memory_allocated(d) for d in cuda),
                    tuple(torch.cuda.max_memory_reserved(d) for d in cuda))
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says a GPU ran out of memory: PyTorch's error, or a library's (cuBLAS, cuDNN) failing to
+    allocate its handle or workspace, which surfaces as a plain ``RuntimeError``."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("ALLOC_FAILED" in text or "out of memory" in text.lower())

@@ -15,7 +15,7 @@ from seqify.pipe.config import Trial
 from seqify.tuning.predict import Candidate
 
 __all__ = ["OptimizerSpec", "ROOM", "state_ratio", "trainable_bytes", "per_device", "with_state", "with_room",
-           "predicted_to_fit", "out_of_memory"]
+           "predicted_to_fit"]
 
 #: The share of a GPU's memory a timed candidate may fill with its allocated peak plus the optimizer state it
 #: will hold (``optimizer=``): the rest is left to the allocator's fragmentation and what the caller keeps.
@@ -153,11 +153,3 @@ def predicted_to_fit(fits: list[Trial], placed: Sequence[torch.device]) -> list[
         return fits
     return [t for t in fits if t.memory_bytes <= capacity] or fits
 
-
-def out_of_memory(e: BaseException) -> bool:
-    """Whether ``e`` says a GPU ran out of memory: PyTorch's error, or a library's (cuBLAS, cuDNN) failing to
-    allocate its handle or workspace, which surfaces as a plain ``RuntimeError``."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and ("ALLOC_FAILED" in text or "out of memory" in text.lower())

@@ -85,7 +85,9 @@ def _fitting(model: nn.Sequential, sample: Any, device: torch.device, *, steps: 
     from the handler drops its traceback, which holds the failed step's activations)."""
     try:
         return measure.step_seconds(model, sample, [device], steps=steps, warm=warm)
-    except torch.OutOfMemoryError:
+    except Exception as e:
+        if not measure.out_of_memory(e):
+            raise
         return None
 
 
@@ -117,7 +119,9 @@ def _replayed(model: nn.Sequential, sample: Any, device: torch.device, *, steps:
             seconds = measure.step_seconds(pipe, sample, [device], steps=steps, warm=warm + 1)
             if pipe.graph_error is not None:
                 seconds = None
-    except (torch.OutOfMemoryError, SeqifyError):
+    except Exception as e:  # out of memory (a library's allocation too), or a model graphs cannot replay
+        if not (measure.out_of_memory(e) or isinstance(e, SeqifyError)):
+            raise
         seconds = None
     finally:
         del pipe
@@ -168,7 +172,9 @@ def _accumulated(model: nn.Sequential, sample: Any, device: torch.device,
                     measure.loss(measure.call(model, part)).backward()
                 measure.sync([device])
             fits = True
-        except torch.OutOfMemoryError:
+        except Exception as e:
+            if not measure.out_of_memory(e):
+                raise
             fits = False
         model.zero_grad(set_to_none=True)
         if fits:

@@ -344,7 +344,7 @@ def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], time
                 pipe = _built(model, t, placed, sample).train()
                 seconds = measure.step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
         except Exception as e:  # predicted to fit but did not: the next candidate
-            if not memory_bounds.out_of_memory(e):
+            if not measure.out_of_memory(e):
                 raise
             gc.collect()  # what the failed step held, before the next candidate measures its peaks
             continue

@@ -13,8 +13,9 @@ from torch import nn
 import seqify
 from seqify.pipe.config import Trial
 from seqify.tuning import memory_bounds
-from seqify.tuning.memory_bounds import (out_of_memory, per_device, predicted_to_fit, state_ratio, trainable_bytes,
-                                         with_room, with_state)
+from seqify.tuning.measure import out_of_memory
+from seqify.tuning.memory_bounds import (per_device, predicted_to_fit, state_ratio, trainable_bytes, with_room,
+                                         with_state)
 from seqify.tuning.predict import Candidate
 from seqify.tuning.search import lean
 

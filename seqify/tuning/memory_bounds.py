@@ -15,7 +15,7 @@ from seqify.pipe.config import Trial
 from seqify.tuning.predict import Candidate
 
 __all__ = ["OptimizerSpec", "ROOM", "state_ratio", "trainable_bytes", "per_device", "with_state", "with_room",
-           "predicted_to_fit"]
+           "predicted_to_fit", "fullness"]
 
 #: The share of a GPU's memory a timed candidate may fill with its allocated peak plus the optimizer state it
 #: will hold (``optimizer=``): the rest is left to the allocator's fragmentation and what the caller keeps.
@@ -110,26 +110,25 @@ def with_state(t: Trial, c: Candidate, ratio: float, trainable: Sequence[int], p
                    optimizer_bytes=held)
 
 
+def fullness(t: Trial, placed: Sequence[torch.device]) -> float:
+    """The largest share of a GPU's memory trial ``t``'s timed peak plus its optimizer state fills (0 unmeasured)."""
+    capacity = [torch.cuda.get_device_properties(d).total_memory for d in _gpus(placed)]
+    return max((h / c for h, c in zip(t.held(), capacity)), default=0.0)
+
+
 def with_room(confirmed: list[Trial], placed: list[torch.device]) -> list[Trial]:
     """The timed candidates whose allocated peak plus optimizer state stays within :data:`ROOM` of every GPU;
     :class:`MemoryCapError` where some were timed and none does (each would run out of memory once the
     optimizer has stepped)."""
-    cuda = _gpus(placed)
-    if not cuda or not confirmed:
+    if not _gpus(placed) or not confirmed:
         return confirmed
-    capacity = [torch.cuda.get_device_properties(d).total_memory for d in cuda]
-
-    def full(t: Trial) -> float:
-        return max((h / c for h, c in zip(t.held(), capacity)), default=0.0)
-
-    roomy = [t for t in confirmed if full(t) <= ROOM]
+    roomy = [t for t in confirmed if fullness(t, placed) <= ROOM]
     if not roomy:
-        fullest = min(confirmed, key=full)
-        need = full(fullest)
+        fullest = min(confirmed, key=lambda t: fullness(t, placed))
         raise MemoryCapError(f"no timed configuration leaves room for the optimizer's state: the least full "
-                             f"({fullest.label()}) would hold {need:.0%} of a GPU once the optimizer has stepped "
-                             f"(over {ROOM:.0%}); use more GPUs, a smaller mini-batch, checkpoint='always', or an "
-                             "optimizer that keeps less state")
+                             f"({fullest.label()}) would hold {fullness(fullest, placed):.0%} of a GPU once the "
+                             f"optimizer has stepped (over {ROOM:.0%}); use more GPUs, a smaller mini-batch, "
+                             "checkpoint='always', or an optimizer that keeps less state")
     return roomy
 
 

@@ -311,6 +311,8 @@ def _with_overlap(model: nn.Sequential, sample: Any, placed: list[torch.device],
     if memory_cap is not None and twin.memory_bytes > memory_cap:
         return best
     more = _confirm(model, sample, placed, [twin], steps=steps, warm=warm, show=show)
+    if costs.state_ratio:  # two lanes hold more: the twin too must leave room for the optimizer's state
+        more = [t for t in more if memory_bounds.fullness(t, placed) <= memory_bounds.ROOM]
     confirmed += more
     timed.append(twin)
     bound = costs.bound

@@ -14,8 +14,8 @@ import seqify
 from seqify.pipe.config import Trial
 from seqify.tuning import memory_bounds
 from seqify.tuning.measure import out_of_memory
-from seqify.tuning.memory_bounds import (per_device, predicted_to_fit, state_ratio, trainable_bytes, with_room,
-                                         with_state)
+from seqify.tuning.memory_bounds import (fullness, per_device, predicted_to_fit, state_ratio, trainable_bytes,
+                                         with_room, with_state)
 from seqify.tuning.predict import Candidate
 from seqify.tuning.search import lean
 
@@ -112,6 +112,7 @@ def test_no_candidate_is_kept_whose_step_and_state_overfill_a_gpu(monkeypatch) -
     cuda = [torch.device("cuda:0"), torch.device("cuda:1")]
     fits = trial(measured_s=2.0, measured_peak=(500, 500), optimizer_bytes=(400, 0))  # 90% of cuda:0
     full = trial(measured_s=1.0, measured_peak=(600, 100), optimizer_bytes=(400, 0), balance=(1, 2))  # 100%
+    assert fullness(fits, cuda) == pytest.approx(0.9) and fullness(full, cuda) == pytest.approx(1.0)
     assert with_room([fits, full], cuda) == [fits]
     with pytest.raises(seqify.MemoryCapError, match=r"room for the optimizer's state.*100% of a GPU"):
         with_room([full], cuda)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from seqify.pipe.executors.replayed import GraphWarning, Replayer
 from seqify.pipe.executors.scheduled import ScheduledStep
 from seqify.pipe.inplace import INPUT, mutated_roots
 from seqify.pipe.losses import Count, Probes, Weigher, reduction_of, scale_of, scaled
-from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
+from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict, replayed
 from seqify.pipe.microbatch import gather, scatter, sizes_of, split_like
 from seqify.pipe.moves import Placed
 from seqify.pipe.placement import (
@@ -380,9 +379,7 @@ class Pipeline(Placed):
         built = make(schedule if schedule is not None else self.schedule, self.placement, len(batches))
         if self.overlap and self.graphs:  # two lanes issue each forward a run earlier (one more in flight)
             built = ahead(built)
-        parts = self._memory[1]
-        if self.graphs or self._replay_eager:  # replayed programs add into sums of their own, copied into .grad
-            parts = [replace(p, grads=2 * p.grads) for p in parts]
+        parts = replayed(self._memory[1]) if self.graphs or self._replay_eager else self._memory[1]
         return predict(parts, built, checkpoint)
 
     def fit_memory(self, cap: int | float | str, sample: Any) -> MemoryPlan:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from seqify.partition.cost import TRAINING_FACTOR
-from seqify.pipe.memory import PartitionMemory
+from seqify.pipe.memory import PartitionMemory, replayed
 from seqify.pipe.memory import predict as plan_memory
 from seqify.schedule.actions import Action, Schedule, ahead, clock_cycles, make, needs
 
@@ -262,16 +262,13 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
     else:
         seconds = _simulate(orders, duration, copy, p, m, c.schedule == "gpipe")
         seconds = max(seconds, _host_seconds(c, issue, m, placement))
-    # replayed programs add into gradient sums of their own and copy them into .grad at the step's end: two
-    # copies of the gradients where eager steps hold one
-    copies = 2 if c.graphs else 1
-    parts = [PartitionMemory(params=sum(layers.state_bytes[a:z]), grads=copies * sum(layers.state_bytes[a:z]),
+    parts = [PartitionMemory(params=sum(layers.state_bytes[a:z]), grads=sum(layers.state_bytes[a:z]),
                              activations=int(math.fsum(layers.saved_per_sample[a:z]) * b),
                              inputs=int(layers.cut_per_sample[a] * b) if a > 0 else 0,
                              kept=int(math.fsum(layers.kept_per_sample[a:z]) * b) if a > 0 else 0)
              for a, z in zip(starts, stops)]
     held = ahead(built) if c.overlap and c.graphs else built  # two lanes issue each forward a run earlier
-    per_device = plan_memory(parts, held, c.checkpoint).per_device
+    per_device = plan_memory(replayed(parts) if c.graphs else parts, held, c.checkpoint).per_device
     return Prediction(seconds, max(per_device), per_device)
 
 

@@ -305,22 +305,22 @@ def test_inspect_tune_prints_the_choice(tmp_path, capsys) -> None:
     from seqify.tools.cli import main
 
     (tmp_path / "nets.py").write_text(NETS)
-    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
-                 "--top", "1", "--no-layers"])
+
+    def inspect(*options: str) -> int:
+        return main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
+                     "--no-layers", *options])
+
+    code = inspect("--top", "1")
     text = capsys.readouterr().out
     assert code == 0 and "PipeConfig: 2 devices (cpu, cpu)" in text and "predicted ms" in text
     assert "schedule" in text and "peak MiB per device" in text
-    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
-                 "--top", "1", "--no-layers", "--no-cache", "--schedule", "1f1b"])
+    code = inspect("--top", "1", "--no-cache", "--schedule", "1f1b")
     assert code == 0 and "schedule '1f1b'" in capsys.readouterr().out
-    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
-                 "--top", "0", "--no-layers", "--no-cache", "--memory-cap", "16B"])
+    code = inspect("--top", "0", "--no-cache", "--memory-cap", "16B")
     assert code == 2 and "smallest cap that works" in capsys.readouterr().err
-    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
-                 "--top", "0", "--no-layers", "--no-cache", "--optimizer", "adamw"])
+    code = inspect("--top", "0", "--no-cache", "--optimizer", "adamw")
     assert code == 0 and "PipeConfig: 2 devices (cpu, cpu)" in capsys.readouterr().out
-    code = main(["inspect", f"{tmp_path / 'nets.py'}:build", "--shape", "8x6", "--devices", "cpu,cpu", "--tune",
-                 "--top", "0", "--no-layers", "--no-cache", "--optimizer", "adamm"])
+    code = inspect("--top", "0", "--no-cache", "--optimizer", "adamm")
     assert code == 2 and "--optimizer adamm: name a torch.optim optimizer (ASGD, Adadelta" in capsys.readouterr().err
 
 

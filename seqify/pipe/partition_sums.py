@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.cuda.nccl
 
+from seqify.pipe.collective_streams import CollectiveStreams
 from seqify.pipe.executors.replay import Replay
 from seqify.pipe.replica_state import distinct_cuda
 
@@ -21,14 +22,14 @@ class PartitionSums:
     partitions before ``j`` still runs: DDP's buckets, one per partition (a pipeline's partitions on one GPU,
     ``loops``, make several buckets per GPU).
 
-    On CUDA devices (one per replica) each sum is one NCCL reduce per flat tensor on a stream of its own per GPU,
+    On CUDA devices (one per replica) each sum is one NCCL reduce per flat tensor on the GPU's collective stream,
     which waits for that replica's backward of ``j`` on the GPU, not on the host; elsewhere the sums are added in
     replica order when the last replica gets there. The replicas may run in threads of their own (one lock orders
     the calls). The first replica's ``.grad`` is set by :meth:`finish`, once every replica's step has ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: CollectiveStreams | None = None) -> None:
         self._lock = threading.Lock()
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams = streams or CollectiveStreams()
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._replays: list[Replay] = []
         self._arrived: list[int] = []
@@ -62,8 +63,7 @@ class PartitionSums:
         replays, self._replays = self._replays, []
         for replay in replays:
             replay.ready = None
-        for d, stream in self._streams.items():
-            torch.cuda.current_stream(d).wait_stream(stream)
+        self._streams.join()
         done = bool(replays) and all(n == len(replays) for n in self._arrived)
         if hand and done:
             with torch.no_grad():
@@ -94,15 +94,9 @@ class PartitionSums:
                     for other in others:
                         first.add_(other.to(first.device))
                 return
-            streams = [self._stream(d) for d in devices]
+            streams = [self._streams(d) for d in devices]
             for r, stream in enumerate(streams):
                 stream.wait_event(self._events[(r, j)])
             for group in groups:
                 torch.cuda.nccl.reduce(list(group), root=0, streams=streams)
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
-        return stream
 

@@ -10,7 +10,8 @@ import torch.cuda.nccl
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["BUCKET_BYTES", "sum_gradients", "flattened", "copy_state", "Statistics", "distinct_cuda"]
+__all__ = ["BUCKET_BYTES", "sum_gradients", "flattened", "flattened_by_partition", "copy_state", "Statistics",
+           "distinct_cuda"]
 
 #: Gradients are summed in flat buckets of at most this many bytes: one NCCL call per bucket rather than per
 #: parameter, and no more than one bucket of extra memory per device.
@@ -98,6 +99,18 @@ def flattened(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 offset += t.numel()
             flats.append(flat)
     return flats
+
+
+def flattened_by_partition(partitions: Sequence[nn.Module]) -> list[list[torch.Tensor]]:
+    """Each partition's parameters and buffers in flat tensors of its own (:func:`flattened`; a tensor two
+    partitions hold goes with the first), so that one partition's state can travel before the others'."""
+    seen: set[int] = set()
+    out = []
+    for part in partitions:
+        tensors = [t for t in (*part.parameters(), *part.buffers()) if id(t) not in seen]
+        seen.update(map(id, tensors))
+        out.append(flattened(tensors))
+    return out
 
 
 def copy_state(source: Sequence[torch.Tensor], targets: Sequence[Sequence[torch.Tensor]]) -> None:

@@ -16,13 +16,15 @@ from torch import nn
 from seqify.errors import BalanceError, DeviceError, MicroBatchError
 from seqify.model.sequential import Sequential
 from seqify.pipe.assemble import build
+from seqify.pipe.collective_streams import CollectiveStreams
 from seqify.pipe.config import PipeConfig
 from seqify.pipe.executors.replay import Replay
 from seqify.pipe.losses import Count, Weigher, reduction_of, scale_of, scaled
 from seqify.pipe.microbatch import gather, scatter, sizes_of, split_like
+from seqify.pipe.partition_copies import PartitionCopies
 from seqify.pipe.partition_sums import PartitionSums
 from seqify.pipe.pipeline import Pipeline, resolve_devices
-from seqify.pipe.replica_state import Statistics, copy_state, flattened, sum_gradients
+from seqify.pipe.replica_state import Statistics, copy_state, flattened_by_partition, sum_gradients
 from seqify.pipe.transfer import refuse_meta
 
 __all__ = ["ReplicatedPipeline", "replicated"]
@@ -65,11 +67,14 @@ class ReplicatedPipeline(nn.Module):
         self.pipeline = replicas[0]
         object.__setattr__(self, "_others", list(replicas[1:]))
         self._params = [list(p.partitions.parameters()) for p in replicas]
-        # each replica's parameters and buffers as views of a few flat tensors: copied between GPUs in one call
-        self._state = [flattened(self._params[r] + list(p.partitions.buffers())) for r, p in enumerate(replicas)]
+        # each replica's parameters and buffers as views of a few flat tensors per partition: copied between GPUs
+        # in one call per partition
+        self._parts = [flattened_by_partition(list(p.partitions)) for p in replicas]
         self._addresses = self._held()
         self._statistics = Statistics(self._statistics_modules())
-        self._sums = PartitionSums()
+        streams = CollectiveStreams()
+        self._sums = PartitionSums(streams)
+        self._copies = PartitionCopies(streams)
         self._versions: tuple[int, ...] | None = None
         self._threads = all(p.devices[0].type == "cuda" for p in replicas)
         self._pool: ThreadPoolExecutor | None = None
@@ -128,6 +133,12 @@ class ReplicatedPipeline(nn.Module):
     def _sync(self) -> None:
         """Give the other replicas the first's parameters and buffers where they changed since the last time
         (running statistics a training forward left uncombined, with no backward after it, combined first)."""
+        if self._changed():
+            self._copy_state()
+
+    def _changed(self) -> bool:
+        """Whether the first replica's parameters or buffers changed since the others last took them (running
+        statistics left uncombined are combined first); refuses a tensor replaced rather than updated."""
         self._statistics.combine()
         mine = [*self._params[0], *self.pipeline.partitions.buffers()]
         if tuple(t.data_ptr() for t in mine) != self._addresses:
@@ -135,10 +146,17 @@ class ReplicatedPipeline(nn.Module):
                               "(p.data = ..., a cast or a move of pipe.model): the other replicas would no longer "
                               "follow it. Update parameters in place (optimizers and load_state_dict do), or "
                               "build the pipeline again from the changed model")
-        versions = tuple(t._version for t in mine)
-        if versions != self._versions:
-            copy_state(self._state[0], self._state[1:])
-            self._versions = tuple(t._version for t in mine)
+        return tuple(t._version for t in mine) != self._versions
+
+    def _copy_state(self) -> None:
+        """Every partition's state copied from the first replica into the others now."""
+        copy_state([f for part in self._parts[0] for f in part], [[f for part in parts for f in part]
+                                                                   for parts in self._parts[1:]])
+        self._taken()
+
+    def _taken(self) -> None:
+        """The other replicas have (or will have before they read it) the first's state as it is now."""
+        self._versions = tuple(t._version for t in [*self._params[0], *self.pipeline.partitions.buffers()])
 
     def _held(self) -> tuple[int, ...]:
         """Where the first replica's parameters and buffers are: inside its flat tensors while it holds them."""
@@ -204,7 +222,7 @@ class ReplicatedPipeline(nn.Module):
         how = reduction_of(loss_fn, reduction, denominator)
         factor = scale_of(loss_scale, first.devices[-1])
         refuse_meta(target, "target", first.devices[-1])
-        self._sync()
+        changed = self._changed()
         shares = self._shares(first._carried(x))
         share_targets = split_like(target, sizes_of(shares))
         whole = first._whole_step
@@ -226,12 +244,25 @@ class ReplicatedPipeline(nn.Module):
         # built (and captured) before any replica runs: a capture must not run beside another thread's CUDA work
         replays = [p._prepare(p._micro_batches(b[0], stacklevel=3) if whole else b, step=not whole)
                    for p, b in zip(self.replicas, batches)]
+        # the first's state reaches each other replica partition by partition, before its first forward there,
+        # where every replica replays programs; else all of it now
+        by_partition = changed and PartitionCopies.possible(replays, self._parts)
+        if changed and not by_partition:
+            self._copy_state()
         try:
             for p, replay in zip(self.replicas, replays):
                 p._replayer.pinned = replay is not None
+            if by_partition:
+                self._copies.begin(self._parts, [r for r in replays if r is not None])
+                self._taken()
             totals, summed = self._summed_by_partition(replays, lambda: self._run(work) if threads else
                                                        [w() for w in work])
+        except BaseException:
+            self._versions = None  # a step that failed may have left some partitions uncopied: all again
+            raise
         finally:
+            if by_partition:
+                self._copies.finish()
             for p in self.replicas:
                 p._replayer.pinned = False
         self._after_training(summed)

@@ -278,8 +278,10 @@ def _replicated(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, 
     thread issues them in turn, so replica ``r`` starts ``r`` times one replica's issue time late. Gradients are
     reduced over the replicas after the last backward: with graphs partition by partition as each one's backward
     ends (:mod:`seqify.pipe.partition_sums`), leaving only the first partition's, which ends last, after it;
-    eagerly all of the first device's. Before the next step the first device's parameters are copied back (the
-    other devices' overlap the first's forward). Each costs ``copy_latency_s + bytes / copy_bytes_per_s``.
+    eagerly all of the first device's. The first device's parameters are copied to the others before the step:
+    with graphs partition by partition, each before its first forward (:mod:`seqify.pipe.partition_copies`),
+    leaving only the first partition's in front; eagerly all of them (the other devices' overlap the first's
+    forward). Each costs ``copy_latency_s + bytes / copy_bytes_per_s``.
     Memory per device is one replica's."""
     share = -(-batch // replicas)
     one = predict(c, layers, cal, share, weight_share=weight_share)
@@ -289,8 +291,9 @@ def _replicated(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, 
     slots = c.slots()
     host = _host_seconds(c, issue, m, slots)
     first = sum(sum(layers.state_bytes[a:a + n]) for a, n, d in zip(starts, c.balance, slots) if d == slots[0])
-    left = sum(layers.state_bytes[:c.balance[0]]) if c.graphs else first  # reduced after the last backward
-    reduce = 2 * cal.copy_latency_s + (left + first) / cal.copy_bytes_per_s
+    # with graphs only the first partition's sum comes after the last backward, and its copy before the first forward
+    edge = sum(layers.state_bytes[:c.balance[0]]) if c.graphs else first
+    reduce = 2 * cal.copy_latency_s + 2 * edge / cal.copy_bytes_per_s
     if cal.host_serial:  # devices that share the host run the replicas one after another
         return replace(one, seconds=replicas * one.seconds + reduce)
     return replace(one, seconds=(replicas - 1) * host + one.seconds + reduce)

@@ -12,6 +12,8 @@ from torch import nn
 
 import seqify
 from seqify.errors import BalanceError, ConfigError, DeviceError, MicroBatchError
+from seqify.pipe.executors.replay import Replay
+from seqify.pipe.partition_copies import PartitionCopies
 from seqify.pipe.replicated import ReplicatedPipeline
 
 from pipe.test_step import UNet, data, even
@@ -116,6 +118,81 @@ def test_replayed_replicas_sum_each_partition_as_its_backward_ends(schedule: str
     train(source, pipe, nn.CrossEntropyLoss(), *data(12), steps=2, accumulate=True, rtol=1e-10)
     train(source, pipe, lambda out, t: nn.functional.cross_entropy(out, t), *data(12), steps=1, rtol=1e-10)
     assert all(p.grad is None for r in pipe.replicas[1:] for p in r.parameters())  # only the model holds them
+
+
+@pytest.mark.parametrize("schedule,stages,replicas,loops", [("gpipe", 1, 3, 3), ("interleaved", 2, 2, 2),
+                                                            ("zb-h1", 2, 2, 1)])
+def test_replayed_replicas_take_the_first_state_partition_by_partition(schedule: str, stages: int, replicas: int,
+                                                                       loops: int, monkeypatch: Any) -> None:
+    """Replicas that replay programs take the first replica's parameters and buffers partition by partition,
+    each only as the step reaches that partition's first forward (on GPUs the later partitions' copies run
+    beside the earlier ones' forward), never all at once before the step: every step after an optimizer's
+    trains like the source, in threads too."""
+    source, pipe = setup(schedule, stages, replicas, loops=loops)
+    for r in pipe.replicas:
+        r._replay_eager = True
+    pipe._threads = schedule != "zb-h1"
+    events: list[tuple[str, int]] = []
+
+    def all_at_once(*args: Any) -> None:
+        raise AssertionError("the replicas took the first's whole state before the step")
+
+    copy_partition = PartitionCopies._copy
+    run_program = Replay._run
+
+    def copied(self: PartitionCopies, j: int) -> None:
+        events.append(("copy", j))
+        copy_partition(self, j)
+
+    def ran(self: Replay, i: int, j: int, backward: bool) -> None:
+        if not backward:
+            events.append(("forward", j))
+        run_program(self, i, j, backward)
+
+    monkeypatch.setattr("seqify.pipe.replicated.copy_state", all_at_once)
+    monkeypatch.setattr(PartitionCopies, "_copy", copied)
+    monkeypatch.setattr(Replay, "_run", ran)
+    train(source, pipe, nn.CrossEntropyLoss(), *data(12), steps=3, rtol=1e-10)
+    parts = stages * loops
+    copies = [k for k, e in enumerate(events) if e[0] == "copy"]
+    assert len(copies) == 3 * parts  # every step (an optimizer step changed every partition before it)
+    for j in range(parts):  # partition j is copied before any replica's forward of it, after partition 0's began
+        first = [k for k, e in enumerate(events) if e == ("copy", j)][0]
+        assert first < events.index(("forward", j))
+        assert j == 0 or first > events.index(("forward", 0))
+
+
+def test_a_step_that_fails_before_a_partition_leaves_no_replica_behind(monkeypatch: Any) -> None:
+    """A step that raises before it reaches a partition has not given the other replicas that partition's new
+    state: the replicas still follow the first, and the next steps train like the source."""
+    source, pipe = setup("gpipe", 1, 2, loops=2)
+    for r in pipe.replicas:
+        r._replay_eager = True
+    x, y = data(12)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    pipe.step(x, y, nn.CrossEntropyLoss())
+    opt.step()  # the first replica changes; the others take it at their next step
+    opt.zero_grad()
+    arrive = Replay._arrive
+
+    def fails_at_the_second_partition(self: Replay, i: int, j: int) -> None:
+        if j == 1:
+            raise RuntimeError("a layer that fails")
+        arrive(self, i, j)
+
+    monkeypatch.setattr(Replay, "_arrive", fails_at_the_second_partition)
+    with pytest.raises(RuntimeError, match="a layer that fails"):
+        pipe.step(x, y, nn.CrossEntropyLoss())
+    monkeypatch.setattr(Replay, "_arrive", arrive)
+    for a, b in zip(pipe.replicas[0].parameters(), pipe.replicas[1].parameters()):
+        assert torch.equal(a, b)
+    opt.zero_grad()
+    with torch.no_grad():
+        for a, b in zip(source.parameters(), pipe.parameters()):
+            a.copy_(b)
+        for a, b in zip(source.buffers(), pipe.model.buffers()):
+            a.copy_(b)
+    train(source, pipe, nn.CrossEntropyLoss(), x, y, steps=2, rtol=1e-10)
 
 
 def test_interleaved_replicas_and_accumulated_gradients() -> None:
@@ -243,6 +320,45 @@ def test_replicas_on_gpus_sum_through_nccl(stages: int, replicas: int, graphs: b
     assert all(r.graph_error is None and r.graphs == graphs for r in pipe.replicas)
     # replayed, each partition was reduced beside the backward (the other replicas never hold gradients)
     assert all(p.grad is None for r in pipe.replicas[1:] for p in r.parameters()) == graphs
+
+
+@pytest.mark.gpu
+def test_replicas_on_gpus_take_each_partition_before_its_forward_under_autocast() -> None:
+    """Two replicas of two partitions each (``loops=2``), replayed under bf16 autocast: each partition's
+    weights reach the second GPU by broadcast beside the first partition's forward and are cast there after
+    it. Over Adam steps, every step's loss, gradients and running statistics are those of one replayed
+    pipeline on one GPU running the same micro-batches (the replicas' sums add in another order: fp32
+    rounding; a weight taken or cast a step late would differ by the step's update)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    torch.manual_seed(0)
+    source = UNet(c=8).float()
+    x, y = (t.cuda(0) for t in data(12))
+    x = x.float()
+    pipes = []
+    for gpus, replicas, chunks in ((1, 1, 4), (2, 2, 2)):
+        seq = seqify.convert(copy.deepcopy(source))
+        pipes.append(seqify.pipeline(seq, gpus=gpus, loops=2, balance=even(len(seq), 2), chunks=chunks,
+                                     checkpoint="never", schedule="gpipe", graphs=True,
+                                     **({"replicas": replicas} if replicas > 1 else {})))
+    one, replicated = pipes
+    assert isinstance(replicated, ReplicatedPipeline)
+    opts = [torch.optim.Adam(p.parameters(), lr=1e-2) for p in pipes]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # graphs that could not be captured would run eagerly with a warning
+        for step in range(4):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                losses = [p.step(x, y, nn.CrossEntropyLoss()) for p in pipes]
+            torch.testing.assert_close(losses[1].cpu(), losses[0].cpu(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
+            for (name, a), b in zip(one.model.named_parameters(), replicated.model.parameters()):
+                assert a.grad is not None and b.grad is not None, name
+                torch.testing.assert_close(b.grad.cpu(), a.grad.cpu(), rtol=1e-4, atol=1e-6, msg=f"step {step} {name}")
+            for (name, a), b in zip(one.model.named_buffers(), replicated.model.buffers()):
+                torch.testing.assert_close(b.cpu(), a.cpu(), rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    assert all(r.graph_error is None for r in [one, *replicated.replicas])
 
 
 def test_a_checkpoint_holds_the_model_once_and_resumes_every_replica(tmp_path: Any) -> None:

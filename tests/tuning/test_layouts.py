@@ -51,7 +51,8 @@ def test_replicas_are_priced_with_their_share_and_the_gradient_sum() -> None:
 @pytest.mark.parametrize("graphs", [False, True])
 def test_replayed_replicas_leave_only_the_first_partitions_sum_after_the_backward(graphs: bool) -> None:
     """Two partitions on one GPU (1 and 3 layers): eagerly all four layers' gradients are reduced after the
-    backward, with graphs only the first partition's (the others' beside it); the broadcast is all four's."""
+    backward and their weights broadcast before the forward; with graphs only the first partition's (the others'
+    beside the backward and the forward)."""
     layers = _layers()
     c = Candidate((1, 3), ("cuda:0", "cuda:0"), 2, "never", graphs=graphs, placement=(0, 0))
 
@@ -60,7 +61,7 @@ def test_replayed_replicas_leave_only_the_first_partitions_sum_after_the_backwar
                           host_serial=False)
         return predict(c, layers, cal, 64, replicas=2).seconds
 
-    copied = (1 if graphs else 4) * 4 * 2**20 + 4 * 4 * 2**20  # the reduce left after the backward, the broadcast
+    copied = 2 * (1 if graphs else 4) * 4 * 2**20  # the reduce left after the backward, the broadcast before
     assert at(1e10) - at(1e11) == pytest.approx(copied / 1e10 - copied / 1e11)
 
 

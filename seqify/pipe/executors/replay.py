@@ -180,6 +180,11 @@ class Replay:
         #: Where set (replicas), ``ready(j)`` is called as soon as partition j's sums are final, with j's device
         #: current, and ``.grad`` is not set: the caller adds the replicas' sums and hands them over.
         self.ready: Callable[[int], None] | None = None
+        #: Where set (replicas taking the first's state partition by partition), ``arrive(j)`` is called before
+        #: partition j's first forward of a step, with j's device and stream current, and j's weights are cast
+        #: after it rather than at the step's start.
+        self.arrive: Callable[[int], None] | None = None
+        self._first_forward = {a.partition: a.microbatch for a in reversed(self._forwards)}
 
     def device_orders(self) -> dict[torch.device, list[tuple[str, int, int]]]:
         """See :meth:`Wiring.device_orders`."""
@@ -271,11 +276,25 @@ class Replay:
                 event.record(stream)
 
     def _cast(self) -> None:
-        """Cast the weights the programs read through casts as they are now (the optimizer moved them)."""
+        """Cast the weights the programs read through casts as they are now (the optimizer moved them), at the
+        step's start unless each partition's are cast as it arrives (:meth:`_arrive`)."""
+        if self.arrive is not None:
+            return
         for j, c in enumerate(self.casts):
             if c is not None:
                 with _on(self.devices[j]):
                     c.refresh()
+
+    def _arrive(self, i: int, j: int) -> None:
+        """Before program (i, j)'s forward: where it is partition j's first of the step and :attr:`arrive` is
+        set, tell it, then cast j's weights."""
+        if self.arrive is None or self._first_forward[j] != i:
+            return
+        with _on(self.devices[j]):
+            self.arrive(j)
+            casts = self.casts[j]
+            if casts is not None:
+                casts.refresh()
 
     def _zero(self) -> None:
         for j, acc in enumerate(self.acc):
@@ -367,6 +386,7 @@ class _Forwards:
         self.replay, self.batches = replay, batches
 
     def forward(self, j: int, i: int) -> None:
+        self.replay._arrive(i, j)
         self.replay._feed(i, j, self.batches[i])
         self.replay._run(i, j, backward=False)
 
@@ -417,6 +437,7 @@ class _Training(Hooks):
 
     def forward(self, j: int, i: int) -> None:
         replay = self.replay
+        replay._arrive(i, j)
         replay._feed(i, j, self.batches[i])
         replay._run(i, j, backward=False)
         if j == self.last:

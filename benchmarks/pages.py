@@ -195,7 +195,8 @@ LAYOUTS_H100_2 = Source(["layouts/results/h100-two-gpus.jsonl"], H100x2, TORCH,
 LAYOUTS_H100_LLAMA = Source(["layouts/results/h100-llama-two-gpus.jsonl"], H100x2,
                             TORCH + ", transformers 5.17",
                             "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
-                            "--layouts 1x2:gpipe:1:graphs --auto --out h100-llama-two-gpus.jsonl", date="2026-11-28")
+                            "--layouts 1x2:gpipe:1:graphs:loops2 1x2:gpipe:1:graphs:loops4 --auto --out h100-llama-two-gpus.jsonl",
+                            date="2026-11-28")
 
 SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA,
            LAYOUTS4, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA)
@@ -644,7 +645,8 @@ def _layout_of(config: str) -> str:
         return "a configuration the results file does not print"
     stages = len(balance.group(1).split(",")) // int(loops.group(1))
     graphs = ", CUDA graphs" if "graphs True" in config else ""
-    return f"`{stages} x {replicas.group(1) if replicas else 1}` ({schedule.group(1)}{graphs})"
+    parts = f", {loops.group(1)} partitions per GPU" if int(loops.group(1)) > 1 else ""
+    return f"`{stages} x {replicas.group(1) if replicas else 1}` ({schedule.group(1)}{graphs}{parts})"
 
 
 def _layout_table(name: str) -> str:

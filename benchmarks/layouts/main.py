@@ -215,6 +215,8 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
             name = (f"seqify {stages} x {replicas} {schedule} chunks {chunks}"
                     + (f" loops {loops}" if loops > 1 else "") + (" graphs" if "graphs" in rest else ""))
     opt = work.optimizer(pipe.parameters())
+    if spec is None and pipe.config is not None:  # the choice and its candidates, before a timed step can fail
+        print(pipe.config, flush=True)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -225,8 +227,6 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
     sec = timed(step, devices, args.steps, args.warm + 1)
     allocated, reserved = peaks(devices)
     cfg = pipe.config.without_trials() if pipe.config is not None else None
-    if spec is None and pipe.config is not None:
-        print(pipe.config, flush=True)
     del pipe, opt, seq
     return dict(row=name, batch=batch, samples_per_s=batch / sec, peak_gib=allocated, reserved_gib=reserved,
                 config=str(cfg) if cfg is not None else None)

@@ -54,6 +54,15 @@ class Trial:
         extra = self.optimizer_bytes or (0,) * len(self.measured_peak)
         return tuple(a + o for a, o in zip(self.measured_peak, extra))
 
+    def occupied(self) -> tuple[int, ...]:
+        """What the step and the optimizer take of each CUDA device: :meth:`held`, but with CUDA graphs the
+        timed step's reserved peak for its allocated one. A replayed step runs in its graphs' memory pools,
+        which stay taken while the optimizer steps, and which the allocated peak does not count."""
+        if not self.graphs:
+            return self.held()
+        extra = self.optimizer_bytes or (0,) * len(self.measured_reserved)
+        return tuple(r + o for r, o in zip(self.measured_reserved, extra))
+
     def layout(self) -> str:
         """The options but the schedule: ``2 x 2, chunks 4, loops 1, by time, checkpoint never`` (stages x
         replicas first where there are replicas; graphs and overlap last)."""

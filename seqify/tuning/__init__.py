@@ -27,9 +27,9 @@ from __future__ import annotations
 from seqify.pipe.config import PipeConfig, Trial
 from seqify.tuning.cache import cache_path, fingerprint
 from seqify.tuning.measure import calibrate, step_seconds
-from seqify.tuning.memory_bounds import ROOM, state_ratio
+from seqify.tuning.memory_bounds import ROOM, optimizer_ratio, state_ratio, step_ratio
 from seqify.tuning.profile import fit_host, layer_model
 from seqify.tuning.search import tune
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds",
-           "fit_host", "state_ratio", "ROOM"]
+           "fit_host", "state_ratio", "step_ratio", "optimizer_ratio", "ROOM"]

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqify.errors import MemoryCapError, TuneError
 from seqify.pipe.config import Trial
 from seqify.tuning.predict import Candidate
 
-__all__ = ["OptimizerSpec", "ROOM", "state_ratio", "trainable_bytes", "per_device", "with_state", "with_room",
+__all__ = ["OptimizerSpec", "ROOM", "state_ratio", "step_ratio", "optimizer_ratio", "trainable_bytes", "per_device",
+           "with_state", "with_room",
            "predicted_to_fit", "fullness"]
 
 #: The share of a GPU's memory a timed candidate may fill with its allocated peak plus the optimizer state it
@@ -38,14 +42,34 @@ def state_ratio(optimizer: OptimizerSpec) -> float:
     """Bytes of per-parameter state ``optimizer`` keeps for each byte of float32 parameters it steps: its
     state tensors the size of the parameter after one step of a probe parameter (Adam's two moments: 2.0; SGD
     without momentum: 0.0). Scalars (Adam's step count) are left out."""
+    return _probed(optimizer)[0]
+
+
+def step_ratio(optimizer: OptimizerSpec) -> float:
+    """Bytes ``optimizer``'s step allocates for a moment, on top of its state, per byte of parameters it steps,
+    the way torch steps parameters on GPUs (its multi-tensor, ``foreach``, implementation, unless the optimizer
+    was built ``fused``): Adam's square roots of its second moments, 1.0; SGD's, 0.0. Given a number, 0.0."""
+    return _probed(optimizer)[1]
+
+
+def optimizer_ratio(optimizer: OptimizerSpec) -> float:
+    """What ``optimizer`` holds at the peak of its step per parameter byte: its state and its step's
+    temporaries (:func:`state_ratio` plus :func:`step_ratio`). CUDA graphs' memory pools stay taken while the
+    optimizer steps, so the tuner counts both beside a step's peak."""
+    state, step = _probed(optimizer)
+    return state + step
+
+
+def _probed(optimizer: OptimizerSpec) -> tuple[float, float]:
+    """(state, step temporaries) per parameter byte, from two steps of a probe parameter."""
     if optimizer is None:
-        return 0.0
+        return 0.0, 0.0
     if isinstance(optimizer, bool):
         raise TuneError(f"optimizer={optimizer!r}: {_HOW}")
     if isinstance(optimizer, (int, float)):
         if not (math.isfinite(optimizer) and optimizer >= 0):
             raise TuneError(f"optimizer={optimizer!r}: the bytes of state per parameter byte must be finite and >= 0")
-        return float(optimizer)
+        return float(optimizer), 0.0
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TuneError(f"optimizer= got an optimizer already built ({type(optimizer).__name__}): the tuner needs "
                         f"to know its kind before the pipeline exists; {_HOW}, and build the optimizer on "
@@ -56,16 +80,49 @@ def state_ratio(optimizer: OptimizerSpec) -> float:
     try:
         make = cast(Callable[[list[nn.Parameter]], torch.optim.Optimizer], optimizer)  # a class or a factory
         built = make([probe])
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TuneError(f"optimizer={optimizer!r} built a {type(built).__name__}, not a torch.optim.Optimizer; "
+                            f"{_HOW}")
+        for group in built.param_groups:  # what torch picks for parameters on a GPU
+            if group.get("foreach", False) is None and not group.get("fused"):
+                group["foreach"] = True
         probe.grad = torch.full_like(probe, 1e-3)
         built.step()
+        with _Peak(_PROBE) as peak:
+            built.step()
+    except TuneError:
+        raise
     except Exception as e:  # a user's factory: any failure is theirs to see, with what to pass instead
         raise TuneError(f"optimizer={optimizer!r} could not be probed on one parameter ({type(e).__name__}: {e}); "
                         f"{_HOW}") from e
-    if not isinstance(built, torch.optim.Optimizer):
-        raise TuneError(f"optimizer={optimizer!r} built a {type(built).__name__}, not a torch.optim.Optimizer; {_HOW}")
     held = sum(t.numel() * t.element_size() for t in built.state[probe].values()
                if isinstance(t, torch.Tensor) and t.numel() == _PROBE)
-    return held / (_PROBE * probe.element_size())
+    size = _PROBE * probe.element_size()
+    return held / size, peak.top / size
+
+
+class _Peak(TorchDispatchMode):
+    """The most bytes of new tensors of ``numel`` elements alive at once while it is entered (the probe's
+    temporaries; scalars and views of existing tensors are left out)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.live, self.top = numel, 0, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        known = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() == self.numel and t.untyped_storage().data_ptr() not in known:
+                known.add(t.untyped_storage().data_ptr())
+                self.live += t.untyped_storage().nbytes()
+                self.top = max(self.top, self.live)
+                weakref.finalize(t, self._free, t.untyped_storage().nbytes())
+        return out
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
 
 
 def trainable_bytes(model: nn.Sequential) -> list[int]:
@@ -111,9 +168,10 @@ def with_state(t: Trial, c: Candidate, ratio: float, trainable: Sequence[int], p
 
 
 def fullness(t: Trial, placed: Sequence[torch.device]) -> float:
-    """The largest share of a GPU's memory trial ``t``'s timed peak plus its optimizer state fills (0 unmeasured)."""
+    """The largest share of a GPU's memory trial ``t``'s timed step plus its optimizer fills (0 unmeasured):
+    :meth:`Trial.occupied`."""
     capacity = [torch.cuda.get_device_properties(d).total_memory for d in _gpus(placed)]
-    return max((h / c for h, c in zip(t.held(), capacity)), default=0.0)
+    return max((h / c for h, c in zip(t.occupied(), capacity)), default=0.0)
 
 
 def with_room(confirmed: list[Trial], placed: list[torch.device]) -> list[Trial]:

@@ -40,8 +40,9 @@ class _Costs:
     layers: LayerModel
     hi: LayerCosts
     bound: tuple[int | None, int | None]
-    #: the optimizer's state bytes per parameter byte, and each layer's trainable parameter bytes
-    state_ratio: float = 0.0
+    #: the optimizer's bytes at its step's peak (state and temporaries) per parameter byte, and each layer's
+    #: trainable parameter bytes
+    optimizer_ratio: float = 0.0
     trainable: tuple[int, ...] = ()
 
 
@@ -128,7 +129,7 @@ def tune(
         model = convert(model, example_inputs, **convert_options)
     placed = resolve_devices(gpus, devices, None if gpus is not None or devices is not None else 1)
     _check(schedule=schedule, checkpoint=checkpoint, memory_cap=memory_cap, overlap=overlap, graphs=graphs)
-    ratio = memory_bounds.state_ratio(optimizer)
+    ratio = memory_bounds.optimizer_ratio(optimizer)
     fixed = dict(chunks=chunks, loops=loops, balance=list(balance) if isinstance(balance, (list, tuple)) else balance,
                  checkpoint=checkpoint, graphs=True if overlap else graphs, schedule=schedule, memory_cap=memory_cap,
                  top=top, overlap=overlap, replicas=replicas)
@@ -242,8 +243,8 @@ def _predicted(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
                 continue
             same.add(key_of)
             trial = _trial(c, s, v, predict(c, costs.layers, costs.cal, batch, replicas=r), r)
-            if costs.state_ratio:
-                trial = memory_bounds.with_state(trial, c, costs.state_ratio, costs.trainable, placed)
+            if costs.optimizer_ratio:
+                trial = memory_bounds.with_state(trial, c, costs.optimizer_ratio, costs.trainable, placed)
             trials.append(trial)
         except ScheduleError:
             continue  # a schedule that does not apply to this layout
@@ -311,7 +312,7 @@ def _with_overlap(model: nn.Sequential, sample: Any, placed: list[torch.device],
     if memory_cap is not None and twin.memory_bytes > memory_cap:
         return best
     more = _confirm(model, sample, placed, [twin], steps=steps, warm=warm, show=show)
-    if costs.state_ratio:  # two lanes hold more: the twin too must leave room for the optimizer's state
+    if costs.optimizer_ratio:  # two lanes hold more: the twin too must leave room for the optimizer's state
         more = [t for t in more if memory_bounds.fullness(t, placed) <= memory_bounds.ROOM]
     confirmed += more
     timed.append(twin)
@@ -463,9 +464,9 @@ def _twin(t: Trial, devices: Sequence[torch.device], costs: _Costs, batch: int) 
     names, slots = space.layout(t.schedule or "gpipe", devices[:len(devices) // t.replicas], t.loops)
     c = Candidate(t.balance, names, t.chunks, t.checkpoint, t.graphs, t.schedule or "gpipe", slots, overlap=True)
     twin = _trial(c, t.by, t.loops, predict(c, costs.layers, costs.cal, batch, replicas=t.replicas), t.replicas)
-    if not costs.state_ratio:
+    if not costs.optimizer_ratio:
         return twin
-    return memory_bounds.with_state(twin, c, costs.state_ratio, costs.trainable, list(devices))
+    return memory_bounds.with_state(twin, c, costs.optimizer_ratio, costs.trainable, list(devices))
 
 
 def options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:

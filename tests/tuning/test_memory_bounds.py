@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ import seqify
 from seqify.pipe.config import Trial
 from seqify.tuning import memory_bounds
 from seqify.tuning.measure import out_of_memory
-from seqify.tuning.memory_bounds import (fullness, per_device, predicted_to_fit, state_ratio, trainable_bytes,
-                                         with_room, with_state)
+from seqify.tuning.memory_bounds import (fullness, optimizer_ratio, per_device, predicted_to_fit, state_ratio,
+                                         step_ratio, trainable_bytes, with_room, with_state)
 from seqify.tuning.predict import Candidate
 from seqify.tuning.search import lean
 
@@ -41,13 +42,30 @@ def test_the_state_an_optimizer_keeps_per_parameter_byte_is_probed(optimizer, ra
     assert state_ratio(optimizer) == ratio
 
 
+@pytest.mark.parametrize("optimizer, step", [
+    (torch.optim.Adam, 1.0),  # the square roots of the second moments, all parameters' at once
+    (functools.partial(torch.optim.AdamW, lr=3e-4, weight_decay=0.1), 1.0),
+    (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), 0.0),  # in place
+    (torch.optim.Adagrad, 2.0),
+    (2.5, 0.0),
+    (None, 0.0),
+])
+def test_what_an_optimizer_step_allocates_for_a_moment_is_probed_as_on_gpus(optimizer, step) -> None:
+    """On GPUs torch steps with its multi-tensor implementation, whose temporaries cover every parameter at
+    once; the probe steps that way on the CPU too, and the tuner counts the temporaries beside the state."""
+    assert step_ratio(optimizer) == step
+    assert optimizer_ratio(optimizer) == state_ratio(optimizer) + step
+    single = functools.partial(torch.optim.Adam, foreach=False)  # chosen by the caller: stepped as built
+    assert step_ratio(single) > 0 and state_ratio(single) == 2.0
+
+
 @pytest.mark.parametrize("optimizer, says", [
     (True, "optimizer's class"),
     (-1.0, ">= 0"),
     (float("inf"), ">= 0"),
     ("adam", "not an optimizer"),
     (torch.optim.LBFGS, "could not be probed"),  # its step needs a closure
-    (lambda params: None, "could not be probed"),
+    (lambda params: None, "built a NoneType, not a torch.optim.Optimizer"),
 ])
 def test_what_cannot_be_an_optimizer_is_refused_with_what_to_pass(optimizer, says) -> None:
     with pytest.raises(seqify.TuneError, match=says) as info:
@@ -119,6 +137,21 @@ def test_no_candidate_is_kept_whose_step_and_state_overfill_a_gpu(monkeypatch) -
     assert with_room([full], [torch.device("cpu")]) == [full]  # nothing measured to hold against
 
 
+def test_with_graphs_a_gpu_is_held_to_the_steps_reserved_peak(monkeypatch) -> None:
+    """A replayed step runs in its graphs' memory pools, which the allocated peak does not count and which stay
+    taken while the optimizer steps: the room left on a GPU is judged from the reserved peak."""
+    class Props:
+        total_memory = 1000
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    cuda = [torch.device("cuda:0")]
+    eager = trial(measured_s=1.0, measured_peak=(300,), measured_reserved=(700,), optimizer_bytes=(300,))
+    graphed = replace(eager, graphs=True)
+    assert eager.occupied() == eager.held() == (600,) and graphed.occupied() == (1000,)
+    assert fullness(eager, cuda) == pytest.approx(0.6) and fullness(graphed, cuda) == pytest.approx(1.0)
+    assert with_room([graphed, eager], cuda) == [eager]
+
+
 class Wide(nn.Module):
     """Parameters outweigh the activations of a small batch: Adam's state decides what fits."""
 
@@ -139,7 +172,8 @@ def test_a_memory_cap_sgd_meets_is_refused_for_adam_and_the_error_says_what_work
     adam = seqify.tune(seq, x, optimizer=torch.optim.Adam, **options)
     trainable = trainable_bytes(seq)
     first = sum(trainable[:free.balance[0]])
-    assert adam.memory_per_device[0] == free.memory_per_device[0] + 2 * first  # same plan, its state added
+    # same plan, with its two moments and the square roots of one its step allocates for a moment
+    assert adam.memory_per_device[0] == free.memory_per_device[0] + 3 * first
     cap = max(free.memory_per_device)
     assert max(seqify.tune(seq, x, memory_cap=cap, **options).memory_per_device) <= cap
     with pytest.raises(seqify.MemoryCapError, match="smallest cap that works"):
@@ -151,16 +185,16 @@ def test_the_choice_for_an_optimizer_is_cached_apart_and_the_pipeline_takes_it(m
     seq = seqify.convert(Wide())
     x = torch.randn(4, 8)
     ratios = []
-    real = memory_bounds.state_ratio
+    real = memory_bounds.optimizer_ratio
 
     def seen(optimizer):
         ratios.append(real(optimizer))
         return ratios[-1]
 
-    monkeypatch.setattr(memory_bounds, "state_ratio", seen)
+    monkeypatch.setattr(memory_bounds, "optimizer_ratio", seen)
     pipe = seqify.pipeline(copy.deepcopy(seq), devices=CPU2, sample=x, optimizer=torch.optim.AdamW)
-    assert ratios == [2.0] and pipe.config is not None
-    assert seqify.tune(seq, x, devices=CPU2, optimizer=2.0, show=False).key == pipe.config.key  # a cache hit
+    assert ratios == [3.0] and pipe.config is not None  # two moments, and the square roots of one for a moment
+    assert seqify.tune(seq, x, devices=CPU2, optimizer=3.0, show=False).key == pipe.config.key  # a cache hit
     assert seqify.tune(seq, x, devices=CPU2, show=False).key != pipe.config.key  # tuned apart without the state
 
 

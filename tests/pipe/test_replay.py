@@ -12,7 +12,7 @@ from torchvision.models import resnet18
 
 import seqify
 from helpers.exactness import loss_of
-from seqify.pipe.executors.replay import order
+from seqify.pipe.executors.wiring import order
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,7 +22,8 @@ from seqify.pipe.executors.casts import Casts, find, lowered
 from seqify.pipe.executors.lanes import Lanes
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.executors.programs import Flat, Program, Unreplayable, accumulators, checkpointing
-from seqify.pipe.executors.replay import Handoff, Replay, Route, Wiring
+from seqify.pipe.executors.replay import Handoff, Replay
+from seqify.pipe.executors.wiring import Route, Wiring
 from seqify.pipe.recompute import draws_random
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer

@@ -15,7 +15,8 @@ from seqify.pipe import tied
 from seqify.pipe.executors.build import build
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.executors.programs import Unreplayable
-from seqify.pipe.executors.replay import Replay, slots
+from seqify.pipe.executors.replay import Replay
+from seqify.pipe.executors.wiring import slots
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
 from seqify.schedule.actions import Schedule, gpipe

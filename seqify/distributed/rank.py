@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,3 +59,5 @@ class RankStage(Protocol):
     def plan(self, m: int) -> Schedule: ...
 
     def parameters(self, recurse: bool = True) -> Any: ...
+
+    def over_replicas(self) -> Callable[[list[torch.Tensor]], int] | None: ...

@@ -19,7 +19,15 @@ from seqify.pipe.executors.buffers import Buffers, partition_order, places
 from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
 from seqify.pipe.executors.options import ReplayOptions
-from seqify.pipe.executors.programs import Flat, Program, Unreplayable, checkpointing, hand_over
+from seqify.pipe.executors.programs import (
+    Flat,
+    Program,
+    Unreplayable,
+    accumulators,
+    checkpointing,
+    flat_sums,
+    hand_over,
+)
 from seqify.pipe.executors.replayed import GraphWarning
 from seqify.pipe.stage import Stage
 from seqify.skip.namespace import SkipKey
@@ -58,7 +66,8 @@ class RankPrograms:
         self.graphs = graphs and device.type == "cuda"
         self.warmup = warmup
         self.params = [p for p in runner.layers.parameters() if p.requires_grad]
-        self.acc = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        # the gradient sums as views of one flat tensor per dtype: added over data-parallel replicas in place
+        self.acc = accumulators(self.params)
         self.sizes: list[int] = []
         self.stop = 0
         self.split = False
@@ -176,14 +185,17 @@ class RankPrograms:
         assert p is not None
         p.weights()
 
-    def finish(self, training: bool) -> None:
-        """End of a step: hand the summed gradients to ``.grad`` as autograd would."""
+    def finish(self, training: bool, over_replicas: Callable[[list[torch.Tensor]], int] | None = None) -> None:
+        """End of a step: hand the summed gradients to ``.grad`` as autograd would; with ``over_replicas``
+        (data-parallel replicas), the sums are first added over the replicas in place (it returns the number
+        of replicas) and handed over as their mean. Every replica's programs touch the same parameters."""
         programs = [p for p in self.programs if p is not None]
         if training and programs:
             touched = [any(p.touched[k] for p in programs) for k in range(len(self.params))]
             params = [w for w, t in zip(self.params, touched) if t]
             acc = [a for a, t in zip(self.acc, touched) if t]
-            hand_over(params, acc)
+            replicas = over_replicas(flat_sums(self.acc) or self.acc) if over_replicas is not None else 1
+            hand_over(params, acc, replicas)
             if self.acc:
                 torch._foreach_zero_(self.acc)
 
@@ -328,7 +340,7 @@ def program_step(stage: RankStage, link: Link, micro: list[Any], sizes: list[int
         try:
             run.run(actions)
             for prog in stage._programs.values():
-                prog.finish(True)
+                prog.finish(True, stage.over_replicas())
         finally:
             run.fixed.clear()
             run.local.clear()

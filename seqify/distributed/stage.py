@@ -310,13 +310,13 @@ class DistributedStage(Placed):
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         try:
             if self._programs:
-                losses = program_step(self, link, micro, sizes, weigh, stop)
+                losses = program_step(self, link, micro, sizes, weigh, stop)  # averages its sums over replicas
             else:
                 plan = self.plan(m)
                 run = RankRun(self, link, micro, sizes, weigh, stop, plan.split)
                 run.run(plan.per_device()[self.index])
                 losses = run.losses
-            self._all_reduce_grads()
+                self._all_reduce_grads()
             link.flush()
         except BaseException:
             self._books.clear()  # what this step sent is not a book its peers hold
@@ -359,6 +359,21 @@ class DistributedStage(Placed):
         if loss_fn is not None:
             return torch.stack(run.losses).sum() if self.is_last else None
         return [run.outputs[i] for i in range(len(sizes))] if self.is_last else None
+
+    def over_replicas(self) -> Callable[[list[torch.Tensor]], int] | None:
+        """What adds a partition's gradient sums over this rank's data-parallel replicas, in place, and returns
+        how many there are (None without replicas): the programs' flat sums go as they are, one all-reduce per
+        flat tensor, with no copy in or out."""
+        if self.replicas == 1 or self._dp_group is None:
+            return None
+        return self._add_over_replicas
+
+    def _add_over_replicas(self, sums: list[torch.Tensor]) -> int:
+        others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
+        with peer(self.me, others, "averaging gradients over data-parallel replicas"):
+            for t in sums:
+                dist.all_reduce(t, group=self._dp_group)
+        return self.replicas
 
     def _all_reduce_grads(self) -> None:
         if self.replicas == 1 or self._dp_group is None:

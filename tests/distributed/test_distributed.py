@@ -101,8 +101,13 @@ def test_pipeline_over_processes_equals_one_process(
     assert last["output"] is not None and last["output"].shape[0] == 8
 
 
-def test_data_parallel_replicas_of_a_pipeline(tmp_path: Path) -> None:
-    ranks(4, tmp_path, "--model", "resnet18", "--balance", "30,39", "--chunks", "2", "--batch", "8")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_data_parallel_replicas_of_a_pipeline(tmp_path: Path, graphs: bool) -> None:
+    """Two replicas of a two-rank pipeline average their gradients: eagerly after the step, and with fixed
+    programs (graphs=True; eager programs on the CPU) by adding each partition's flat sums over the replicas
+    in place before they become ``.grad``."""
+    ranks(4, tmp_path, "--model", "resnet18", "--balance", "30,39", "--chunks", "2", "--batch", "8",
+          *(["--graphs"] if graphs else []))
     losses, grads, _ = reference("resnet18", chunks=2, batch=8, replicas=2)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for r in results:

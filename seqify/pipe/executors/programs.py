@@ -293,14 +293,19 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def hand_over(params: list[nn.Parameter], acc: list[torch.Tensor]) -> None:
+def hand_over(params: list[nn.Parameter], acc: list[torch.Tensor], divisor: int = 1) -> None:
     """What autograd would leave in ``.grad``: a new tensor where there was none, else the sum (for the
-    parameters a backward reached; autograd leaves the others alone too)."""
+    parameters a backward reached; autograd leaves the others alone too); the sums divided by ``divisor``
+    first where it is not 1 (data-parallel replicas' summed sums, to their mean)."""
     fresh = [(p, a) for p, a in zip(params, acc) if p.grad is None]
     added = [(p, a) for p, a in zip(params, acc) if p.grad is not None]
     if fresh:
-        for (p, _), g in zip(fresh, torch._foreach_mul([a for _, a in fresh], 1.0)):
+        sums = [a for _, a in fresh]
+        made = torch._foreach_mul(sums, 1.0) if divisor == 1 else torch._foreach_div(sums, float(divisor))
+        for (p, _), g in zip(fresh, made):
             p.grad = g
     if added:
-        torch._foreach_add_([p.grad for p, _ in added], [a for _, a in added])  # type: ignore[misc]
-
+        sums = [a for _, a in added]
+        if divisor != 1:
+            sums = list(torch._foreach_div(sums, float(divisor)))
+        torch._foreach_add_([p.grad for p, _ in added], sums)  # type: ignore[misc, arg-type]

@@ -30,6 +30,8 @@ from seqify.pipe.executors.programs import (
 )
 from seqify.pipe.executors.replayed import GraphWarning
 from seqify.pipe.stage import Stage
+from seqify.schedule.actions import Action, last_gradients
+from seqify.schedule.interpreter import Hooks
 from seqify.skip.namespace import SkipKey
 
 __all__ = ["RankPrograms", "ProgramRun", "program_step"]
@@ -185,17 +187,21 @@ class RankPrograms:
         assert p is not None
         p.weights()
 
-    def finish(self, training: bool, over_replicas: Callable[[list[torch.Tensor]], int] | None = None) -> None:
-        """End of a step: hand the summed gradients to ``.grad`` as autograd would; with ``over_replicas``
-        (data-parallel replicas), the sums are first added over the replicas in place (it returns the number
-        of replicas) and handed over as their mean. Every replica's programs touch the same parameters."""
+    def sums(self) -> list[torch.Tensor]:
+        """The gradient sums as they travel between replicas: their flat tensors, or each one where some is a
+        tensor of its own."""
+        return flat_sums(self.acc) or self.acc
+
+    def finish(self, training: bool, summed: Callable[[], int] | None = None) -> None:
+        """End of a step: hand the summed gradients to ``.grad`` as autograd would; over data-parallel replicas,
+        ``summed()`` waits for the sums' all-reduce and returns the number of replicas, and the mean is handed
+        over. Every replica's programs touch the same parameters."""
         programs = [p for p in self.programs if p is not None]
         if training and programs:
             touched = [any(p.touched[k] for p in programs) for k in range(len(self.params))]
             params = [w for w, t in zip(self.params, touched) if t]
             acc = [a for a, t in zip(self.acc, touched) if t]
-            replicas = over_replicas(flat_sums(self.acc) or self.acc) if over_replicas is not None else 1
-            hand_over(params, acc, replicas)
+            hand_over(params, acc, summed() if summed is not None else 1)
             if self.acc:
                 torch._foreach_zero_(self.acc)
 
@@ -259,17 +265,28 @@ class _Fixed:
     stashed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> the stashed skip's tensors
 
 
-class ProgramRun(RankRun):
+class ProgramRun(RankRun, Hooks):
     """A training step of ``stage``'s partitions as their fixed programs, in the rank's schedule order
     (the same actions :class:`~seqify.distributed.eager.RankRun` runs eagerly). Values between partitions of
     this rank are handed over directly (copied into the reader's program inputs), values across ranks
     cross the :class:`~seqify.distributed.link.Link`. Under a split schedule a program's backward is B, whose
-    input gradients are sent on at once, and its W runs when the schedule says."""
+    input gradients are sent on at once, and its W runs when the schedule says. Over data-parallel replicas
+    each partition's gradient sums start their all-reduce as soon as its last B or W is issued (``lasts``),
+    beside the backward of the rank's other partitions (``summing``: partition -> what waits for it)."""
 
     def __init__(self, stage: RankStage, link: Link, micro: list[Any], sizes: list[int],
-                 loss: Callable[[Any, int], torch.Tensor] | None, stop: int, split: bool = False) -> None:
+                 loss: Callable[[Any, int], torch.Tensor] | None, stop: int, split: bool = False,
+                 lasts: frozenset[int] = frozenset()) -> None:
         super().__init__(stage, link, micro, sizes, loss, stop, split)
         self.fixed: dict[tuple[int, int], _Fixed] = {}
+        self.over = stage.over_replicas()
+        self.lasts = lasts
+        self.summing: dict[int, Callable[[], int]] = {}
+
+    def after(self, action: Action) -> None:
+        """Where ``action`` was its partition's last to add into the gradient sums: start their all-reduce."""
+        if self.over is not None and id(action) in self.lasts:
+            self.summing[action.partition] = self.over(self.s._programs[action.partition].sums())
 
     def forward(self, p: int, i: int) -> None:
         s, w = self.s, _Fixed()
@@ -331,16 +348,19 @@ def program_step(stage: RankStage, link: Link, micro: list[Any], sizes: list[int
         prog.begin(sizes, stop, plan.split, partition_order(plan, p), autocast=dtype if on else None)
     # every program built in an earlier step (same sizes, same everything): this step sends what that one did
     link.steady = all(prog.programs and all(q is not None for q in prog.programs) for prog in stage._programs.values())
-    run = ProgramRun(stage, link, micro, sizes, loss, stop, plan.split)
     actions = plan.per_device()[stage.index]
+    run = ProgramRun(stage, link, micro, sizes, loss, stop, plan.split, last_gradients(actions))
     # The caller's autocast without its cache of weight casts, as CUDA graphs need (torch's
     # make_graphed_callables asks for cache_enabled=False): each program casts its weights itself, inside
     # its graphs; the in-process executor builds its programs the same way (pipeline.replayed)
     with torch.autocast(kind, dtype=dtype, enabled=on, cache_enabled=False):
         try:
             run.run(actions)
-            for prog in stage._programs.values():
-                prog.finish(True, stage.over_replicas())
+            for p, prog in stage._programs.items():
+                summed = run.summing.get(p)
+                if summed is None and run.over is not None:  # a partition no backward reached this step
+                    summed = run.over(prog.sums())
+                prog.finish(True, summed)
         finally:
             run.fixed.clear()
             run.local.clear()

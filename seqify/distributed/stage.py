@@ -360,20 +360,27 @@ class DistributedStage(Placed):
             return torch.stack(run.losses).sum() if self.is_last else None
         return [run.outputs[i] for i in range(len(sizes))] if self.is_last else None
 
-    def over_replicas(self) -> Callable[[list[torch.Tensor]], int] | None:
-        """What adds a partition's gradient sums over this rank's data-parallel replicas, in place, and returns
-        how many there are (None without replicas): the programs' flat sums go as they are, one all-reduce per
-        flat tensor, with no copy in or out."""
+    def over_replicas(self) -> Callable[[list[torch.Tensor]], Callable[[], int]] | None:
+        """What starts adding a partition's gradient sums over this rank's data-parallel replicas, in place (one
+        all-reduce per flat tensor, no copy in or out), and returns what waits for them and gives the number of
+        replicas; None without replicas."""
         if self.replicas == 1 or self._dp_group is None:
             return None
-        return self._add_over_replicas
+        return self._start_over_replicas
 
-    def _add_over_replicas(self, sums: list[torch.Tensor]) -> int:
+    def _start_over_replicas(self, sums: list[torch.Tensor]) -> Callable[[], int]:
         others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
-        with peer(self.me, others, "averaging gradients over data-parallel replicas"):
-            for t in sums:
-                dist.all_reduce(t, group=self._dp_group)
-        return self.replicas
+        why = "averaging gradients over data-parallel replicas"
+        with peer(self.me, others, why):
+            works = [dist.all_reduce(t, group=self._dp_group, async_op=True) for t in sums]
+
+        def summed() -> int:
+            with peer(self.me, others, why):
+                for work in works:
+                    work.wait()
+            return self.replicas
+
+        return summed
 
     def _all_reduce_grads(self) -> None:
         if self.replicas == 1 or self._dp_group is None:

@@ -26,7 +26,7 @@ from seqify.errors import ScheduleError
 
 __all__ = [
     "Action", "Kind", "Schedule", "SCHEDULES", "SPLIT", "ahead", "clock_cycles", "gpipe", "one_f_one_b", "interleaved",
-    "zb_h1", "zb_h2", "make", "merge", "round_robin", "v_shape",
+    "zb_h1", "zb_h2", "make", "merge", "round_robin", "v_shape", "last_gradients",
 ]
 
 Kind = Literal["F", "B", "W"]
@@ -46,6 +46,16 @@ class Action:
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.partition}.{self.microbatch}@{self.device}"
+
+
+def last_gradients(actions: Sequence[Action]) -> frozenset[int]:
+    """The ids of each partition's last action among ``actions`` that adds into its weights' gradients (B or
+    W): after it, that partition's gradient sums are final for the step."""
+    last: dict[int, Action] = {}
+    for a in actions:
+        if a.kind in ("B", "W"):
+            last[a.partition] = a
+    return frozenset(map(id, last.values()))
 
 
 @dataclass(frozen=True)

@@ -101,12 +101,15 @@ def test_pipeline_over_processes_equals_one_process(
     assert last["output"] is not None and last["output"].shape[0] == 8
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_data_parallel_replicas_of_a_pipeline(tmp_path: Path, graphs: bool) -> None:
+@pytest.mark.parametrize("graphs,loops", [(False, 1), (True, 1), (True, 2)])
+def test_data_parallel_replicas_of_a_pipeline(tmp_path: Path, graphs: bool, loops: int) -> None:
     """Two replicas of a two-rank pipeline average their gradients: eagerly after the step, and with fixed
-    programs (graphs=True; eager programs on the CPU) by adding each partition's flat sums over the replicas
-    in place before they become ``.grad``."""
-    ranks(4, tmp_path, "--model", "resnet18", "--balance", "30,39", "--chunks", "2", "--batch", "8",
+    programs (graphs=True; eager programs on the CPU) by all-reducing each partition's flat sums in place as
+    soon as its last backward is issued (with two partitions per rank, one beside the other's backward),
+    before they become ``.grad``."""
+    balance = "30,39" if loops == 1 else "15,15,20,19"
+    ranks(4, tmp_path, "--model", "resnet18", "--balance", balance, "--chunks", "2", "--batch", "8",
+          "--loops", str(loops), "--schedule", "interleaved" if loops > 1 else "gpipe",
           *(["--graphs"] if graphs else []))
     losses, grads, _ = reference("resnet18", chunks=2, batch=8, replicas=2)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]

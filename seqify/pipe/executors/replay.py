@@ -21,7 +21,7 @@ from seqify.pipe.executors.programs import Program, flat_sums, hand_over
 from seqify.pipe.executors.wiring import Wiring
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
-from seqify.schedule.actions import Action
+from seqify.schedule.actions import Action, last_gradients
 from seqify.schedule.interpreter import Hooks, interpret
 
 __all__ = ["Handoff", "Replay", "run"]
@@ -76,7 +76,7 @@ class Replay:
         # Each partition's gradient sums as flat tensors (None: some sum is a tensor of its own), and the actions
         # after which they are final (its last B or W in a step, its last B in a backward).
         self.sums: list[list[torch.Tensor]] | None = _all_flat(self.acc)
-        self._finals = (_last_of_each(self.schedule.actions), _last_of_each(self._backwards))
+        self._finals = (last_gradients(self.schedule.actions), last_gradients(self._backwards))
         #: Where set (replicas), ``ready(j)`` is called as soon as partition j's sums are final, with j's device
         #: current, and ``.grad`` is not set: the caller adds the replicas' sums and hands them over.
         self.ready: Callable[[int], None] | None = None
@@ -362,15 +362,6 @@ class _Training(Hooks):
     def end(self) -> None:
         if self.lanes is not None:
             self.lanes.close()
-
-
-def _last_of_each(actions: Sequence[Action]) -> frozenset[int]:
-    """The ids of each partition's last action among ``actions`` that adds into its gradient sums (B or W)."""
-    last: dict[int, Action] = {}
-    for a in actions:
-        if a.kind in ("B", "W"):
-            last[a.partition] = a
-    return frozenset(map(id, last.values()))
 
 
 def _all_flat(acc: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]] | None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from seqify.distributed.configured import stage_options
 from seqify.distributed.eager import RankRun
 from seqify.distributed.layout import layout_of, placement_for
 from seqify.distributed.link import Books, Link, directions, leaves, peer
@@ -22,6 +23,7 @@ from seqify.errors import BalanceError, BoundaryError, DeviceError
 from seqify.model.sequential import Sequential
 from seqify.model.stash_sizes import size_skips
 from seqify.pipe import tied
+from seqify.pipe.config import PipeConfig
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.losses import Count, Probes, Weigher, reduction_of
 from seqify.pipe.microbatch import gather, scatter
@@ -423,6 +425,7 @@ def stage(
     example_inputs: Any = None,
     weights: str | os.PathLike[str] | None = None,
     buffers: BufferInit | None = None,
+    config: PipeConfig | str | os.PathLike[str] | None = None,
 ) -> DistributedStage:
     """This process's partitions of a pipeline over all processes of the job (call under torchrun).
 
@@ -438,10 +441,18 @@ def stage(
     inside their backward programs. A model built on the meta device (``with torch.device("meta")``) is
     converted without the self-check (it holds no values), and each rank gives only its own layers memory,
     filled from ``weights`` by source key (:func:`seqify.distributed.materialize.materialize`; ``buffers``
-    sets non-persistent buffers).
+    sets non-persistent buffers). ``config``: a configuration :func:`seqify.tune` chose for as many GPUs as the
+    job has processes (or a file it was saved to) gives the balance, chunks, checkpointing, schedule, loops and
+    graphs, its replicas becoming the job's data-parallel replicas; those options are then not passed.
     """
     if not dist.is_initialized():
         init()
+    if config is not None:
+        given = dict(balance=balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule, loops=loops,
+                     graphs=graphs)
+        options = stage_options(config, dist.get_world_size(), given)
+        balance, chunks, checkpoint = options["balance"], options["chunks"], options["checkpoint"]
+        schedule, loops, graphs = options["schedule"], options["loops"], options["graphs"]
     source, model = converted(model, example_inputs)
     world, rank = dist.get_world_size(), dist.get_rank()
     if device is None:

@@ -218,7 +218,8 @@ def _run_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
                                                 "files)")
     p.add_argument("--save-config", metavar="PATH",
                    help="write the pipeline's configuration (the tuner's choice with chunks = \"auto\") to PATH "
-                        "(.toml or .json), for seqify.pipeline(model, config=PATH)")
+                        "(.toml or .json), for seqify.pipeline(model, config=PATH) or, under torchrun, "
+                        "seqify.distributed.stage(model, config=PATH)")
     p.set_defaults(run=run_cmd)
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import seqify
+
 from helpers import dist_worker as worker
 from helpers.procs import child_env, free_port, spawn
 
@@ -120,6 +122,41 @@ def test_data_parallel_replicas_of_a_pipeline(tmp_path: Path, graphs: bool, loop
             # All-reduce sums (g0 + g1) / 2 where one process sums g0 / 2 + g1 / 2: last-bit differences.
             scale = max(1.0, grads[n].abs().max().item())
             torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-6 * scale, msg=n)
+
+
+def test_a_tuned_configuration_runs_as_the_same_layout_under_torchrun(tmp_path: Path) -> None:
+    """A configuration for 4 devices as 2 replicas of a 2-stage pipeline (what seqify.tune returns, saved to
+    a file) gives a 4-process job its balance, chunks, schedule, loops and graphs, and its replicas: the
+    gradients are those of one process over both replicas' shards."""
+    cfg = seqify.PipeConfig(chunks=2, loops=2, balance=(15, 15, 20, 19), checkpoint="never", graphs=True,
+                            devices=("cpu",) * 4, schedule="interleaved", replicas=2)
+    cfg.save(tmp_path / "layout.toml")
+    ranks(4, tmp_path, "--model", "resnet18", "--batch", "8", "--config", str(tmp_path / "layout.toml"))
+    losses, grads, _ = reference("resnet18", chunks=2, batch=8, replicas=2)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert sorted((r["stage"], r["replica"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in results:
+        if r["stage"] == 1:
+            assert abs(float(r["loss"]) - losses[r["replica"]]) < 1e-5
+        for n, g in r["grads"].items():
+            scale = max(1.0, grads[n].abs().max().item())
+            torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-6 * scale, msg=n)
+
+
+def test_a_configuration_that_does_not_fit_the_job_is_refused() -> None:
+    """A configuration for two devices, one that leaves the balance open, or options passed beside
+    it, each raise an error that says what to do, before anything is built."""
+    from seqify.distributed.configured import stage_options
+
+    two = seqify.PipeConfig(chunks=2, balance=(3, 4), devices=("cpu", "cpu"))
+    with pytest.raises(seqify.DeviceError, match=r"for 2 devices \(2 pipeline ranks x 1 replicas\) but this job has 1"):
+        stage_options(two, 1, {})
+    with pytest.raises(seqify.ConfigError, match="leaves chunks, balance or devices open"):
+        stage_options(seqify.PipeConfig(chunks="auto"), 1, {})
+    with pytest.raises(seqify.ConfigError, match="chunks, loops would change it"):
+        stage_options(two, 2, dict(chunks=4, loops=2, graphs=False))
+    assert stage_options(two, 2, dict(chunks=1)) == dict(balance=[3, 4], chunks=2, checkpoint="except_last",
+                                                         schedule="gpipe", loops=1, graphs=False)
 
 
 def test_a_failing_rank_ends_the_job(tmp_path: Path) -> None:

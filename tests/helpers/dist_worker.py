@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ckpt", default="")
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--graphs", action="store_true", help="fixed programs per micro-batch (CUDA graphs on GPUs)")
+    p.add_argument("--config", default="", help="a saved PipeConfig giving the layout (the options above unused)")
     p.add_argument("--bf16", action="store_true", help="train() steps under bf16 autocast")
     args = p.parse_args(argv)
     if args.backend == "nccl":
@@ -161,9 +162,12 @@ def main(argv: list[str] | None = None) -> None:
         balance: list[int] | str = args.balance
     else:
         balance = [int(b) for b in args.balance.split(",")]
-    stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                     graphs=args.graphs, loops=args.loops,
-                     sample=torch.randn(2, 3, 32, 32) if args.balance in ("flops", "time") else None)
+    if args.config:
+        stage = sd.stage(seq, config=args.config)
+    else:
+        stage = sd.stage(seq, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint,
+                         schedule=args.schedule, graphs=args.graphs, loops=args.loops,
+                         sample=torch.randn(2, 3, 32, 32) if args.balance in ("flops", "time") else None)
     if rank == args.fail_rank:
         raise RuntimeError(f"planned failure on rank {rank}")
     if args.steps > 1 or args.resume:

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 import functools
@@ -212,6 +213,9 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
             assert stages * replicas == args.gpus, f"{spec}: stages x replicas must be --gpus ({args.gpus})"
             pipe = seqify.pipeline(seq, devices=devices, replicas=replicas, chunks=int(chunks), schedule=schedule,
                                    loops=loops, graphs="graphs" in rest, checkpoint="never", balance="time", sample=x)
+            pipe.config = pipe.config or seqify.PipeConfig(
+                chunks=int(chunks), loops=loops, balance=tuple(pipe.balance), checkpoint="never",
+                graphs="graphs" in rest, devices=tuple(str(d) for d in devices), schedule=schedule, replicas=replicas)
             name = (f"seqify {stages} x {replicas} {schedule} chunks {chunks}"
                     + (f" loops {loops}" if loops > 1 else "") + (" graphs" if "graphs" in rest else ""))
     opt = work.optimizer(pipe.parameters())
@@ -227,9 +231,31 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
     sec = timed(step, devices, args.steps, args.warm + 1)
     allocated, reserved = peaks(devices)
     cfg = pipe.config.without_trials() if pipe.config is not None else None
+    layout = cfg.to_dict() if cfg is not None else None
     del pipe, opt, seq
     return dict(row=name, batch=batch, samples_per_s=batch / sec, peak_gib=allocated, reserved_gib=reserved,
-                config=str(cfg) if cfg is not None else None)
+                config=str(cfg) if cfg is not None else None, layout=layout)
+
+
+def torchrun_row(args: argparse.Namespace, row: dict[str, Any]) -> dict[str, Any] | None:
+    """The layout of an in-process seqify ``row`` run by ``seqify.distributed`` under torchrun, one process per
+    device (torchrun_layout.py), timed the same way: the row named ``... under torchrun``."""
+    if not row.get("layout"):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "layout.json")
+        seqify.PipeConfig.from_dict(row["layout"]).save(path)
+        script = os.path.join(os.path.dirname(__file__), "torchrun_layout.py")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
+                   script, "--model", args.model, "--per-gpu", str(args.per_gpu), "--config", path, "--steps",
+                   str(args.steps), "--warm", str(args.warm), "--name", f"{row['row']} under torchrun",
+                   *(["--tiny"] if args.tiny else [])]
+        got = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    found = [json.loads(line) for line in got.stdout.splitlines() if line.startswith("{")]
+    if not found:
+        print(got.stdout[-2000:], got.stderr[-4000:], file=sys.stderr)
+        return None
+    return {**found[0], "x_in_process": round(found[0]["samples_per_s"] / row["samples_per_s"], 3)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layouts", nargs="*", default=[])
     p.add_argument("--auto", action="store_true")
     p.add_argument("--no-ddp", action="store_true")
+    p.add_argument("--torchrun", action="store_true", help="after each seqify row, its layout under torchrun "
+                   "(seqify.distributed, one process per device)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=6)
@@ -274,10 +302,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_ddp and args.device == "cuda":
         for row in data_parallel(args, work):
             keep(row)
-    for spec in args.layouts:
-        keep(layout_row(args, work, devices, spec))
-    if args.auto:
-        keep(layout_row(args, work, devices, None))
+    for spec in [*args.layouts, *([None] if args.auto else [])]:
+        row = layout_row(args, work, devices, spec)
+        keep(row)
+        if args.torchrun:
+            keep(torchrun_row(args, row))
     def rate(name: str) -> float | None:
         return next((r["samples_per_s"] for r in rows if r["row"] == name), None)
 
@@ -291,6 +320,9 @@ def main(argv: list[str] | None = None) -> None:
         ratios = " | ".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in anchors)
         print(f"| {r['row']} | {r['samples_per_s']:.1f} | {ratios} | {' / '.join(map(str, r['peak_gib']))} | "
               f"{' / '.join(map(str, r['reserved_gib']))} |", flush=True)
+    for r in rows:
+        if "x_in_process" in r:
+            print(f"{r['row']}: {r['x_in_process']:.3f} of the same layout in one process", flush=True)
 
 
 if __name__ == "__main__":

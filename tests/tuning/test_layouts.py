@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,9 @@ from seqify.pipe.replicated import ReplicatedPipeline
 from seqify.tuning import space
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, predict
 from seqify.tuning.search import TIE, steady
+
+from helpers import benchmarks
+from helpers.procs import child_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -138,3 +145,21 @@ def test_timed_candidates_within_noise_of_the_fastest_are_chosen_in_a_fixed_orde
         assert steady(list(order)) is plain
     faster = _timed(100.0 * (1 - 2 * TIE), schedule="zb-h2", chunks=8, balance=(1, 3))
     assert steady([plain, piped, faster]) is faster  # beyond the noise, the fastest
+
+
+def test_the_layout_benchmark_runs_each_layout_in_one_process_and_under_torchrun(tmp_path: Path) -> None:
+    """benchmarks/layouts/main.py's CPU smoke run: a layout row, then the same configuration run by
+    seqify.distributed under torchrun (gloo, one process per device), each row in the results file."""
+    out = tmp_path / "rows.jsonl"
+    done = subprocess.run([sys.executable, str(benchmarks.path("layouts/main.py")), "--tiny", "--device", "cpu",
+                           "--gpus", "2", "--per-gpu", "4", "--steps", "1", "--warm", "1", "--layouts", "2x1:1f1b:2",
+                           "--no-ddp", "--torchrun", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    names = [r["row"] for r in rows]
+    assert names == ["one GPU", "seqify 2 x 1 1f1b chunks 2", "seqify 2 x 1 1f1b chunks 2 under torchrun"]
+    layout = seqify.PipeConfig.from_dict(rows[1]["layout"])
+    assert (layout.replicas, layout.schedule, layout.chunks, len(layout.balance)) == (1, "1f1b", 2, 2)
+    assert rows[2]["samples_per_s"] > 0 and rows[2]["x_in_process"] > 0
+    assert "of the same layout in one process" in done.stdout

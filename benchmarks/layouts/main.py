@@ -7,6 +7,8 @@ under torchrun; FSDP2 too for the Llamas), seqify with each layout given by ``--
 choice (``--auto``, told the optimizer). Each row: samples/s,
 its ratio to one GPU, DDP and FSDP2, peak allocated and reserved GiB per GPU (from the first timed step's start).
 Every row is timed as the DDP and FSDP2 scripts time theirs: steps run back to back, synchronized at the ends.
+``--torchrun`` follows each seqify row with its configuration under torchrun (``seqify.distributed``), and
+``--torchpp`` adds torch.distributed.pipelining's schedules on the cuts of the fastest pure pipeline row.
 
     python benchmarks/layouts/main.py --gpus 4 --layouts 4x1:zb-h2:4:graphs 2x2:1f1b:4:graphs 1x4:gpipe:1:graphs --auto
     python benchmarks/layouts/main.py --model llama8b --gpus 2 --per-gpu 2 --steps 4 --warm 2 --auto
@@ -237,6 +239,33 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
                 config=str(cfg) if cfg is not None else None, layout=layout)
 
 
+def torchpp_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """torch.distributed.pipelining on the cuts of the fastest pure pipeline among the seqify ``rows`` (one
+    replica), one row per schedule it has for that placement (torchpp_layout.py, under torchrun); none where no
+    seqify row is a pure pipeline."""
+    pipelines = [r for r in rows if r.get("layout") and seqify.PipeConfig.from_dict(r["layout"]).replicas == 1
+                 and "under torchrun" not in r["row"]]
+    if not pipelines:
+        print("--torchpp: no seqify row is a pure pipeline (STAGESx1) to take the cuts of", file=sys.stderr)
+        return []
+    best = max(pipelines, key=lambda r: r["samples_per_s"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "layout.json")
+        seqify.PipeConfig.from_dict(best["layout"]).save(path)
+        script = os.path.join(os.path.dirname(__file__), "torchpp_layout.py")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
+                   script, "--model", args.model, "--per-gpu", str(args.per_gpu), "--config", path, "--steps",
+                   str(args.steps), "--warm", str(args.warm), *(["--tiny"] if args.tiny else [])]
+        got = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    found = [json.loads(line) for line in got.stdout.splitlines() if line.startswith("{")]
+    for r in found:
+        if "error" in r:
+            print(f"{r['row']}: {r['error']}", file=sys.stderr)
+    if not found:
+        print(got.stdout[-2000:], got.stderr[-4000:], file=sys.stderr)
+    return [{**r, "cuts_of": best["row"]} for r in found if "error" not in r]
+
+
 def torchrun_row(args: argparse.Namespace, row: dict[str, Any]) -> dict[str, Any] | None:
     """The layout of an in-process seqify ``row`` run by ``seqify.distributed`` under torchrun, one process per
     device (torchrun_layout.py), timed the same way: the row named ``... under torchrun``."""
@@ -266,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layouts", nargs="*", default=[])
     p.add_argument("--auto", action="store_true")
     p.add_argument("--no-ddp", action="store_true")
+    p.add_argument("--torchpp", action="store_true", help="torch pipelining's schedules on the cuts of the fastest "
+                   "pure pipeline among the seqify rows (a STAGESx1 layout)")
     p.add_argument("--torchrun", action="store_true", help="after each seqify row, its layout under torchrun "
                    "(seqify.distributed, one process per device)")
     p.add_argument("--tiny", action="store_true")
@@ -307,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
         keep(row)
         if args.torchrun:
             keep(torchrun_row(args, row))
+    if args.torchpp:
+        for row in torchpp_rows(args, rows):
+            keep(row)
     def rate(name: str) -> float | None:
         return next((r["samples_per_s"] for r in rows if r["row"] == name), None)
 

@@ -148,17 +148,20 @@ def test_timed_candidates_within_noise_of_the_fastest_are_chosen_in_a_fixed_orde
 
 
 def test_the_layout_benchmark_runs_each_layout_in_one_process_and_under_torchrun(tmp_path: Path) -> None:
-    """benchmarks/layouts/main.py's CPU smoke run: a layout row, then the same configuration run by
-    seqify.distributed under torchrun (gloo, one process per device), each row in the results file."""
+    """benchmarks/layouts/main.py's CPU smoke run: a layout row, the same configuration run by
+    seqify.distributed under torchrun (gloo, one process per device), and torch pipelining's schedules on its
+    cuts with the same loss and optimizer, each row in the results file."""
     out = tmp_path / "rows.jsonl"
     done = subprocess.run([sys.executable, str(benchmarks.path("layouts/main.py")), "--tiny", "--device", "cpu",
                            "--gpus", "2", "--per-gpu", "4", "--steps", "1", "--warm", "1", "--layouts", "2x1:1f1b:2",
-                           "--no-ddp", "--torchrun", "--out", str(out)],
+                           "--no-ddp", "--torchrun", "--torchpp", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
     names = [r["row"] for r in rows]
-    assert names == ["one GPU", "seqify 2 x 1 1f1b chunks 2", "seqify 2 x 1 1f1b chunks 2 under torchrun"]
+    assert names == ["one GPU", "seqify 2 x 1 1f1b chunks 2", "seqify 2 x 1 1f1b chunks 2 under torchrun",
+                     "torch pipelining ScheduleGPipe chunks 2", "torch pipelining Schedule1F1B chunks 2"]
+    assert all(r["cuts_of"] == "seqify 2 x 1 1f1b chunks 2" and r["samples_per_s"] > 0 for r in rows[3:])
     layout = seqify.PipeConfig.from_dict(rows[1]["layout"])
     assert (layout.replicas, layout.schedule, layout.chunks, len(layout.balance)) == (1, "1f1b", 2, 2)
     assert rows[2]["samples_per_s"] > 0 and rows[2]["x_in_process"] > 0

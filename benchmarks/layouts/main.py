@@ -102,6 +102,13 @@ def llama(tiny: bool, size: str = "0.89b") -> Workload:
     return Workload("Llama 0.89 B, bf16 autocast, SGD", build, data, loss, autocast=True, example=True)
 
 
+def workload(model: str, tiny: bool) -> Workload:
+    """The workload ``--model`` names (``--tiny``: its CPU smoke-run size)."""
+    if model.startswith("llama"):
+        return llama(tiny, "8b" if model == "llama8b" else "0.89b")
+    return resnet(tiny)
+
+
 def devices_of(kind: str, n: int) -> list[torch.device]:
     return [torch.device(f"cuda:{i}") for i in range(n)] if kind == "cuda" else [torch.device("cpu")] * n
 
@@ -239,23 +246,16 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
                 config=str(cfg) if cfg is not None else None, layout=layout)
 
 
-def torchpp_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """torch.distributed.pipelining on the cuts of the fastest pure pipeline among the seqify ``rows`` (one
-    replica), one row per schedule it has for that placement (torchpp_layout.py, under torchrun); none where no
-    seqify row is a pure pipeline."""
-    pipelines = [r for r in rows if r.get("layout") and seqify.PipeConfig.from_dict(r["layout"]).replicas == 1
-                 and "under torchrun" not in r["row"]]
-    if not pipelines:
-        print("--torchpp: no seqify row is a pure pipeline (STAGESx1) to take the cuts of", file=sys.stderr)
-        return []
-    best = max(pipelines, key=lambda r: r["samples_per_s"])
+def under_torchrun(args: argparse.Namespace, script: str, layout: dict[str, Any], *extra: str) -> list[dict[str, Any]]:
+    """The JSON rows rank 0 of ``script`` (a worker beside this file) prints, run under torchrun on one process per
+    GPU with the configuration ``layout`` (a ``PipeConfig.to_dict()``) and this run's workload and timing."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "layout.json")
-        seqify.PipeConfig.from_dict(best["layout"]).save(path)
-        script = os.path.join(os.path.dirname(__file__), "torchpp_layout.py")
+        seqify.PipeConfig.from_dict(layout).save(path)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
-                   script, "--model", args.model, "--per-gpu", str(args.per_gpu), "--config", path, "--steps",
-                   str(args.steps), "--warm", str(args.warm), *(["--tiny"] if args.tiny else [])]
+                   os.path.join(os.path.dirname(__file__), script), "--model", args.model, "--per-gpu",
+                   str(args.per_gpu), "--config", path, "--steps", str(args.steps), "--warm", str(args.warm),
+                   *(["--tiny"] if args.tiny else []), *extra]
         got = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     found = [json.loads(line) for line in got.stdout.splitlines() if line.startswith("{")]
     for r in found:
@@ -263,26 +263,28 @@ def torchpp_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[d
             print(f"{r['row']}: {r['error']}", file=sys.stderr)
     if not found:
         print(got.stdout[-2000:], got.stderr[-4000:], file=sys.stderr)
-    return [{**r, "cuts_of": best["row"]} for r in found if "error" not in r]
+    return [r for r in found if "error" not in r]
+
+
+def torchpp_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """torch.distributed.pipelining on the cuts of the fastest pure pipeline among the seqify ``rows`` (one
+    replica), one row per schedule it has for that placement (torchpp_layout.py); none where no seqify row is a
+    pure pipeline."""
+    pipelines = [r for r in rows if r.get("layout") and seqify.PipeConfig.from_dict(r["layout"]).replicas == 1
+                 and "under torchrun" not in r["row"]]
+    if not pipelines:
+        print("--torchpp: no seqify row is a pure pipeline (STAGESx1) to take the cuts of", file=sys.stderr)
+        return []
+    best = max(pipelines, key=lambda r: r["samples_per_s"])
+    return [{**r, "cuts_of": best["row"]} for r in under_torchrun(args, "torchpp_layout.py", best["layout"])]
 
 
 def torchrun_row(args: argparse.Namespace, row: dict[str, Any]) -> dict[str, Any] | None:
     """The layout of an in-process seqify ``row`` run by ``seqify.distributed`` under torchrun, one process per
     device (torchrun_layout.py), timed the same way: the row named ``... under torchrun``."""
-    if not row.get("layout"):
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "layout.json")
-        seqify.PipeConfig.from_dict(row["layout"]).save(path)
-        script = os.path.join(os.path.dirname(__file__), "torchrun_layout.py")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
-                   script, "--model", args.model, "--per-gpu", str(args.per_gpu), "--config", path, "--steps",
-                   str(args.steps), "--warm", str(args.warm), "--name", f"{row['row']} under torchrun",
-                   *(["--tiny"] if args.tiny else [])]
-        got = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    found = [json.loads(line) for line in got.stdout.splitlines() if line.startswith("{")]
+    found = under_torchrun(args, "torchrun_layout.py", row["layout"], "--name", f"{row['row']} under torchrun") \
+        if row.get("layout") else []
     if not found:
-        print(got.stdout[-2000:], got.stderr[-4000:], file=sys.stderr)
         return None
     return {**found[0], "x_in_process": round(found[0]["samples_per_s"] / row["samples_per_s"], 3)}
 
@@ -305,8 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--out", default=None, help="a JSON lines file to append the rows to")
     args = p.parse_args(argv)
-    work = (llama(args.tiny, "8b" if args.model == "llama8b" else "0.89b") if args.model.startswith("llama")
-            else resnet(args.tiny))
+    work = workload(args.model, args.tiny)
     devices = devices_of(args.device, args.gpus)
     head = dict(model=args.model, date=datetime.date.today().isoformat(), torch=torch.__version__,
                 seqify=seqify.__version__,

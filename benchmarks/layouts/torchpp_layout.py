@@ -13,56 +13,29 @@ parameters), timed as main.py times its rows. Rank 0 prints one JSON row per sch
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank_common import arguments, layouts, load, peaks, timed
 
 import seqify
 from seqify.pipe.config import PipeConfig
 
-GIB = 2**30
-
-
-def _load(name: str, path: Path) -> Any:
-    """A benchmark script imported by its path, once."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-HERE = Path(__file__).resolve().parent
-layouts = _load("layouts_main", HERE / "main.py")
-torchpp = _load("scaling_torchpp", HERE.parent / "scaling" / "torchpp.py")
+torchpp = load("scaling_torchpp", Path(__file__).resolve().parent.parent / "scaling" / "torchpp.py")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["resnet101", "llama", "llama8b"], default="resnet101")
-    p.add_argument("--per-gpu", type=int, default=128)
-    p.add_argument("--config", required=True, help="a pure pipeline's PipeConfig file (its stages = processes)")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warm", type=int, default=2)
-    p.add_argument("--tiny", action="store_true", help="the CPU smoke run's small models (gloo)")
-    args = p.parse_args()
-    work = (layouts.llama(args.tiny, "8b" if args.model == "llama8b" else "0.89b") if args.model.startswith("llama")
-            else layouts.resnet(args.tiny))
+    args = arguments(__doc__).parse_args()
+    work = layouts().workload(args.model, args.tiny)
     device = _init()
-    world = dist.get_world_size()
     cfg = PipeConfig.load(args.config)
-    x, y = work.data(args.per_gpu * world)
+    x, y = work.data(args.per_gpu * dist.get_world_size())
     seq = seqify.convert(work.build(), (x[:2],) if work.example else None, verify=False)
-    for schedule in torchpp.schedules(cfg.placement, world):
+    for schedule in torchpp.schedules(cfg.placement, dist.get_world_size()):
         row = dict(row=f"torch pipelining {schedule.__name__} chunks {cfg.chunks}", batch=len(x))
         try:
             row.update(_run(schedule, seq, cfg, work, x, y, device, args))
@@ -115,31 +88,9 @@ def _run(schedule: Any, seq: torch.nn.Module, cfg: PipeConfig, work: Any, x: tor
                 sched.step(target=target if last else None, losses=[] if last else None)
         opt.step()
 
-    seconds = _timed(step, device, args.steps, args.warm)
-    cuda = device.type == "cuda"
-    mine_peaks = [torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0,
-                  torch.cuda.max_memory_reserved(device) / GIB if cuda else 0.0]
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine_peaks)
-    return dict(samples_per_s=len(x) / seconds, peak_gib=[round(a, 2) for a, _ in every] if cuda else [],
-                reserved_gib=[round(r, 2) for _, r in every] if cuda else [])
-
-
-def _timed(step: Any, device: torch.device, steps: int, warm: int) -> float:
-    """Mean seconds of ``step()`` over ``steps`` back to back after ``warm``, synchronized at the ends only."""
-    for _ in range(warm):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-    return (time.perf_counter() - start) / steps
+    seconds = timed(step, device, args.steps, args.warm)
+    allocated, reserved = peaks(device)
+    return dict(samples_per_s=len(x) / seconds, peak_gib=allocated, reserved_gib=reserved)
 
 
 if __name__ == "__main__":

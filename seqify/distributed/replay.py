@@ -356,11 +356,8 @@ def program_step(stage: RankStage, link: Link, micro: list[Any], sizes: list[int
     with torch.autocast(kind, dtype=dtype, enabled=on, cache_enabled=False):
         try:
             run.run(actions)
-            for p, prog in stage._programs.items():
-                summed = run.summing.get(p)
-                if summed is None and run.over is not None:  # a partition no backward reached this step
-                    summed = run.over(prog.sums())
-                prog.finish(True, summed)
+            for p, prog in stage._programs.items():  # every partition's last B or W started its sum
+                prog.finish(True, run.summing[p] if run.over is not None else None)
         finally:
             run.fixed.clear()
             run.local.clear()

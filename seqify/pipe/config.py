@@ -26,8 +26,9 @@ class Trial:
     GPipe), predicted step seconds, measured step seconds (``None`` when it was not confirmed by timed
     steps), predicted peak bytes on the fullest device and on each pipeline device, and the peak bytes each
     CUDA device allocated and reserved while it was built and timed (empty where not measured);
-    ``optimizer_bytes``: the optimizer state each of those devices will hold in training (``seqify.tune(...,
-    optimizer=)``; counted in the predicted peaks and, beside the measured ones, in the memory bounds);
+    ``optimizer_bytes``: what the optimizer holds on each of those devices at the peak of its step in training,
+    its state and its step's temporaries (``seqify.tune(..., optimizer=)``; counted in the predicted peaks and,
+    beside the measured ones, in the memory bounds);
     ``overlap``: ``pipe.step``'s graphs on two streams per GPU (``seqify.pipeline(overlap=True)``);
     ``replicas``: data-parallel copies of the pipeline (its devices are the whole set's ``1 / replicas``)."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +36,7 @@ class PartitionCopies:
     def __init__(self, streams: CollectiveStreams) -> None:
         self._streams = streams
         self._lock = threading.Lock()
-        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
+        self._events: defaultdict[tuple[int, int], torch.cuda.Event] = defaultdict(torch.cuda.Event)
         self._state: State = ()
         self._replays: list[Replay] = []
         self._pending: list[bool] = []
@@ -87,14 +88,14 @@ class PartitionCopies:
                 for group in zip(*(s[j] for s in self._state)):
                     torch.cuda.nccl.broadcast(list(group), root=0, streams=streams)
                 for r, stream in enumerate(streams):
-                    self._event(r, j).record(stream)
+                    self._events[(r, j)].record(stream)
                 self._pending[j] = False
 
     def _arrive(self, r: int, j: int) -> None:
         """Replica ``r`` is about to run partition ``j``'s first forward (on its thread, ``j``'s device current)."""
         device = self._replays[r].devices[j]
         if device.type == "cuda":
-            torch.cuda.current_stream(device).wait_event(self._event(r, j))
+            torch.cuda.current_stream(device).wait_event(self._events[(r, j)])
             return
         with self._lock:
             if self._pending[j]:
@@ -107,9 +108,3 @@ class PartitionCopies:
                 for other in others:
                     other.copy_(first)
         self._pending[j] = False
-
-    def _event(self, r: int, j: int) -> torch.cuda.Event:
-        event = self._events.get((r, j))
-        if event is None:
-            event = self._events[(r, j)] = torch.cuda.Event()
-        return event

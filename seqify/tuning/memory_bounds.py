@@ -18,8 +18,7 @@ from seqify.pipe.config import Trial
 from seqify.tuning.predict import Candidate
 
 __all__ = ["OptimizerSpec", "ROOM", "state_ratio", "step_ratio", "optimizer_ratio", "trainable_bytes", "per_device",
-           "with_state", "with_room",
-           "predicted_to_fit", "fullness"]
+           "with_state", "with_room", "predicted_to_fit", "fullness"]
 
 #: The share of a GPU's memory a timed candidate may fill with its allocated peak plus the optimizer state it
 #: will hold (``optimizer=``): the rest is left to the allocator's fragmentation and what the caller keeps.
@@ -139,7 +138,7 @@ def trainable_bytes(model: nn.Sequential) -> list[int]:
 
 def per_device(balance: Sequence[int], names: Sequence[str], trainable: Sequence[int], ratio: float,
                devices: Sequence[torch.device]) -> tuple[int, ...]:
-    """The optimizer state each of ``devices`` will hold: ``ratio`` times the trainable bytes of the partitions
+    """What the optimizer will hold on each of ``devices``: ``ratio`` times the trainable bytes of the partitions
     ``names`` puts on it (the first replica's devices; the optimizer steps ``pipe.parameters()``, which are the
     first replica's, so the other replicas' devices hold none)."""
     held = dict.fromkeys(devices, 0)
@@ -153,8 +152,9 @@ def per_device(balance: Sequence[int], names: Sequence[str], trainable: Sequence
 
 
 def with_state(t: Trial, c: Candidate, ratio: float, trainable: Sequence[int], placed: list[torch.device]) -> Trial:
-    """Trial ``t`` (of candidate ``c``) with the optimizer state its partitions' parameters will have: added to
-    its predicted peak per pipeline device, and kept per CUDA device for the bounds on its timed peaks."""
+    """Trial ``t`` (of candidate ``c``) with what the optimizer will hold for its partitions' parameters (``ratio``
+    per parameter byte, :func:`optimizer_ratio`): added to its predicted peak per pipeline device, and kept per
+    CUDA device for the bounds on its timed peaks."""
     added = [0] * len(t.memory_per_device)
     start = 0
     for size, slot in zip(c.balance, c.slots()):

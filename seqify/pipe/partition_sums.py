@@ -25,7 +25,12 @@ class PartitionSums:
     On CUDA devices (one per replica) each sum is one NCCL reduce per flat tensor on the GPU's collective stream,
     which waits for that replica's backward of ``j`` on the GPU, not on the host; elsewhere the sums are added in
     replica order when the last replica gets there. The replicas may run in threads of their own (one lock orders
-    the calls). The first replica's ``.grad`` is set by :meth:`finish`, once every replica's step has ended."""
+    the calls). The first replica's ``.grad`` is set by :meth:`finish`, once every replica's step has ended.
+
+    Where none of a partition's parameters has a ``.grad`` when the step begins (the optimizer's
+    ``zero_grad()`` leaves None), the sum goes into new flat tensors instead of the first replica's, and
+    ``.grad`` becomes views of them with the parameters' strides: what autograd leaves (a tensor of its own
+    each step), with no copy of the sums."""
 
     def __init__(self, streams: CollectiveStreams | None = None) -> None:
         self._lock = threading.Lock()
@@ -33,6 +38,9 @@ class PartitionSums:
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._replays: list[Replay] = []
         self._arrived: list[int] = []
+        # per partition, the new flat tensors its sum goes into (None: into the first replica's sums)
+        self._fresh: list[list[torch.Tensor] | None] = []
+        self._homes: dict[torch.device, torch.cuda.Stream] = {}
 
     @staticmethod
     def possible(replays: Sequence[Replay]) -> bool:
@@ -53,6 +61,10 @@ class PartitionSums:
         """Before a step: each replay tells this when a partition's sums are final (see :attr:`Replay.ready`)."""
         self._replays = list(replays)
         self._arrived = [0] * len(replays[0].stages)
+        first = replays[0]
+        self._fresh = [[] if all(p.grad is None for p in params) else None for params, _ in first.handoff]
+        # the caller's streams: a new sum is made on its GPU's, where the optimizer will read and free it
+        self._homes = {d: torch.cuda.current_stream(d) for d in set(first.devices) if d.type == "cuda"}
         for r, replay in enumerate(replays):
             replay.ready = functools.partial(self._ready, r)
 
@@ -65,9 +77,10 @@ class PartitionSums:
             replay.ready = None
         self._streams.join()
         done = bool(replays) and all(n == len(replays) for n in self._arrived)
+        fresh, self._fresh = self._fresh, []
         if hand and done:
             with torch.no_grad():
-                replays[0].hand()
+                replays[0].hand(fresh)
         return hand and done
 
     def _ready(self, r: int, j: int) -> None:
@@ -88,15 +101,31 @@ class PartitionSums:
         replays = self._replays
         groups = list(zip(*(replay.sums[j] for replay in replays)))  # type: ignore[index]
         devices = [replay.devices[j] for replay in replays]
+        fresh = self._fresh[j]
         with torch.no_grad():
             if devices[0].type != "cuda":
                 for first, *others in groups:
+                    into = first if fresh is None else first + others.pop(0).to(first.device)
                     for other in others:
-                        first.add_(other.to(first.device))
+                        into.add_(other.to(first.device))
+                    if fresh is not None:
+                        fresh.append(into)
                 return
             streams = [self._streams(d) for d in devices]
             for r, stream in enumerate(streams):
                 stream.wait_event(self._events[(r, j)])
             for group in groups:
-                torch.cuda.nccl.reduce(list(group), root=0, streams=streams)
+                if fresh is None:
+                    torch.cuda.nccl.reduce(list(group), root=0, streams=streams)
+                    continue
+                output = self._new_sum(group[0], streams[0])
+                torch.cuda.nccl.reduce(list(group), output=output, root=0, streams=streams)
+                fresh.append(output)
 
+    def _new_sum(self, like: torch.Tensor, collective: torch.cuda.Stream) -> torch.Tensor:
+        """A tensor for a sum like ``like``, made on the caller's stream of its GPU (the optimizer reads it there,
+        and its memory returns to that stream's pool) and marked as used by the collective stream that writes it."""
+        with torch.cuda.stream(self._homes[like.device]):
+            made = torch.empty_like(like)
+        made.record_stream(collective)
+        return made

@@ -17,6 +17,7 @@ from seqify.pipe.partition_copies import PartitionCopies
 from seqify.pipe.replicated import ReplicatedPipeline
 
 from pipe.test_step import UNet, data, even
+from pipe.test_tied import TinyGPT, loss_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,6 +119,72 @@ def test_replayed_replicas_sum_each_partition_as_its_backward_ends(schedule: str
     train(source, pipe, nn.CrossEntropyLoss(), *data(12), steps=2, accumulate=True, rtol=1e-10)
     train(source, pipe, lambda out, t: nn.functional.cross_entropy(out, t), *data(12), steps=1, rtol=1e-10)
     assert all(p.grad is None for r in pipe.replicas[1:] for p in r.parameters())  # only the model holds them
+
+
+def test_replayed_replicas_make_grad_from_new_sums_where_there_was_none() -> None:
+    """Where a step finds no ``.grad`` (``zero_grad()`` left None), the replicas' sums go into new tensors, one
+    per partition, whose views (with the parameters' strides) become ``.grad``: not a copy of the programs' own
+    sums, and not the tensors an earlier step handed over, which a caller may still hold. Where ``.grad`` is
+    there (zeroed in place, or accumulating), the sum is added into that very tensor, as autograd does."""
+    source, pipe = setup("interleaved", 2, 2, loops=2)
+    for r in pipe.replicas:
+        r._replay_eager = True
+    x, y = data(12)
+    loss_fn = nn.CrossEntropyLoss()
+    params = list(pipe.model.parameters())
+
+    def reference() -> list[torch.Tensor]:
+        source.zero_grad()
+        loss_fn(torch.cat([source(c) for c in micro_batches(x, 2, pipe.chunks)]), y).backward()
+        return [p.grad.clone() for p in source.parameters()]  # type: ignore[union-attr]
+
+    expected = reference()
+    pipe.step(x, y, loss_fn)
+    kept = [p.grad for p in params]
+    graphed = pipe.replicas[0]._graphed
+    assert graphed is not None and graphed[1].sums is not None
+    own = {id(flat) for flats in graphed[1].sums for flat in flats}
+    bases = {id(g._base) for g in kept if g is not None and g._base is not None}
+    assert len(bases) == 4 and not bases & own  # one new tensor per partition, none of them the programs' sums
+    for p, g, e in zip(params, kept, expected):
+        assert g is not None and g.stride() == p.stride()
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    values = [g.clone() for g in kept if g is not None]
+    pipe.zero_grad(set_to_none=True)
+    pipe.step(x, y, loss_fn)
+    assert all(p.grad is not g for p, g in zip(params, kept))
+    assert all(torch.equal(g, v) for g, v in zip(kept, values))  # the earlier step's tensors are untouched
+    pipe.zero_grad(set_to_none=False)
+    held = [p.grad for p in params]
+    pipe.step(x, y, loss_fn)
+    assert all(p.grad is g for p, g in zip(params, held))  # added into the zeroed tensors
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-10, atol=1e-12)
+
+
+def test_replayed_replicas_of_tied_weights_sum_both_partitions_into_one_grad() -> None:
+    """GPT-2's embedding and LM head, tied, on one GPU's two partitions (``zb-h1``, ``loops=2``): the weight's
+    sums come out of both partitions, and ``.grad`` is the first's new sum with the second's added."""
+    torch.manual_seed(0)
+    source = TinyGPT().double()
+    idx = torch.randint(0, 11, (8, 6))
+    pipe = seqify.pipeline(seqify.convert(copy.deepcopy(source), (idx,)), devices=["cpu"] * 4, replicas=2, loops=2,
+                           schedule="zb-h1", chunks=2, checkpoint="never")
+    assert isinstance(pipe, ReplicatedPipeline)
+    for r in pipe.replicas:
+        r._replay_eager = True
+    for _ in range(2):
+        source.zero_grad()
+        for c in micro_batches(idx, 2, 2):
+            (loss_of(source(c), c) / 4).backward()
+        pipe.zero_grad()
+        pipe.step(idx, idx, loss_of)
+        for (name, a), b in zip(source.named_parameters(), pipe.model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12, msg=name)
+    graphed = pipe.replicas[0]._graphed
+    assert graphed is not None
+    reached = [id(p) for params, _ in graphed[1].handoff for p in params]
+    assert len(reached) == len(set(reached)) + 1  # the tied weight, in two partitions
 
 
 @pytest.mark.parametrize("schedule,stages,replicas,loops", [("gpipe", 1, 3, 3), ("interleaved", 2, 2, 2),
@@ -317,7 +384,10 @@ def test_replicas_on_gpus_sum_through_nccl(stages: int, replicas: int, graphs: b
         # a plain function is probed on the first output, the replicas' targets being on their own GPUs
         loss_fn = nn.CrossEntropyLoss() if graphs else (lambda out, t: nn.functional.cross_entropy(out, t))
         train(source, pipe, loss_fn, x, y, steps=3, rtol=1e-9)
+        train(source, pipe, loss_fn, x, y, steps=1, accumulate=True, rtol=1e-9)  # .grad there: added into it
     assert all(r.graph_error is None and r.graphs == graphs for r in pipe.replicas)
+    pipe.step(x, y, loss_fn)  # replayed with no .grad, .grad is views of the new tensors NCCL reduced into
+    assert all(p.grad is not None and (p.grad._base is not None) == graphs for p in pipe.model.parameters())
     # replayed, each partition was reduced beside the backward (the other replicas never hold gradients)
     assert all(p.grad is None for r in pipe.replicas[1:] for p in r.parameters()) == graphs
 

@@ -8,7 +8,7 @@ the CUDA graphs :mod:`.capture` records of it, with the same effect.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -309,3 +309,17 @@ def hand_over(params: list[nn.Parameter], acc: list[torch.Tensor], divisor: int 
         if divisor != 1:
             sums = list(torch._foreach_div(sums, float(divisor)))
         torch._foreach_add_([p.grad for p, _ in added], sums)  # type: ignore[misc, arg-type]
+
+
+def hand_views(params: Sequence[nn.Parameter], acc: Sequence[torch.Tensor], sums: Mapping[int, torch.Tensor]) -> None:
+    """``.grad`` as views of new sums: ``sums`` maps the id of each flat tensor behind ``acc`` to a tensor holding
+    its sums; each parameter's view has its accumulator's strides. Where ``.grad`` is already set (a parameter
+    two partitions share, handed over by the first), the view is added to it."""
+    for p, a in zip(params, acc):
+        base = a._base
+        assert base is not None
+        view = sums[id(base)].as_strided(a.shape, a.stride(), a.storage_offset() - base.storage_offset())
+        if p.grad is None:
+            p.grad = view
+        else:
+            p.grad.add_(view)

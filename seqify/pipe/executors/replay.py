@@ -17,7 +17,7 @@ from torch import nn
 from seqify.errors import GraphError
 from seqify.pipe.executors.casts import Casts
 from seqify.pipe.executors.lanes import Lanes
-from seqify.pipe.executors.programs import Program, flat_sums, hand_over
+from seqify.pipe.executors.programs import Program, flat_sums, hand_over, hand_views
 from seqify.pipe.executors.wiring import Wiring
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
@@ -202,11 +202,17 @@ class Replay:
                 with _on(self.devices[j]):
                     torch._foreach_zero_(acc)
 
-    def hand(self) -> None:
-        """Put the step's gradient sums into ``.grad`` (what autograd would leave there)."""
+    def hand(self, made: Sequence[Sequence[torch.Tensor] | None] | None = None) -> None:
+        """Put the step's gradient sums into ``.grad`` (what autograd would leave there). ``made``: per
+        partition, new tensors holding its sums in place of :attr:`sums` (``.grad`` becomes views of them), or
+        None (a copy of the sums)."""
         for j, (params, acc) in enumerate(self.handoff):
             with _on(self.devices[j]):
-                hand_over(params, acc)
+                if made is None or made[j] is None:
+                    hand_over(params, acc)
+                else:
+                    assert self.sums is not None
+                    hand_views(params, acc, dict(zip(map(id, self.sums[j]), made[j])))  # type: ignore[arg-type]
 
     def _done(self, action: Action, backward: bool) -> None:
         """After ``action``: where it was its partition's last to add into the sums, tell ``ready``."""

@@ -172,16 +172,16 @@ SPEED = Source(["conversion_speed/results/families.json"], "1× NVIDIA H200", TO
 TIMM = Source(["timm_sweep/results/timm.jsonl", "timm_sweep/results/timm-more.jsonl"], "CPU (x86_64)",
               "2.14.1, timm 1.0.31", "python benchmarks/timm_sweep/main.py", date="2026-11-25")
 
-LAYOUTS = Source(["layouts/results/two-gpus.jsonl"], H200x2, TORCH,
-                 "python benchmarks/layouts/main.py --gpus 2 --layouts 1x2:gpipe:1:graphs 2x1:zb-h2:4:graphs --auto "
-                 "--out two-gpus.jsonl", date="2026-11-27")
-LAYOUTS_LLAMA = Source(["layouts/results/llama-two-gpus.jsonl"], H200x2, TORCH + ", transformers 5.17",
-                       "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
-                       "--layouts 1x2:gpipe:1 2x1:1f1b:4:graphs --out llama-two-gpus.jsonl", date="2026-11-27")
-
-LAYOUTS4 = Source(["layouts/results/four-gpus.jsonl"], H200x4, TORCH,
-                  "python benchmarks/layouts/main.py --gpus 4 --layouts 1x4:gpipe:1:graphs 2x2:1f1b:4:graphs --auto "
-                  "--out four-gpus.jsonl", date="2026-11-27")
+LAYOUTS = Source(["layouts/results/h200-two-gpus.jsonl"], H200x2, TORCH,
+                 "python benchmarks/layouts/main.py --gpus 2 --auto --out h200-two-gpus.jsonl", date="2026-11-28")
+LAYOUTS_LLAMA = Source(["layouts/results/h200-llama-two-gpus.jsonl"], H200x2, TORCH + ", transformers 5.17",
+                       "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 --auto "
+                       "--out h200-llama-two-gpus.jsonl", date="2026-11-28")
+LAYOUTS4 = Source(["layouts/results/h200-four-gpus.jsonl"], H200x4, TORCH,
+                  "python benchmarks/layouts/main.py --gpus 4 --auto --out h200-four-gpus.jsonl", date="2026-11-28")
+LAYOUTS4_LLAMA_AUTO = Source(["layouts/results/h200-llama-four-gpus.jsonl"], H200x4, TORCH + ", transformers 5.17",
+                             "python benchmarks/layouts/main.py --model llama --gpus 4 --per-gpu 4 --steps 4 --warm 2 "
+                             "--auto --out h200-llama-four-gpus.jsonl", date="2026-11-28")
 LAYOUTS4_LLAMA = Source(["layouts/results/llama-four-gpus.jsonl"], H200x4, TORCH + ", transformers 5.17",
                         "python benchmarks/layouts/main.py --model llama --gpus 4 --per-gpu 4 --steps 4 --warm 2 "
                         "--layouts 1x4:gpipe:1:graphs 2x2:1f1b:4:graphs 4x1:1f1b:8:graphs --out llama-four-gpus.jsonl",
@@ -199,7 +199,7 @@ LAYOUTS_H100_LLAMA = Source(["layouts/results/h100-llama-two-gpus.jsonl"], H100x
                             date="2026-11-28")
 
 SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA,
-           LAYOUTS4, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA)
+           LAYOUTS4, LAYOUTS4_LLAMA_AUTO, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA)
 
 
 # -- the numbers the pages share ---------------------------------------------------------------------------------
@@ -666,57 +666,59 @@ def layouts_page() -> str:
     def named(source: Source) -> dict[str, dict[str, Any]]:
         return {r["row"]: r for r in rows(source.files[0])}
 
-    h100_4, h100_2, h100_llama = named(LAYOUTS_H100_4), named(LAYOUTS_H100_2), named(LAYOUTS_H100_LLAMA)
-    h200_4, h200_2, llama4 = named(LAYOUTS4), named(LAYOUTS), named(LAYOUTS4_LLAMA)
+    h200_4, h200_2 = named(LAYOUTS4), named(LAYOUTS)
+    llama4, llama2, hand4 = named(LAYOUTS4_LLAMA_AUTO), named(LAYOUTS_LLAMA), named(LAYOUTS4_LLAMA)
+    auto = "seqify automatic"
 
-    def vs(found: dict[str, dict[str, Any]], row: str, anchor: str) -> float:
-        return found[row]["samples_per_s"] / found[anchor]["samples_per_s"]
+    def vs(found: dict[str, dict[str, Any]], anchor: str, row: str = auto) -> str:
+        return f"{found[row]['samples_per_s'] / found[anchor]['samples_per_s']:.3f}"
 
-    auto4, auto2, llama2 = h100_4["seqify automatic"], h100_2["seqify automatic"], h100_llama["seqify automatic"]
-    pipes4 = llama4["seqify 4 x 1 1f1b chunks 8 graphs"]
+    def chose(found: dict[str, dict[str, Any]]) -> str:
+        return _layout_of(found[auto].get("config") or "")
+
+    def first_gib(found: dict[str, dict[str, Any]], row: str, key: str) -> str:
+        return f"{found[row][key][0]:.1f}"
+
+    pipes4 = hand4["seqify 4 x 1 1f1b chunks 8 graphs"]
     return page(
         "Layouts: pipelines times replicas, beside DDP",
         "**Method.** One run per table on one machine, one row after another: one GPU on its share of the batch; "
         "DDP (and, for the Llama, FSDP2 with `fully_shard` per decoder layer) over the same GPUs under torchrun "
         "(`benchmarks/data_parallel/`); seqify's replicated pipelines with a layout given by hand "
-        "(`stages x replicas`); and `seqify.pipeline(model, devices=..., sample=batch)`, the tuner's choice among "
-        "every layout. Each seqify step is `pipe.step` plus an SGD step. The H100 tables time every row as the DDP "
-        "and FSDP2 scripts time theirs: steps run back to back, the GPUs synchronised only before the first and "
-        "after the last (a training loop that does not read the loss every step runs so). The older H200 tables "
-        "synchronised each seqify step, which left the host's preparation of every step on the GPUs' clock: they "
-        "understate seqify against DDP. Peak memory counts from the first timed step (for the automatic rows, "
-        "from the start of the row, tuning included). With CUDA graphs the activations live "
-        "in the graphs' memory pool, which `max_memory_allocated` does not count once captured: compare the "
+        "(`stages x replicas`), where the table has them; and `seqify.pipeline(model, devices=..., sample=batch)`, "
+        "the tuner's choice among every layout. Each seqify step is `pipe.step` plus an SGD step. Every row is "
+        "timed as the DDP and FSDP2 scripts time theirs: steps run back to back, the GPUs synchronised only before "
+        "the first and after the last (a training loop that does not read the loss every step runs so), except "
+        "the last table, older, which synchronised each seqify step. Peak memory counts from the first timed step "
+        "(for the automatic rows, from the start of the row, tuning included). With CUDA graphs the activations "
+        "live in the graphs' memory pool, which `max_memory_allocated` does not count once captured: compare the "
         "reserved column for graphed rows. Ratios compare rows of one table only; H100 and H200 tables are "
         "separate runs on separate machines.",
         "## ResNet-101, fp32, SGD, 128 samples per GPU",
+        "### Four H200s", _layout_table(LAYOUTS4.files[0]), LAYOUTS4.line(),
+        "### Two H200s", _layout_table(LAYOUTS.files[0]), LAYOUTS.line(),
         "### Four H100s", _layout_table(LAYOUTS_H100_4.files[0]), LAYOUTS_H100_4.line(),
         "### Two H100s", _layout_table(LAYOUTS_H100_2.files[0]), LAYOUTS_H100_2.line(),
-        "### Four H200s (each step synchronised; before replicas summed gradients per partition)",
-        _layout_table(LAYOUTS4.files[0]), LAYOUTS4.line(),
-        "### Two H200s (each step synchronised; before replicas summed gradients per partition)",
-        _layout_table(LAYOUTS.files[0]), LAYOUTS.line(),
         "## Llama 0.89 B, bf16 autocast, SGD, 4 × 2048 tokens per GPU",
+        "### Four H200s", _layout_table(LAYOUTS4_LLAMA_AUTO.files[0]), LAYOUTS4_LLAMA_AUTO.line(),
+        "### Two H200s", _layout_table(LAYOUTS_LLAMA.files[0]), LAYOUTS_LLAMA.line(),
         "### Two H100s", _layout_table(LAYOUTS_H100_LLAMA.files[0]), LAYOUTS_H100_LLAMA.line(),
-        "### Four H200s (each step synchronised; before replicas summed gradients per partition)",
+        "### Four H200s, layouts by hand (each step synchronised; before replicas summed gradients per partition)",
         _layout_table(LAYOUTS4_LLAMA.files[0]), LAYOUTS4_LLAMA.line(),
-        "### Two H200s (each step synchronised; before replicas summed gradients per partition)",
-        _layout_table(LAYOUTS_LLAMA.files[0]), LAYOUTS_LLAMA.line(),
-        f"**Result.** On H100s the tuner chose {_layout_of(auto4.get('config') or '')} for ResNet-101 on four GPUs, "
-        f"{vs(h100_4, 'seqify automatic', 'DDP'):.2f}× DDP's throughput, and "
-        f"{_layout_of(auto2.get('config') or '')} on two, {vs(h100_2, 'seqify automatic', 'DDP'):.2f}×, each at "
-        "a lower allocated peak per GPU than DDP's and about 1-3 GiB more reserved. Every GPU is busy through the "
-        "whole step: `benchmarks/layouts/gaps.py` finds no idle gap of 0.2 ms or more on four H100s. For the "
-        f"Llama on two H100s it chose {_layout_of(llama2.get('config') or '')}: "
-        f"{vs(h100_llama, 'seqify automatic', 'FSDP2'):.2f}× FSDP2's throughput and "
-        f"{vs(h100_llama, 'seqify automatic', 'DDP'):.2f}× DDP's.",
-        "**Where seqify loses.** DDP trains the 0.89 B Llama faster than any seqify layout on two H100s "
-        f"({vs(h100_llama, 'seqify automatic', 'DDP'):.2f}× DDP's throughput for seqify's choice) and on four "
-        f"H200s, where the Llama's pipelines lose to DDP and FSDP2 (`4 x 1`: {pipes4['x_ddp']:.2f} of DDP, timed "
-        "step by step). The H200 rows of ResNet-101 (automatic "
-        f"{h200_4['seqify automatic']['x_ddp']:.2f} of DDP on four GPUs and {h200_2['seqify automatic']['x_ddp']:.2f} "
-        "on two) were timed step by step and have not been measured again back to back. Replicated steps hold more "
-        "reserved memory than DDP (the graphs' pools). Not measured yet: eight GPUs.",
+        f"**Result.** On H200s the tuner chose {chose(h200_4)} for ResNet-101 on four GPUs, {vs(h200_4, 'DDP')}× "
+        f"DDP's throughput, and {chose(h200_2)} on two, {vs(h200_2, 'DDP')}×, each at a far lower allocated peak "
+        f"per GPU than DDP's and 1.5-4.5 GiB more reserved. For the Llama it chose {chose(llama4)} on four H200s: "
+        f"{vs(llama4, 'FSDP2')}× FSDP2's throughput at {first_gib(llama4, auto, 'peak_gib')} GiB allocated on the "
+        f"first GPU (FSDP2: {first_gib(llama4, 'FSDP2', 'peak_gib')}), and on two "
+        f"{vs(llama2, 'FSDP2')}× FSDP2's. Every GPU is busy through the whole step: `benchmarks/layouts/gaps.py` "
+        "finds no idle gap of 0.2 ms or more on four H100s.",
+        f"**Where seqify loses.** DDP trains the 0.89 B Llama faster: seqify's choice runs at {vs(llama4, 'DDP')} of "
+        f"DDP's throughput on four H200s and {vs(llama2, 'DDP')} on two "
+        "(DDP steps the optimizer on every GPU at once; seqify's replicas reduce to the first GPU, step there and "
+        "broadcast each partition back). A pure pipeline over four GPUs is far behind both (`4 x 1`: "
+        f"{pipes4['x_ddp']:.2f} of DDP, timed step by step). Replicated steps hold more reserved memory than DDP "
+        f"(the graphs' pools: {first_gib(llama4, auto, 'reserved_gib')} GiB on the Llama's first GPU against DDP's "
+        f"{first_gib(llama4, 'DDP', 'reserved_gib')}). Not measured yet: eight GPUs.",
     )
 
 

@@ -113,9 +113,12 @@ def split(
     prefer_clean: bool = True,
     device: str | None = None,
     cuts: Collection[int] | None = None,
+    slack: float = 0.0,
 ) -> PartitionPlan:
     """The optimal plan for per-layer costs already measured (``balance`` without the measuring); with
-    ``cuts``, stages start only at those layer indices (and 0)."""
+    ``cuts``, stages start only at those layer indices (and 0); ``slack``: see
+    :func:`~seqify.partition.solve.solve` (a plan within ``slack`` of the best, chosen by what noise does not
+    move)."""
     n = len(measured)
     graph = dataflow(n, routes, measured.output_bytes, measured.skip_bytes)
     live = live_bytes(graph)
@@ -130,6 +133,7 @@ def split(
         cut_bytes=live[:n],
         names=names,
         cuts=cuts,
+        slack=slack,
     )
     stages = []
     start = 0

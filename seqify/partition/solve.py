@@ -43,6 +43,7 @@ def solve(
     cut_bytes: Sequence[float] | None = None,
     names: Sequence[str] | None = None,
     cuts: Collection[int] | None = None,
+    slack: float = 0.0,
 ) -> Solution:
     """Split layers ``0..n-1`` into ``partitions`` non-empty contiguous stages, minimising the bottleneck.
 
@@ -56,12 +57,19 @@ def solve(
     are broken deterministically by a second DP over the same transitions restricted to stages within
     the optimum: most cuts marked ``clean``, then fewest ``cut_bytes`` crossing cuts, then earliest cuts.
 
+    ``slack`` widens "within the optimum" to plans whose bottleneck is at most ``(1 + slack)`` times it. For
+    measured costs, whose noise moves the exact optimum from run to run, the plan with the most clean cuts
+    and the fewest bytes (both from the model's shapes, not from clocks) among those is more often the same
+    plan run after run.
+
     Raises :class:`BalanceError` for bad sizes or costs and :class:`NoPlanFitsError` when no plan meets
     ``cap``.
     """
     n = len(cost)
     names = list(names) if names is not None else [str(i) for i in range(n)]
     _check(n, partitions, cost, cut_cost, memory, cap)
+    if not (0.0 <= slack < 1.0):
+        raise BalanceError(f"slack={slack}: give the relative room over the best bottleneck, 0 <= slack < 1")
     allowed = None
     if cuts is not None:
         allowed = sorted({c for c in cuts if 0 < c < n})
@@ -71,7 +79,7 @@ def solve(
                 f"use partitions <= {len(allowed) + 1}, or allow more cuts"
             )
     with _one_thread():
-        return _solve(cost, partitions, cut_cost, memory, cap, clean, cut_bytes, names, allowed)
+        return _solve(cost, partitions, cut_cost, memory, cap, clean, cut_bytes, names, allowed, slack)
 
 
 def _solve(
@@ -84,6 +92,7 @@ def _solve(
     cut_bytes: Sequence[float] | None,
     names: Sequence[str],
     cuts: Sequence[int] | None = None,
+    slack: float = 0.0,
 ) -> Solution:
     n = len(cost)
     stages = _Stages(cost, cut_cost, memory if cap is not None else None, cap, cuts)
@@ -100,8 +109,9 @@ def _solve(
     if best == _INF:
         raise _no_fit(memory, cap, partitions, names)
 
-    # Phase 2: among plans within the optimum, the most clean cuts, then fewest bytes, then earliest cuts.
-    limit = best + _TIE * abs(best)
+    # Phase 2: among plans within the optimum (and the slack), the most clean cuts, then fewest bytes, then
+    # earliest cuts.
+    limit = best + (_TIE + slack) * abs(best)
     bonus = _column([float(x) for x in clean] if clean is not None else None, n)
     moved = _column(cut_bytes, n)
     score = _filled(n, -_INF)  # clean cuts so far (maximised)

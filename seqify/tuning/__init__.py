@@ -30,6 +30,7 @@ from seqify.tuning.measure import calibrate, step_seconds
 from seqify.tuning.memory_bounds import ROOM, optimizer_ratio, state_ratio, step_ratio
 from seqify.tuning.profile import fit_host, layer_model
 from seqify.tuning.search import tune
+from seqify.tuning.space import TIME_SLACK
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds",
-           "fit_host", "state_ratio", "step_ratio", "optimizer_ratio", "ROOM"]
+           "fit_host", "state_ratio", "step_ratio", "optimizer_ratio", "ROOM", "TIME_SLACK"]

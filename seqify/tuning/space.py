@@ -21,7 +21,8 @@ from seqify.schedule.actions import round_robin, v_shape
 from seqify.tuning import measure
 from seqify.tuning.predict import Candidate, LayerModel
 
-__all__ = ["CHUNKS", "LOOPS", "STRATEGIES", "schedules", "layout", "balances", "candidates", "replica_counts"]
+__all__ = ["CHUNKS", "LOOPS", "STRATEGIES", "TIME_SLACK", "schedules", "layout", "balances", "candidates",
+           "replica_counts"]
 
 
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
@@ -31,6 +32,10 @@ LOOPS = (1, 2, 4)
 
 
 STRATEGIES = ("time", "flops", "memory")
+#: How far over the best bottleneck by measured layer times a plan may be, when it has more cuts no skip crosses
+#: or fewer bytes crossing them: profiling again moves the exact optimum, where a choice by the model's shapes
+#: within the slack stays put (the 2% by which timing one configuration again moves it).
+TIME_SLACK = 0.02
 
 
 def replica_counts(devices: Sequence[torch.device], batch: int, fixed: dict[str, Any]) -> list[int]:
@@ -97,7 +102,8 @@ def balances(model: nn.Sequential, sample: Any, hi: LayerCosts, parts: int, by: 
             transfer = default_transfer_cost(strategy, bandwidth=bandwidth)
         else:
             transfer = default_transfer_cost(strategy) if strategy == "flops" else 0.0
-        plan = split(costs, parts, lays.names, lays.routes, transfer_cost=transfer)
+        plan = split(costs, parts, lays.names, lays.routes, transfer_cost=transfer,
+                     slack=TIME_SLACK if strategy == "time" else 0.0)
         out[strategy] = tuple(plan.balance)
     return out
 

@@ -7,6 +7,7 @@ import itertools
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 import networkx as nx
 import pytest
@@ -21,7 +22,9 @@ import seqify
 from seqify.errors import SeqifyError
 from seqify.partition import (BalanceError, NoPlanFitsError, PartitionPlan, balance, flop_costs, memory_costs,
     param_costs, solve, time_costs)
+from seqify.partition.balancer import split
 from seqify.partition.graph import clean_cuts, crossing, dataflow, live_bytes
+from seqify.partition.walk import layers
 from seqify.progress import progress
 from seqify.skip import Namespace, SkipRoute, pop, skippable, stash
 from seqify.skip.tracker import SkipTracker, use_tracker
@@ -125,6 +128,45 @@ def test_ties_go_to_clean_cuts(problem: Problem) -> None:
     ]
     most = max(sum(clean[c] for c in p[1:-1]) for p in optimal)
     assert sum(clean[c] for c in bounds_of(sol.balance)[1:-1]) == most
+
+
+@SOLVER
+@given(problems(), st.sampled_from([0.01, 0.1, 0.5]))
+def test_a_slack_keeps_the_most_clean_cuts_then_fewest_bytes_within_it(problem: Problem, slack: float) -> None:
+    cost, parts, cut, _, clean = problem
+    cut_bytes = [c * 7.0 for c in cut]
+    sol = solve(cost, parts, cut_cost=cut, clean=clean, cut_bytes=cut_bytes, slack=slack)
+    best = brute(cost, parts, cut, [0] * len(cost), None)
+    assert best is not None and sol.bottleneck <= best * (1 + slack) + 1e-9 * abs(best) + 1e-12
+    # every plan clearly within the slack (float sums aside) is no better by the tie-break's keys
+    limit = best * (1 + slack) - 1e-9 * abs(best) - 1e-12
+    within = [p for p in plans(len(cost), parts) if max(stage_costs(p, cost, cut)) <= limit]
+    chosen = bounds_of(sol.balance)[1:-1]
+    kept = (-sum(clean[c] for c in chosen), sum(cut_bytes[c] for c in chosen))
+    assert all(kept <= (-sum(clean[c] for c in p[1:-1]), sum(cut_bytes[c] for c in p[1:-1])) for p in within)
+
+
+def test_a_slack_keeps_resnet101s_cut_where_timing_noise_moves_the_optimum() -> None:
+    """Layer times measured again move ResNet-101's best cut from run to run; within 2% of each run's best, the
+    plan with the most cuts no skip crosses and the fewest bytes crossing is one plan in every run. The times:
+    FLOPs plus a memory-bound part per byte moved, each layer off by up to 5% per run."""
+    seq = seqify.convert(torchvision.models.resnet101())
+    shapes = flop_costs(seq, torch.randn(2, 3, 64, 64))
+    moved = [o + i for o, i in zip(shapes.output_bytes, (0, *shapes.output_bytes[:-1]))]
+    times = [f + 1500.0 * b for f, b in zip(shapes.cost, moved)]
+    lays = layers(seq)
+
+    def cuts(slack: float) -> set[tuple[int, ...]]:
+        found = set()
+        for seed in range(20):
+            noise = torch.empty(len(times), dtype=torch.float64).uniform_(-0.05, 0.05,
+                                                                           generator=torch.Generator().manual_seed(seed))
+            measured = replace(shapes, by="time", cost=tuple(t * (1 + e) for t, e in zip(times, noise.tolist())))
+            found.add(tuple(split(measured, 2, lays.names, lays.routes, slack=slack).balance))
+        return found
+
+    assert len(cuts(0.0)) > 1  # the exact optimum moves with the noise
+    assert len(cuts(0.02)) == 1
 
 
 def test_solver_rejects_impossible_requests() -> None:

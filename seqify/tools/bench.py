@@ -94,7 +94,8 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     with measure.kept(model):
         try:
             with measure.peaks(placed[:1]) as got:
-                base = measure.step_seconds(model.to(placed[0]).train(), sample, placed[:1], steps=steps, warm=warm)
+                base = measure.step_seconds(model.to(placed[0]).train(), sample, placed[:1], steps=steps, warm=warm,
+                                            update=True)
             peaks[-1] = got()
         except torch.OutOfMemoryError:  # what pipelines are for: the row says so
             if torch.cuda.is_available():
@@ -115,7 +116,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
                 with measure.peaks(placed) as got:
                     pipe = pipeline(model, **_options(t, placed)).train()
                     seconds = measure.step_seconds(pipe, sample, placed, steps=steps,
-                                                   warm=warm + (1 if t.graphs else 0))
+                                                   warm=warm + (1 if t.graphs else 0), update=True)
                 peaks[k] = got()
                 trials[k] = replace(t, measured_s=seconds)
             except torch.OutOfMemoryError:

@@ -67,10 +67,12 @@ def _scored(out: Any, _target: Any) -> torch.Tensor:
 
 
 def step_seconds(model: nn.Module, sample: Any, devices: Sequence[torch.device], *, steps: int = 2,
-                 warm: int = 1) -> float:
+                 warm: int = 1, update: bool = False) -> float:
     """Median seconds of ``steps`` training steps (forward, a loss over every output, backward) after
     ``warm`` untimed ones; ``.grad`` is cleared after each. A :class:`Pipeline` whose schedule is not
-    GPipe runs its steps as ``pipe.step`` (the only path that follows its schedule)."""
+    GPipe runs its steps as ``pipe.step`` (the only path that follows its schedule). With ``update``, each
+    step ends with a pass over the trainable parameters in place, as an optimizer's step makes (see
+    :func:`updated`)."""
     scheduled = isinstance(model, ReplicatedPipeline) or isinstance(model, Pipeline) and model.schedule != "gpipe"
     times = []
     for k in range(warm + steps):
@@ -80,11 +82,28 @@ def step_seconds(model: nn.Module, sample: Any, devices: Sequence[torch.device],
             cast(Pipeline, model).step(sample, None, _scored, reduction="mean")  # or a ReplicatedPipeline's
         else:
             loss(call(model, sample)).backward()
+        if update:
+            updated(model)
         sync(devices)
         if k >= warm:
             times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     return statistics.median(times)
+
+
+def updated(model: nn.Module) -> None:
+    """Rewrite every trainable parameter in place with its own value (times 1.0, exact for every float), one
+    pass per device and dtype: the memory traffic of the lightest optimizer step, on the devices that hold
+    the parameters, and a new version of each, so that replicas take the first's state before the next step as
+    they do in training. Timed steps without it would leave out the update and, for replicas of a model without
+    buffers to change, the broadcast."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups.setdefault((p.device, p.dtype), []).append(p)
+    with torch.no_grad():
+        for group in groups.values():
+            torch._foreach_mul_(group, 1.0)
 
 
 @contextmanager

@@ -345,7 +345,8 @@ def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], time
         try:
             with measure.peaks(placed) as got:
                 pipe = _built(model, t, placed, sample).train()
-                seconds = measure.step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0))
+                seconds = measure.step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0),
+                                               update=True)
         except Exception as e:  # predicted to fit but did not: the next candidate
             if not measure.out_of_memory(e):
                 raise

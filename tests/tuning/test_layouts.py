@@ -16,7 +16,7 @@ from torch import nn
 import seqify
 from seqify.pipe.config import Trial
 from seqify.pipe.replicated import ReplicatedPipeline
-from seqify.tuning import space
+from seqify.tuning import measure, space
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, predict
 from seqify.tuning.search import TIE, steady
 
@@ -127,6 +127,35 @@ def test_a_fixed_layout_is_tuned_saved_and_built() -> None:
     assert isinstance(pipe, ReplicatedPipeline) and pipe.config == cfg and len(pipe.replicas) == 2
     loss = pipe.step(x, y, nn.CrossEntropyLoss())
     assert torch.isfinite(loss)
+
+
+def test_timed_replicas_take_the_state_again_each_step_as_after_an_optimizer_step(monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """A timed candidate's steps end with a pass over the parameters in place, as an optimizer's step does: they
+    keep every value, bit for bit, and replicas of a model with no buffers take the first's state before each next
+    step, as in training (without it, a replicated candidate would be timed without its broadcast)."""
+    torch.manual_seed(0)
+    seq = seqify.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    x = torch.randn(16, 8)
+    pipe = seqify.pipeline(seq, devices=["cpu"] * 2, replicas=2, chunks=2, checkpoint="never")
+    assert isinstance(pipe, ReplicatedPipeline)
+    copies = []
+    copy_state = ReplicatedPipeline._copy_state
+    monkeypatch.setattr(ReplicatedPipeline, "_copy_state", lambda self: (copies.append(1), copy_state(self)))
+    before = [p.detach().clone() for p in pipe.parameters()]
+    measure.step_seconds(pipe, x, [torch.device("cpu")], steps=2, warm=1)
+    assert len(copies) == 1  # the parameters never changed: taken once
+    measure.step_seconds(pipe, x, [torch.device("cpu")], steps=2, warm=1, update=True)
+    assert len(copies) == 1 + 2  # every step after an update (the last one's is left to the next step)
+    assert all(torch.equal(p, b) for p, b in zip(pipe.parameters(), before))
+    odd = nn.Parameter(torch.tensor([-0.0, 5e-324, float("inf"), float("nan"), 1.5], dtype=torch.float64))
+    holder = nn.Module()
+    holder.odd = odd
+    version = odd._version
+    measure.updated(holder)
+    assert odd._version > version
+    assert torch.equal(odd.detach().view(torch.int64), torch.tensor([-0.0, 5e-324, float("inf"), float("nan"), 1.5],
+                                                                    dtype=torch.float64).view(torch.int64))
 
 
 def _timed(ms: float, **options: object) -> Trial:

@@ -134,22 +134,28 @@ def sync(devices: list[torch.device]) -> None:
             torch.cuda.synchronize(d)
 
 
-def timed(step: Any, devices: list[torch.device], steps: int, warm: int) -> float:
+def timed(step: Any, devices: list[torch.device], steps: int, warm: int,
+          barrier: Callable[[], Any] | None = None) -> float:
     """Mean seconds of ``step()`` (forward, backward and an SGD step) over ``steps`` run back to back after ``warm``
     untimed ones, the GPUs synchronized only at the ends: how benchmarks/data_parallel/ times DDP and FSDP2, and
     how a training loop that does not read the loss every step runs (the host prepares a step while the GPUs
     still run the last). Peak memory is counted from the first timed step (what building and capturing held is
-    not a training step's)."""
+    not a training step's). ``barrier``: under torchrun, what every rank waits at before and after the timed
+    steps."""
     for _ in range(warm):
         step()
     sync(devices)
     for d in dict.fromkeys(devices):
         if d.type == "cuda":
             torch.cuda.reset_peak_memory_stats(d)
+    if barrier is not None:  # every process of a torchrun job starts and ends together
+        barrier()
     start = time.perf_counter()
     for _ in range(steps):
         step()
     sync(devices)
+    if barrier is not None:
+        barrier()
     return (time.perf_counter() - start) / steps
 
 

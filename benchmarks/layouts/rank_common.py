@@ -6,14 +6,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-GIB = 2**30
 
 
 def load(name: str, path: Path) -> Any:
@@ -45,29 +42,17 @@ def arguments(doc: str | None) -> argparse.ArgumentParser:
 
 
 def timed(step: Any, device: torch.device, steps: int, warm: int) -> float:
-    """Mean seconds of ``step()`` over ``steps`` run back to back after ``warm``, every rank synchronized at the
-    ends only (as main.py times its rows); peaks counted from the first timed step."""
-    for _ in range(warm):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-    return (time.perf_counter() - start) / steps
+    """main.py's timing of a row (:func:`timed` there) on this rank's device, every rank starting and ending
+    together."""
+    return float(layouts().timed(step, [device], steps, warm, barrier=dist.barrier))
 
 
 def peaks(device: torch.device) -> tuple[list[float], list[float]]:
-    """Every rank's peak allocated and reserved GiB, in rank order (empty on the CPU)."""
-    if device.type != "cuda":
+    """Every rank's peak allocated and reserved GiB (main.py's :func:`peaks` of its device), in rank order (empty
+    on the CPU)."""
+    allocated, reserved = layouts().peaks([device])
+    if not allocated:
         return [], []
-    mine = (round(torch.cuda.max_memory_allocated(device) / GIB, 2),
-            round(torch.cuda.max_memory_reserved(device) / GIB, 2))
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, (allocated[0], reserved[0]))
     return [a for a, _ in every], [r for _, r in every]

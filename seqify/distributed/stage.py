@@ -385,16 +385,15 @@ class DistributedStage(Placed):
         return summed
 
     def _all_reduce_grads(self) -> None:
-        if self.replicas == 1 or self._dp_group is None:
+        """The eager step's ``.grad`` averaged over the data-parallel replicas, through one flat copy."""
+        over = self.over_replicas()
+        if over is None:
             return
         grads = [p.grad for p in self.partition.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
-        others = [d * self.stages + self.index for d in range(self.replicas) if d != self.replica]
-        with peer(self.me, others, "averaging gradients over data-parallel replicas"):
-            dist.all_reduce(flat, group=self._dp_group)
-        flat /= self.replicas
+        flat /= over([flat])()
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
 

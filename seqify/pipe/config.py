@@ -52,17 +52,18 @@ class Trial:
     def held(self) -> tuple[int, ...]:
         """The timed step's allocated peak per CUDA device plus the optimizer state it will hold there in
         training (``optimizer_bytes``, where the tuner was told the optimizer): what training allocates."""
-        extra = self.optimizer_bytes or (0,) * len(self.measured_peak)
-        return tuple(a + o for a, o in zip(self.measured_peak, extra))
+        return self._with_optimizer(self.measured_peak)
 
     def occupied(self) -> tuple[int, ...]:
         """What the step and the optimizer take of each CUDA device: :meth:`held`, but with CUDA graphs the
         timed step's reserved peak for its allocated one. A replayed step runs in its graphs' memory pools,
         which stay taken while the optimizer steps, and which the allocated peak does not count."""
-        if not self.graphs:
-            return self.held()
-        extra = self.optimizer_bytes or (0,) * len(self.measured_reserved)
-        return tuple(r + o for r, o in zip(self.measured_reserved, extra))
+        return self._with_optimizer(self.measured_reserved if self.graphs else self.measured_peak)
+
+    def _with_optimizer(self, peaks: tuple[int, ...]) -> tuple[int, ...]:
+        """``peaks`` per CUDA device plus what the optimizer holds there (``optimizer_bytes``; none when unset)."""
+        extra = self.optimizer_bytes or (0,) * len(peaks)
+        return tuple(b + o for b, o in zip(peaks, extra))
 
     def layout(self) -> str:
         """The options but the schedule: ``2 x 2, chunks 4, loops 1, by time, checkpoint never`` (stages x

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import torch
 import torch.cuda.nccl
 
-from seqify.pipe.collective_streams import CollectiveStreams
 from seqify.pipe.executors.replay import Replay
 from seqify.pipe.replica_state import distinct_cuda
+from seqify.pipe.side_streams import SideStreams
 
 __all__ = ["PartitionCopies"]
 
@@ -33,7 +33,7 @@ class PartitionCopies:
     the weights it casts under autocast are cast after. Elsewhere the first replica to reach ``j`` copies it
     to every other replica, under a lock (replicas may run in threads of their own)."""
 
-    def __init__(self, streams: CollectiveStreams) -> None:
+    def __init__(self, streams: SideStreams) -> None:
         self._streams = streams
         self._lock = threading.Lock()
         self._events: defaultdict[tuple[int, int], torch.cuda.Event] = defaultdict(torch.cuda.Event)

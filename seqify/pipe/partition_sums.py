@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import torch
 import torch.cuda.nccl
 
-from seqify.pipe.collective_streams import CollectiveStreams
 from seqify.pipe.executors.replay import Replay
 from seqify.pipe.replica_state import distinct_cuda
+from seqify.pipe.side_streams import SideStreams
 
 __all__ = ["PartitionSums"]
 
@@ -32,9 +32,9 @@ class PartitionSums:
     ``.grad`` becomes views of them with the parameters' strides: what autograd leaves (a tensor of its own
     each step), with no copy of the sums."""
 
-    def __init__(self, streams: CollectiveStreams | None = None) -> None:
+    def __init__(self, streams: SideStreams | None = None) -> None:
         self._lock = threading.Lock()
-        self._streams = streams or CollectiveStreams()
+        self._streams = streams or SideStreams()
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._replays: list[Replay] = []
         self._arrived: list[int] = []

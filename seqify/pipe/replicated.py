@@ -16,7 +16,6 @@ from torch import nn
 from seqify.errors import BalanceError, DeviceError, MicroBatchError
 from seqify.model.sequential import Sequential
 from seqify.pipe.assemble import build
-from seqify.pipe.collective_streams import CollectiveStreams
 from seqify.pipe.config import PipeConfig
 from seqify.pipe.executors.replay import Replay
 from seqify.pipe.losses import Count, Weigher, reduction_of, scale_of, scaled
@@ -25,6 +24,7 @@ from seqify.pipe.partition_copies import PartitionCopies
 from seqify.pipe.partition_sums import PartitionSums
 from seqify.pipe.pipeline import Pipeline, resolve_devices
 from seqify.pipe.replica_state import Statistics, copy_state, flattened_by_partition, sum_gradients
+from seqify.pipe.side_streams import SideStreams
 from seqify.pipe.transfer import refuse_meta
 
 __all__ = ["ReplicatedPipeline", "replicated"]
@@ -72,7 +72,7 @@ class ReplicatedPipeline(nn.Module):
         self._parts = [flattened_by_partition(list(p.partitions)) for p in replicas]
         self._addresses = self._held()
         self._statistics = Statistics(self._statistics_modules())
-        streams = CollectiveStreams()
+        streams = SideStreams()
         self._sums = PartitionSums(streams)
         self._copies = PartitionCopies(streams)
         self._versions: tuple[int, ...] | None = None

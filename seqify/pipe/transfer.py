@@ -8,6 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from seqify.errors import DeviceError
+from seqify.pipe.side_streams import SideStreams
 
 __all__ = ["Transfer", "refuse_meta"]
 
@@ -42,14 +43,11 @@ class Transfer:
     """
 
     def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams = SideStreams()
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The copy stream of ``device`` (made on first use)."""
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
-        return stream
+        return self._streams(device)
 
     def tensor(self, t: torch.Tensor, device: torch.device, ready: torch.cuda.Event | None = None) -> torch.Tensor:
         """``t`` on ``device``; on CUDA the copy starts once ``ready`` (recorded where ``t`` was made) has

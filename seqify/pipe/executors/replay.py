@@ -207,12 +207,13 @@ class Replay:
         partition, new tensors holding its sums in place of :attr:`sums` (``.grad`` becomes views of them), or
         None (a copy of the sums)."""
         for j, (params, acc) in enumerate(self.handoff):
+            new = made[j] if made is not None else None
             with _on(self.devices[j]):
-                if made is None or made[j] is None:
+                if new is None:
                     hand_over(params, acc)
                 else:
                     assert self.sums is not None
-                    hand_views(params, acc, dict(zip(map(id, self.sums[j]), made[j])))  # type: ignore[arg-type]
+                    hand_views(params, acc, dict(zip(map(id, self.sums[j]), new)))
 
     def _done(self, action: Action, backward: bool) -> None:
         """After ``action``: where it was its partition's last to add into the sums, tell ``ready``."""

@@ -1,16 +1,17 @@
-"""One side stream per GPU for the replicas' NCCL calls, so that each GPU runs them in the order they were issued."""
+"""One side stream per GPU beside its compute stream, made on first use (copy streams, collective streams)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["CollectiveStreams"]
+__all__ = ["SideStreams"]
 
 
-class CollectiveStreams:
-    """The stream each GPU runs the replicas' collectives on (a state copy before a partition's forward, a
-    gradient sum after its backward), beside its compute stream. NCCL calls that share a communicator must run
-    in the order they were issued on every GPU: on one stream per GPU they do."""
+class SideStreams:
+    """A stream per CUDA device, made the first time it is asked for: the copy streams of
+    :class:`~seqify.pipe.transfer.Transfer`, and the replicas' collective streams, where NCCL calls that share a
+    communicator run in the order they were issued on every GPU (a state copy before a partition's forward, a
+    gradient sum after its backward)."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}

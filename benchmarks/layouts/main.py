@@ -7,7 +7,9 @@ under torchrun; FSDP2 too for the Llamas), seqify with each layout given by ``--
 choice (``--auto``, told the optimizer). Each row: samples/s,
 its ratio to one GPU, DDP and FSDP2, peak allocated and reserved GiB per GPU (from the first timed step's start).
 Every row is timed as the DDP and FSDP2 scripts time theirs: steps run back to back, synchronized at the ends.
-``--torchrun`` follows each seqify row with its configuration under torchrun (``seqify.distributed``), and
+seqify's rows step with ``pipe.optimizer`` (an optimizer per replica, as DDP's processes step); ``--optimizer first``
+adds (or, alone, makes) rows with one optimizer of ``pipe.parameters()`` whose update reaches the other replicas by
+broadcast. ``--torchrun`` follows each seqify row with its configuration under torchrun (``seqify.distributed``), and
 ``--torchpp`` adds torch.distributed.pipelining's schedules on the cuts of the fastest pure pipeline row.
 
     python benchmarks/layouts/main.py --gpus 4 --layouts 4x1:zb-h2:4:graphs 2x2:1f1b:4:graphs 1x4:gpipe:1:graphs --auto
@@ -207,10 +209,12 @@ def data_parallel(args: argparse.Namespace, work: Workload) -> list[dict[str, An
     return out
 
 
-def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.device], spec: str | None
-               ) -> dict[str, Any]:
+def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.device], spec: str | None,
+               stepping: str = "replicas") -> dict[str, Any] | None:
     """seqify on every device: the layout ``spec`` (``STAGESxREPLICAS:schedule:chunks[:graphs]``), or the tuner's
-    choice (``None``)."""
+    choice (``None``), stepped by ``pipe.optimizer`` (``stepping="replicas"``: every replica its own copy) or by an
+    optimizer of ``pipe.parameters()`` (``"first"``: the first replica's, copied to the others; None where the
+    layout has no replicas, for which both are one)."""
     batch = args.per_gpu * args.gpus
     reset(devices)
     x, y = work.data(batch)
@@ -233,7 +237,11 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
                 graphs="graphs" in rest, devices=tuple(str(d) for d in devices), schedule=schedule, replicas=replicas)
             name = (f"seqify {stages} x {replicas} {schedule} chunks {chunks}"
                     + (f" loops {loops}" if loops > 1 else "") + (" graphs" if "graphs" in rest else ""))
-    opt = work.optimizer(pipe.parameters())
+    replicated = isinstance(pipe, seqify.ReplicatedPipeline)
+    if stepping == "first" and not replicated:
+        return None
+    opt = work.optimizer(pipe.parameters()) if stepping == "first" else pipe.optimizer(work.optimizer)
+    name += " (optimizer of the first replica)" if stepping == "first" else ""
     if spec is None and pipe.config is not None:  # the choice and its candidates, before a timed step can fail
         print(pipe.config, flush=True)
 
@@ -249,7 +257,8 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
     layout = cfg.to_dict() if cfg is not None else None
     del pipe, opt, seq
     return dict(row=name, batch=batch, samples_per_s=batch / sec, peak_gib=allocated, reserved_gib=reserved,
-                config=str(cfg) if cfg is not None else None, layout=layout)
+                config=str(cfg) if cfg is not None else None, layout=layout,
+                optimizer="pipe.optimizer" if stepping == "replicas" else "pipe.parameters()")
 
 
 def under_torchrun(args: argparse.Namespace, script: str, layout: dict[str, Any], *extra: str) -> list[dict[str, Any]]:
@@ -312,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--out", default=None, help="a JSON lines file to append the rows to")
+    p.add_argument("--optimizer", nargs="+", choices=["replicas", "first"], default=["replicas"],
+                   help="how seqify's rows step: pipe.optimizer, an optimizer per replica (replicas), and/or one "
+                        "optimizer of pipe.parameters() whose update is copied to the other replicas (first)")
     args = p.parse_args(argv)
     work = workload(args.model, args.tiny)
     devices = devices_of(args.device, args.gpus)
@@ -341,10 +353,11 @@ def main(argv: list[str] | None = None) -> None:
         for row in data_parallel(args, work):
             keep(row)
     for spec in [*args.layouts, *([None] if args.auto else [])]:
-        row = layout_row(args, work, devices, spec)
-        keep(row)
-        if args.torchrun:
-            keep(torchrun_row(args, row))
+        for stepping in args.optimizer:
+            row = layout_row(args, work, devices, spec, stepping)
+            keep(row)
+            if args.torchrun and row is not None and stepping == "replicas":
+                keep(torchrun_row(args, row))
     if args.torchpp:
         for row in torchpp_rows(args, rows):
             keep(row)

@@ -38,8 +38,9 @@ class PartitionSums:
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._replays: list[Replay] = []
         self._arrived: list[int] = []
-        # per partition, the new flat tensors its sum goes into (None: into the first replica's sums)
-        self._fresh: list[list[torch.Tensor] | None] = []
+        # per partition, per replica receiving the sum, the new flat tensors it goes into (None: into the first
+        # replica's sums)
+        self._fresh: list[list[list[torch.Tensor]] | None] = []
         self._homes: dict[torch.device, torch.cuda.Stream] = {}
 
     @staticmethod
@@ -57,14 +58,29 @@ class PartitionSums:
                 return False
         return True
 
-    def begin(self, replays: Sequence[Replay]) -> None:
-        """Before a step: each replay tells this when a partition's sums are final (see :attr:`Replay.ready`)."""
+    @staticmethod
+    def everyone_possible(replays: Sequence[Replay]) -> bool:
+        """Whether every replica can receive this step's sums as new tensors: no parameter of the first replica's
+        partitions holds a ``.grad`` (one to add to would differ between replicas)."""
+        return all(p.grad is None for params, _ in replays[0].handoff for p in params)
+
+    def begin(self, replays: Sequence[Replay], everyone: bool = False) -> None:
+        """Before a step: each replay tells this when a partition's sums are final (see :attr:`Replay.ready`);
+        with ``everyone`` (where :meth:`everyone_possible`), every replica's ``.grad`` gets the sums, replacing
+        what the others held."""
         self._replays = list(replays)
         self._arrived = [0] * len(replays[0].stages)
         first = replays[0]
-        self._fresh = [[] if all(p.grad is None for p in params) else None for params, _ in first.handoff]
+        receivers = replays if everyone else replays[:1]
+        if everyone:
+            for replay in replays[1:]:
+                for params, _ in replay.handoff:
+                    for p in params:
+                        p.grad = None
+        self._fresh = [[[] for _ in receivers] if all(p.grad is None for p in params) else None
+                       for params, _ in first.handoff]
         # the caller's streams: a new sum is made on its GPU's, where the optimizer will read and free it
-        self._homes = {d: torch.cuda.current_stream(d) for d in set(first.devices) if d.type == "cuda"}
+        self._homes = {d: torch.cuda.current_stream(d) for r in receivers for d in set(r.devices) if d.type == "cuda"}
         for r, replay in enumerate(replays):
             replay.ready = functools.partial(self._ready, r)
 
@@ -79,8 +95,10 @@ class PartitionSums:
         done = bool(replays) and all(n == len(replays) for n in self._arrived)
         fresh, self._fresh = self._fresh, []
         if hand and done:
+            receivers = len(next((f for f in fresh if f is not None), [None]))
             with torch.no_grad():
-                replays[0].hand(fresh)
+                for r in range(receivers):
+                    replays[r].hand([None if f is None else f[r] for f in fresh])
         return hand and done
 
     def _ready(self, r: int, j: int) -> None:
@@ -97,19 +115,14 @@ class PartitionSums:
                 self._sum(j)
 
     def _sum(self, j: int) -> None:
-        """Add every replica's sums of partition ``j`` into the first's."""
+        """Add every replica's sums of partition ``j`` into the first's, or into new tensors of every receiver."""
         replays = self._replays
         groups = list(zip(*(replay.sums[j] for replay in replays)))  # type: ignore[index]
         devices = [replay.devices[j] for replay in replays]
         fresh = self._fresh[j]
         with torch.no_grad():
             if devices[0].type != "cuda":
-                for first, *others in groups:
-                    into = first if fresh is None else first + others.pop(0).to(first.device)
-                    for other in others:
-                        into.add_(other.to(first.device))
-                    if fresh is not None:
-                        fresh.append(into)
+                self._add(groups, fresh)
                 return
             streams = [self._streams(d) for d in devices]
             for r, stream in enumerate(streams):
@@ -117,10 +130,28 @@ class PartitionSums:
             for group in groups:
                 if fresh is None:
                     torch.cuda.nccl.reduce(list(group), root=0, streams=streams)
-                    continue
-                output = self._new_sum(group[0], streams[0])
-                torch.cuda.nccl.reduce(list(group), output=output, root=0, streams=streams)
-                fresh.append(output)
+                elif len(fresh) == 1:
+                    output = self._new_sum(group[0], streams[0])
+                    torch.cuda.nccl.reduce(list(group), output=output, root=0, streams=streams)
+                    fresh[0].append(output)
+                else:
+                    outputs = [self._new_sum(t, s) for t, s in zip(group, streams)]
+                    torch.cuda.nccl.all_reduce(list(group), outputs=outputs, streams=streams)
+                    for made, output in zip(fresh, outputs):
+                        made.append(output)
+
+    @staticmethod
+    def _add(groups: list[tuple[torch.Tensor, ...]], fresh: list[list[torch.Tensor]] | None) -> None:
+        """Off CUDA: each group's sum in replica order, into the first's tensor or a new one per receiver."""
+        for group in groups:
+            first = group[0]
+            into = first if fresh is None else first + group[1].to(first.device)
+            for other in group[1 if fresh is None else 2:]:
+                into.add_(other.to(first.device))
+            if fresh is not None:
+                fresh[0].append(into)
+                for made, like in zip(fresh[1:], group[1:]):
+                    made.append(into.to(like.device, copy=True))
 
     def _new_sum(self, like: torch.Tensor, collective: torch.cuda.Stream) -> torch.Tensor:
         """A tensor for a sum like ``like``, made on the caller's stream of its GPU (the optimizer reads it there,

@@ -30,6 +30,7 @@ from seqify.pipe.placement import (
     resolve_devices,
 )
 from seqify.pipe.recompute import norms_of
+from seqify.pipe.replica_optimizers import OptimizerFactory, built_on
 from seqify.pipe.transfer import Transfer, refuse_meta
 from seqify.schedule.actions import SCHEDULES, Schedule, ahead, make, v_shape
 
@@ -163,6 +164,12 @@ class Pipeline(Placed):
         super().train(mode)
         self.model.train(mode)
         return self
+
+    def optimizer(self, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """``factory(pipe.parameters())``, checked: the optimizer every layout builds the same way (a replicated
+        pipeline builds one per replica, see :meth:`seqify.ReplicatedPipeline.optimizer`). ``factory``: a function
+        that builds the optimizer on the parameters it is given, or the optimizer's class."""
+        return built_on(factory, list(self.parameters()), "the pipeline's")
 
     # A placed pipeline does not move (moves.Placed): its balance, transfers and streams are per device.
     def _placed(self) -> list[torch.device]:

@@ -10,8 +10,8 @@ import torch.cuda.nccl
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["BUCKET_BYTES", "sum_gradients", "flattened", "flattened_by_partition", "copy_state", "Statistics",
-           "distinct_cuda"]
+__all__ = ["BUCKET_BYTES", "sum_gradients", "share_gradients", "flattened", "flattened_by_partition", "copy_state",
+           "Statistics", "distinct_cuda"]
 
 #: Gradients are summed in flat buckets of at most this many bytes: one NCCL call per bucket rather than per
 #: parameter, and no more than one bucket of extra memory per device.
@@ -66,6 +66,30 @@ def sum_gradients(replicas: Sequence[Sequence[nn.Parameter]]) -> None:
             grads = [p.grad for p in other if p.grad is not None]
             if grads:
                 torch._foreach_zero_(grads)
+
+
+def share_gradients(replicas: Sequence[Sequence[nn.Parameter]]) -> None:
+    """Give every other replica's parameters the first's ``.grad`` (``replicas[r]``: replica ``r``'s parameters,
+    all in the same order) as new tensors on their devices, None where the first has none: one NCCL broadcast
+    per bucket where each replica is on its own CUDA device, else a copy per replica."""
+    first = replicas[0]
+    with torch.no_grad():
+        for other in replicas[1:]:
+            for p, q in zip(first, other):
+                if p.grad is None:
+                    q.grad = None
+        for ks in _buckets(first):
+            mine = [first[k].grad for k in ks]
+            flat = _flatten_dense_tensors(mine)
+            flats = [flat, *(torch.empty_like(flat, device=other[ks[0]].device) for other in replicas[1:])]
+            if distinct_cuda([f.device for f in flats]):
+                torch.cuda.nccl.broadcast(flats, root=0)
+            else:
+                for f in flats[1:]:
+                    f.copy_(flat)
+            for other, f in zip(replicas[1:], flats[1:]):
+                for k, g in zip(ks, _unflatten_dense_tensors(f, mine)):
+                    other[k].grad = g
 
 
 def _summed(grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -23,7 +24,8 @@ from seqify.pipe.microbatch import gather, scatter, sizes_of, split_like
 from seqify.pipe.partition_copies import PartitionCopies
 from seqify.pipe.partition_sums import PartitionSums
 from seqify.pipe.pipeline import Pipeline, resolve_devices
-from seqify.pipe.replica_state import Statistics, copy_state, flattened_by_partition, sum_gradients
+from seqify.pipe.replica_optimizers import OptimizerFactory, ReplicaOptimizers, built_on
+from seqify.pipe.replica_state import Statistics, copy_state, flattened_by_partition, share_gradients, sum_gradients
 from seqify.pipe.side_streams import SideStreams
 from seqify.pipe.transfer import refuse_meta
 
@@ -51,11 +53,16 @@ class ReplicatedPipeline(nn.Module):
     sums run in another order), and BatchNorm running statistics are combined as one pipeline running all the
     micro-batches in turn would leave them.
 
-    The first replica is the model: :meth:`parameters`, ``state_dict`` and ``pipe.model`` are its (build the
-    optimizer on ``pipe.parameters()``; clipping and checkpoints count each parameter once). The other replicas
-    hold copies that take the first's parameters and buffers before their next step or forward, whenever they
-    changed (an optimizer step, a loaded checkpoint). :meth:`step` and calling the pipeline work as on a
-    :class:`Pipeline`; after ``pipe(x)`` in training, the gradients are summed when ``backward`` ends.
+    The first replica is the model: :meth:`parameters`, ``state_dict`` and ``pipe.model`` are its (clipping and
+    checkpoints count each parameter once). The other replicas hold copies that take the first's parameters and
+    buffers before their next step or forward, whenever they changed (an optimizer step, a loaded checkpoint).
+    :meth:`step` and calling the pipeline work as on a :class:`Pipeline`; after ``pipe(x)`` in training, the
+    gradients are summed when ``backward`` ends.
+
+    Two ways to step: an optimizer built on ``pipe.parameters()`` updates the first replica, whose new state
+    reaches the others before their next forward; ``pipe.optimizer(factory)`` (faster, DDP's way) builds one
+    optimizer per replica, every replica receives the summed gradients and updates its own copy, and nothing is
+    copied between steps. The second holds the optimizer's state on every replica's devices, as DDP does.
     """
 
     _others: list[Pipeline]  # a plain attribute (set with object.__setattr__): parameters() are the first's
@@ -76,6 +83,10 @@ class ReplicatedPipeline(nn.Module):
         self._sums = PartitionSums(streams)
         self._copies = PartitionCopies(streams)
         self._versions: tuple[int, ...] | None = None
+        # the optimizers that step every replica (pipe.optimizer): while one lives, every replica gets the sums
+        self._stepping: weakref.WeakSet[ReplicaOptimizers] = weakref.WeakSet()
+        # the first replica's .grad (and versions) as every replica received them; None: the others' may differ
+        self._shared: list[tuple[torch.Tensor, int] | None] | None = None
         self._threads = all(p.devices[0].type == "cuda" for p in replicas)
         self._pool: ThreadPoolExecutor | None = None
         #: the PipeConfig seqify.tune chose or config= gave; None when built by hand
@@ -140,13 +151,17 @@ class ReplicatedPipeline(nn.Module):
         """Whether the first replica's parameters or buffers changed since the others last took them (running
         statistics left uncombined are combined first); refuses a tensor replaced rather than updated."""
         self._statistics.combine()
+        self._refuse_replaced()
         mine = [*self._params[0], *self.pipeline.partitions.buffers()]
-        if tuple(t.data_ptr() for t in mine) != self._addresses:
+        return tuple(t._version for t in mine) != self._versions
+
+    def _refuse_replaced(self) -> None:
+        """Refuse a tensor of the first replica replaced rather than updated in place."""
+        if self._held() != self._addresses:
             raise DeviceError("a tensor of the replicated pipeline's model was replaced, not updated in place "
                               "(p.data = ..., a cast or a move of pipe.model): the other replicas would no longer "
                               "follow it. Update parameters in place (optimizers and load_state_dict do), or "
                               "build the pipeline again from the changed model")
-        return tuple(t._version for t in mine) != self._versions
 
     def _copy_state(self) -> None:
         """Every partition's state copied from the first replica into the others now."""
@@ -161,6 +176,63 @@ class ReplicatedPipeline(nn.Module):
     def _held(self) -> tuple[int, ...]:
         """Where the first replica's parameters and buffers are: inside its flat tensors while it holds them."""
         return tuple(t.data_ptr() for t in [*self._params[0], *self.pipeline.partitions.buffers()])
+
+    def optimizer(self, factory: OptimizerFactory) -> ReplicaOptimizers:
+        """An optimizer that steps every replica's copy on its own devices, as DDP's processes do: ``factory``
+        (``lambda params: torch.optim.AdamW(params, lr=3e-4)``, or the optimizer's class) is called once per
+        replica on that replica's parameters. Use it as the optimizer of ``pipe.parameters()``: schedulers,
+        clipping, gradient scalers and checkpoints see the first replica's (the model's) groups and state.
+
+        While it lives, each step leaves the whole batch's gradients in every replica's ``.grad`` (one all-reduce
+        per partition beside the backward, where DDP reduces its buckets), and no state is copied between the
+        replicas before the next step. Its state sits on every replica's devices (DDP's memory), where an
+        optimizer of ``pipe.parameters()`` keeps it on the first replica's alone."""
+        built = [built_on(factory, params, "the first replica's" if r == 0 else f"replica {r}'s")
+                 for r, params in enumerate(self._params)]
+        made = ReplicaOptimizers(self, built)
+        self._stepping.add(made)
+        return made
+
+    def _forget_gradients(self) -> None:
+        """The other replicas' ``.grad`` no longer follow the first's (its gradients were zeroed or replaced)."""
+        self._shared = None
+
+    def _step_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Step each replica's optimizer (``optimizers[r]``: replica ``r``'s) from the same parameters and
+        gradients: where the first's parameters changed since the others took them, they are copied first, and
+        where its ``.grad`` is no longer what every replica received, it is copied to the others."""
+        self._refuse_replaced()
+        params = self._params[0]
+        if self._versions is None or tuple(p._version for p in params) != self._versions[:len(params)]:
+            self._copy_state()
+        if not self._gradients_shared():
+            share_gradients(self._params)
+        work = [opt.step for opt in optimizers]
+        try:
+            self._run(work) if self._threads else [w() for w in work]
+        except BaseException:
+            self._versions = None  # some replicas may have stepped: all take the first's state again
+            raise
+        finally:
+            self._shared = None
+        assert self._versions is not None
+        self._versions = tuple(p._version for p in params) + self._versions[len(params):]
+
+    def _gradients_shared(self) -> bool:
+        """Whether every replica's ``.grad`` still holds what the first's holds (as the step's all-reduce left)."""
+        shared = self._shared
+        if shared is None:
+            return False
+        for p, kept in zip(self._params[0], shared):
+            if (p.grad is None) != (kept is None):
+                return False
+            if kept is not None and (p.grad is not kept[0] or kept[0]._version != kept[1]):
+                return False
+        return True
+
+    def _received(self) -> None:
+        """Every replica's ``.grad`` now holds the sums: remember the first's as they are."""
+        self._shared = [None if p.grad is None else (p.grad, p.grad._version) for p in self._params[0]]
 
     def _apply(self, fn: Any, recurse: bool = True) -> ReplicatedPipeline:
         raise DeviceError("a replicated pipeline keeps the devices and dtype it was built with (.to(), .cuda(), "
@@ -177,7 +249,7 @@ class ReplicatedPipeline(nn.Module):
                                   "replicas, each needing at least one: use a larger batch or fewer replicas")
         return shares
 
-    def _run(self, work: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    def _run(self, work: Sequence[Callable[[], Any]]) -> list[Any]:
         """Each replica's part of a step in a thread of its own (one host thread issuing every replica's kernels
         in turn would make the second GPU wait for the first's issue), with the caller's gradient and autocast
         modes; the first error raised once all have ended. Programs to capture are built before (a capture
@@ -204,13 +276,17 @@ class ReplicatedPipeline(nn.Module):
         ready = [r for r in replays if r is not None]
         if len(ready) < len(replays) or not PartitionSums.possible(ready):
             return run(), False
-        self._sums.begin(ready)
+        everyone = bool(self._stepping) and PartitionSums.everyone_possible(ready)
+        self._sums.begin(ready, everyone=everyone)
         try:
             totals = run()
         except BaseException:
             self._sums.finish(hand=False)
             raise
-        return totals, self._sums.finish()
+        summed = self._sums.finish()
+        if summed and everyone:
+            self._received()
+        return totals, summed
 
     def step(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
              reduction: str | None = None, denominator: Count | None = None,
@@ -223,6 +299,7 @@ class ReplicatedPipeline(nn.Module):
         factor = scale_of(loss_scale, first.devices[-1])
         refuse_meta(target, "target", first.devices[-1])
         changed = self._changed()
+        self._shared = None
         shares = self._shares(first._carried(x))
         share_targets = split_like(target, sizes_of(shares))
         whole = first._whole_step
@@ -275,6 +352,8 @@ class ReplicatedPipeline(nn.Module):
         model = self.model
         carried = model.flatten_inputs(*args, **kwargs) if isinstance(model, Sequential) else args[0]
         self._sync()
+        if self.training and torch.is_grad_enabled():  # a backward may follow: the gradients are summed anew
+            self._shared = None
         if self.training:  # BatchNorm updates its statistics in training mode, with gradients or without
             self._statistics.keep()
         shares = [p._transfer(s, p.devices[0]) for p, s in zip(self.replicas, self._shares(carried))]
@@ -302,7 +381,7 @@ def _modes() -> _Modes:
                                       torch.is_autocast_cache_enabled()) for kind in ("cuda", "cpu")]
 
 
-def _in_modes(modes: _Modes, device: torch.device, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+def _in_modes(modes: _Modes, device: torch.device, fn: Callable[[], Any]) -> Any:
     """``fn()`` under the caller's ``modes``, with ``device`` current."""
     grad, casts = modes
     with contextlib.ExitStack() as stack:

@@ -3,9 +3,10 @@ and the peak memory a block of work holds."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -72,8 +73,9 @@ def step_seconds(model: nn.Module, sample: Any, devices: Sequence[torch.device],
     ``warm`` untimed ones; ``.grad`` is cleared after each. A :class:`Pipeline` whose schedule is not
     GPipe runs its steps as ``pipe.step`` (the only path that follows its schedule). With ``update``, each
     step ends with a pass over the trainable parameters in place, as an optimizer's step makes (see
-    :func:`updated`)."""
+    :func:`updated`); replicas each make it on their own copy, as ``pipe.optimizer`` steps them."""
     scheduled = isinstance(model, ReplicatedPipeline) or isinstance(model, Pipeline) and model.schedule != "gpipe"
+    update_step = _update_of(model) if update else None
     times = []
     for k in range(warm + steps):
         sync(devices)
@@ -82,8 +84,8 @@ def step_seconds(model: nn.Module, sample: Any, devices: Sequence[torch.device],
             cast(Pipeline, model).step(sample, None, _scored, reduction="mean")  # or a ReplicatedPipeline's
         else:
             loss(call(model, sample)).backward()
-        if update:
-            updated(model)
+        if update_step is not None:
+            update_step()
         sync(devices)
         if k >= warm:
             times.append(time.perf_counter() - start)
@@ -95,15 +97,38 @@ def updated(model: nn.Module) -> None:
     """Rewrite every trainable parameter in place with its own value (times 1.0, exact for every float), one
     pass per device and dtype: the memory traffic of the lightest optimizer step, on the devices that hold
     the parameters, and a new version of each, so that replicas take the first's state before the next step as
-    they do in training. Timed steps without it would leave out the update and, for replicas of a model without
-    buffers to change, the broadcast."""
+    they do after an optimizer of ``pipe.parameters()``. Timed steps without it would leave out the update and,
+    for replicas of a model without buffers to change, the broadcast."""
+    _rewritten(list(model.parameters()))
+
+
+def _rewritten(params: list[torch.Tensor]) -> None:
+    """:func:`updated` on ``params``."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in model.parameters():
+    for p in params:
         if p.requires_grad:
             groups.setdefault((p.device, p.dtype), []).append(p)
     with torch.no_grad():
         for group in groups.values():
             torch._foreach_mul_(group, 1.0)
+
+
+class _Rewrite(torch.optim.Optimizer):
+    """The lightest optimizer: its step rewrites each parameter with its own value (:func:`updated`)."""
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        _rewritten([p for group in self.param_groups for p in group["params"]])
+
+
+def _update_of(model: nn.Module) -> Callable[[], None]:
+    """What ends a timed step of ``model``: :func:`updated`, or, for replicas, each rewriting its own copy
+    (``pipe.optimizer``), with nothing to broadcast before the next step."""
+    if isinstance(model, ReplicatedPipeline):
+        return model.optimizer(_Rewrite).step
+    return functools.partial(updated, model)
 
 
 @contextmanager

@@ -129,11 +129,12 @@ def test_a_fixed_layout_is_tuned_saved_and_built() -> None:
     assert torch.isfinite(loss)
 
 
-def test_timed_replicas_take_the_state_again_each_step_as_after_an_optimizer_step(monkeypatch: pytest.MonkeyPatch
-                                                                                  ) -> None:
+def test_timed_replicas_each_update_their_own_copy_as_pipe_optimizer_steps_them(monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
     """A timed candidate's steps end with a pass over the parameters in place, as an optimizer's step does: they
-    keep every value, bit for bit, and replicas of a model with no buffers take the first's state before each next
-    step, as in training (without it, a replicated candidate would be timed without its broadcast)."""
+    keep every value, bit for bit; replicas each make it on their own copy (``pipe.optimizer``'s way), so none
+    takes the first's state again, and a model updated by :func:`measure.updated` (an optimizer of its
+    parameters) hands its replicas the new state before the next step."""
     torch.manual_seed(0)
     seq = seqify.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
     x = torch.randn(16, 8)
@@ -145,9 +146,15 @@ def test_timed_replicas_take_the_state_again_each_step_as_after_an_optimizer_ste
     before = [p.detach().clone() for p in pipe.parameters()]
     measure.step_seconds(pipe, x, [torch.device("cpu")], steps=2, warm=1)
     assert len(copies) == 1  # the parameters never changed: taken once
+    versions = [p._version for r in pipe.replicas for p in r.partitions.parameters()]
     measure.step_seconds(pipe, x, [torch.device("cpu")], steps=2, warm=1, update=True)
-    assert len(copies) == 1 + 2  # every step after an update (the last one's is left to the next step)
+    assert len(copies) == 1  # each replica rewrote its own copy
+    assert all(p._version > v for p, v in zip((p for r in pipe.replicas for p in r.partitions.parameters()),
+                                              versions))
     assert all(torch.equal(p, b) for p, b in zip(pipe.parameters(), before))
+    measure.updated(pipe)
+    pipe.step(x, None, lambda out, _: out.sum())
+    assert len(copies) == 2  # the first's new state, taken by the others
     odd = nn.Parameter(torch.tensor([-0.0, 5e-324, float("inf"), float("nan"), 1.5], dtype=torch.float64))
     holder = nn.Module()
     holder.odd = odd

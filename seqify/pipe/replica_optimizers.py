@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from seqify.errors import OptionError
-
-if TYPE_CHECKING:
-    from seqify.pipe.replicated import ReplicatedPipeline
 
 __all__ = ["OptimizerFactory", "ReplicaOptimizers", "built_on"]
 
@@ -22,6 +19,14 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 _HOW = ("give pipe.optimizer a function that builds the optimizer on the parameters it is given, "
         "lambda params: torch.optim.AdamW(params, lr=3e-4), or the optimizer's class")
+
+
+class Replicas(Protocol):
+    """What steps the replicas' optimizers: a :class:`~seqify.ReplicatedPipeline`."""
+
+    def _step_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None: ...
+
+    def _forget_gradients(self) -> None: ...
 
 
 def built_on(factory: OptimizerFactory, params: Sequence[nn.Parameter], where: str) -> torch.optim.Optimizer:
@@ -57,7 +62,7 @@ class ReplicaOptimizers(torch.optim.Optimizer):
     memory on one GPU) leaves the replicas apart; before the next, every replica takes the first's parameters
     and optimizer state again."""
 
-    def __init__(self, pipe: ReplicatedPipeline, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def __init__(self, pipe: Replicas, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self._optimizers: list[torch.optim.Optimizer] = []
         # torch's own setup (hooks, the step's profiling range); its placeholder groups are not kept
         super().__init__([torch.empty(0)], {})

@@ -176,10 +176,20 @@ TIMM = Source(["timm_sweep/results/timm.jsonl", "timm_sweep/results/timm-more.js
 LAYOUTS = Source(["layouts/results/h200-two-gpus.jsonl"], H200x2, TORCH,
                  "python benchmarks/layouts/main.py --gpus 2 --auto --out h200-two-gpus.jsonl", date="2026-11-28")
 LAYOUTS_LLAMA = Source(["layouts/results/h200-llama-two-gpus.jsonl"], H200x2, TORCH + ", transformers 5.17",
-                       "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 --auto "
+                       "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
+                       "--layouts 1x2:gpipe:1:graphs:loops4 --optimizer replicas first --auto "
                        "--out h200-llama-two-gpus.jsonl", date="2026-11-28")
 LAYOUTS4 = Source(["layouts/results/h200-four-gpus.jsonl"], H200x4, TORCH,
-                  "python benchmarks/layouts/main.py --gpus 4 --auto --out h200-four-gpus.jsonl", date="2026-11-28")
+                  "python benchmarks/layouts/main.py --gpus 4 --layouts 1x4:gpipe:1:graphs:loops2 --auto "
+                  "--out h200-four-gpus.jsonl", date="2026-11-28")
+LAYOUTS_LLAMA8B = Source(["layouts/results/h200-llama8b-two-gpus.jsonl"], H200x2, TORCH + ", transformers 5.17",
+                         "python benchmarks/layouts/main.py --model llama8b --gpus 2 --per-gpu 2 --steps 4 --warm 2 "
+                         "--auto --out h200-llama8b-two-gpus.jsonl", date="2026-11-28")
+LAYOUTS_LLAMA8B_HAND = Source(["layouts/results/h200-llama8b-two-gpus-hand.jsonl"], H200x2,
+                              TORCH + ", transformers 5.17",
+                              "python benchmarks/layouts/main.py --model llama8b --gpus 2 --per-gpu 2 --steps 4 "
+                              "--warm 2 --layouts 2x1:interleaved:4:graphs:loops4 2x1:gpipe:4:graphs:loops4 "
+                              "--out h200-llama8b-two-gpus-hand.jsonl", date="2026-11-28")
 LAYOUTS4_LLAMA_AUTO = Source(["layouts/results/h200-llama-four-gpus.jsonl"], H200x4, TORCH + ", transformers 5.17",
                              "python benchmarks/layouts/main.py --model llama --gpus 4 --per-gpu 4 --steps 4 --warm 2 "
                              "--auto --out h200-llama-four-gpus.jsonl", date="2026-11-28")
@@ -200,7 +210,8 @@ LAYOUTS_H100_LLAMA = Source(["layouts/results/h100-llama-two-gpus.jsonl"], H100x
                             date="2026-11-28")
 
 SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA,
-           LAYOUTS4, LAYOUTS4_LLAMA_AUTO, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA)
+           LAYOUTS4, LAYOUTS4_LLAMA_AUTO, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA,
+           LAYOUTS_LLAMA8B, LAYOUTS_LLAMA8B_HAND)
 
 
 # -- the numbers the pages share ---------------------------------------------------------------------------------
@@ -705,7 +716,10 @@ def layouts_page() -> str:
 
     h200_4, h200_2 = named(LAYOUTS4), named(LAYOUTS)
     llama4, llama2, hand4 = named(LAYOUTS4_LLAMA_AUTO), named(LAYOUTS_LLAMA), named(LAYOUTS4_LLAMA)
+    big, big_hand = named(LAYOUTS_LLAMA8B), named(LAYOUTS_LLAMA8B_HAND)
     auto = "seqify automatic"
+    first = " (optimizer of the first replica)"
+    interleaved = "seqify 2 x 1 interleaved chunks 4 loops 4 graphs"
 
     def vs(found: dict[str, dict[str, Any]], anchor: str, row: str = auto) -> str:
         return f"{found[row]['samples_per_s'] / found[anchor]['samples_per_s']:.3f}"
@@ -723,7 +737,10 @@ def layouts_page() -> str:
         "DDP (and, for the Llama, FSDP2 with `fully_shard` per decoder layer) over the same GPUs under torchrun "
         "(`benchmarks/data_parallel/`); seqify's replicated pipelines with a layout given by hand "
         "(`stages x replicas`), where the table has them; and `seqify.pipeline(model, devices=..., sample=batch)`, "
-        "the tuner's choice among every layout. Each seqify step is `pipe.step` plus an SGD step. Every row is "
+        "the tuner's choice among every layout. Each seqify step is `pipe.step` plus an optimizer step by "
+        "`pipe.optimizer` (an optimizer per replica, as DDP steps); rows marked *optimizer of the first replica* "
+        "step one optimizer of `pipe.parameters()` instead, whose update the other replicas take by broadcast (the "
+        "four-GPU Llama table, older, stepped every seqify row so). Every row is "
         "timed as the DDP and FSDP2 scripts time theirs: steps run back to back, the GPUs synchronised only before "
         "the first and after the last (a training loop that does not read the loss every step runs so), except "
         "the last table, older, which synchronised each seqify step. Peak memory counts from the first timed step "
@@ -742,17 +759,30 @@ def layouts_page() -> str:
         "### Two H100s", _layout_table(LAYOUTS_H100_LLAMA.files[0]), LAYOUTS_H100_LLAMA.line(),
         "### Four H200s, layouts by hand (each step synchronised; before replicas summed gradients per partition)",
         _layout_table(LAYOUTS4_LLAMA.files[0]), LAYOUTS4_LLAMA.line(),
+        "## Llama 7.2 B, bf16 autocast, fp32 Adam, 2 × 2048 tokens per GPU",
+        "No one GPU trains it (its weights, gradients and Adam's moments alone take 115 GB), so FSDP2 is the anchor.",
+        "### Two H200s", _layout_table(LAYOUTS_LLAMA8B.files[0]), LAYOUTS_LLAMA8B.line(),
+        "### Two H200s, a layout by hand", _layout_table(LAYOUTS_LLAMA8B_HAND.files[0]),
+        LAYOUTS_LLAMA8B_HAND.line() + " Its second layout, GPipe at 4 micro-batches, ran out of memory at its "
+        "first Adam step in that run and has no row.",
         f"**Result.** On H200s the tuner chose {chose(h200_4)} for ResNet-101 on four GPUs, {vs(h200_4, 'DDP')}× "
         f"DDP's throughput, and {chose(h200_2)} on two, {vs(h200_2, 'DDP')}×, each at a far lower allocated peak "
-        f"per GPU than DDP's and 1.5-4.5 GiB more reserved. For the Llama it chose {chose(llama4)} on four H200s: "
+        f"per GPU than DDP's and more reserved (the graphs' pools). For the Llama it chose {chose(llama4)} on four H200s: "
         f"{vs(llama4, 'FSDP2')}× FSDP2's throughput at {first_gib(llama4, auto, 'peak_gib')} GiB allocated on the "
         f"first GPU (FSDP2: {first_gib(llama4, 'FSDP2', 'peak_gib')}), and on two "
-        f"{vs(llama2, 'FSDP2')}× FSDP2's. Every GPU is busy through the whole step: `benchmarks/layouts/gaps.py` "
-        "finds no idle gap of 0.2 ms or more on four H100s.",
-        f"**Where seqify loses.** DDP trains the 0.89 B Llama faster: seqify's choice runs at {vs(llama4, 'DDP')} of "
-        f"DDP's throughput on four H200s and {vs(llama2, 'DDP')} on two "
-        "(DDP steps the optimizer on every GPU at once; seqify's replicas reduce to the first GPU, step there and "
-        "broadcast each partition back). A pure pipeline over four GPUs is far behind both (`4 x 1`: "
+        f"{vs(llama2, 'FSDP2')}× FSDP2's. For the 7.2 B Llama on two H200s it chose {chose(big)}: "
+        f"{vs(big, 'FSDP2')}× FSDP2's throughput, at {max(big[auto]['peak_gib']):.1f} GiB allocated on a GPU against "
+        f"FSDP2's {max(big['FSDP2']['peak_gib']):.1f}; interleaved at 4 micro-batches, by hand, ran "
+        f"{vs(big_hand, 'FSDP2', interleaved)}× at {max(big_hand[interleaved]['peak_gib']):.1f} GiB. "
+        "Every GPU is busy through the whole step: `benchmarks/layouts/gaps.py` finds no idle gap of 0.2 ms or "
+        "more on four H100s.",
+        f"**Where seqify loses.** DDP trains the 0.89 B Llama as fast or faster: seqify's choice runs at "
+        f"{vs(llama2, 'DDP')} of DDP's throughput on two H200s with an optimizer per replica "
+        f"({vs(llama2, 'DDP', auto + first)} with one optimizer on the first replica), and at {vs(llama4, 'DDP')} "
+        "on four in the older run with one optimizer on the first replica; one GPU's share of a step is "
+        "the same work in both, and the replicas' all-reduce is DDP's. On the 7.2 B Llama seqify is faster than "
+        "FSDP2 but holds 3-4 GiB more allocated per GPU (FSDP2 shards the weights, gradients and Adam's moments; "
+        "a pipeline holds its half of each whole). A pure pipeline over four GPUs is far behind both (`4 x 1`: "
         f"{pipes4['x_ddp']:.2f} of DDP, timed step by step). Replicated steps hold more reserved memory than DDP "
         f"(the graphs' pools: {first_gib(llama4, auto, 'reserved_gib')} GiB on the Llama's first GPU against DDP's "
         f"{first_gib(llama4, 'DDP', 'reserved_gib')}). Not measured yet: eight GPUs.",

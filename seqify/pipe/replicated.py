@@ -114,6 +114,16 @@ class ReplicatedPipeline(nn.Module):
         return [d for p in self.replicas for d in p.devices]
 
     @property
+    def input_device(self) -> torch.device:
+        """Where a batch is best given: the first replica's first device (each share moves to its replica)."""
+        return self.pipeline.input_device
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where the outputs and the step's loss are: the first replica's last device (targets may be anywhere)."""
+        return self.pipeline.output_device
+
+    @property
     def balance(self) -> list[int]:
         return list(self.pipeline.balance)
 

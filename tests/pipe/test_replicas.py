@@ -317,6 +317,11 @@ def test_the_model_is_the_first_replica() -> None:
     assert [p.data_ptr() for p in pipe.parameters()] == [p.data_ptr() for p in pipe.model.parameters()]
     assert len(list(pipe.parameters())) == len(list(source.parameters()))
     assert "2 replicas x 2 devices" in repr(pipe)
+    # a training loop written for a Pipeline runs unchanged: the batch in, the loss out, where the first replica is
+    assert pipe.input_device == pipe.replicas[0].input_device and pipe.output_device == pipe.replicas[0].output_device
+    x, y = data(12)
+    loss = pipe.step(x.to(pipe.input_device), y.to(pipe.output_device), nn.CrossEntropyLoss())
+    assert loss.device == pipe.output_device
 
 
 def test_bad_layouts_are_refused() -> None:

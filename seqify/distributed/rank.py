@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -11,9 +11,10 @@ from torch import nn
 
 from seqify.pipe.stage import Stage
 from seqify.schedule.actions import Schedule
+from seqify.skip.layout import routes
 from seqify.skip.namespace import SkipKey
 
-__all__ = ["Route", "RankStage"]
+__all__ = ["Route", "RankStage", "crossing_routes"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,12 @@ class RankStage(Protocol):
     def parameters(self, recurse: bool = True) -> Any: ...
 
     def over_replicas(self) -> Callable[[list[torch.Tensor]], Callable[[], int]] | None: ...
+
+
+def crossing_routes(model: nn.Sequential, balance: Sequence[int]) -> tuple[list[Route], dict[int, SkipKey]]:
+    """The skips whose stash and pop lie in different partitions, and each one's key."""
+    part_of = [j for j, count in enumerate(balance) for _ in range(count)]
+    found = routes(model)
+    crossing = [Route(i, r.key[1], part_of[r.stash], part_of[r.pop])
+                for i, r in enumerate(found) if part_of[r.stash] != part_of[r.pop]]
+    return crossing, {rt.index: found[rt.index].key for rt in crossing}

@@ -17,7 +17,7 @@ from seqify.distributed.eager import RankRun
 from seqify.distributed.layout import layout_of, placement_for
 from seqify.distributed.link import Books, Link, directions, leaves, peer
 from seqify.distributed.materialize import BufferInit, converted, materialize
-from seqify.distributed.rank import Route
+from seqify.distributed.rank import Route, crossing_routes
 from seqify.distributed.replay import RankPrograms, program_step
 from seqify.errors import BalanceError, BoundaryError, DeviceError
 from seqify.model.sequential import Sequential
@@ -30,10 +30,10 @@ from seqify.pipe.microbatch import gather, scatter
 from seqify.pipe.moves import Placed
 from seqify.pipe.placement import CHECKPOINT, _place
 from seqify.pipe.recompute import norms_of
+from seqify.pipe.replica_optimizers import OptimizerFactory, built_on
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import refuse_meta
 from seqify.schedule.actions import SCHEDULES, Action, Schedule, gpipe, make
-from seqify.skip.layout import routes
 from seqify.skip.namespace import SkipKey
 
 if TYPE_CHECKING:
@@ -71,15 +71,6 @@ def _place_owned(model: nn.Sequential, balance: Sequence[int], owned: list[int],
         _place(list(parts.values()), [device] * len(parts))
     tied.home(ties, [device] * len(parts))
     return parts
-
-
-def _crossing_routes(model: nn.Sequential, balance: Sequence[int]) -> tuple[list[Route], dict[int, SkipKey]]:
-    """The skips whose stash and pop lie in different partitions, and each one's key."""
-    part_of = [j for j, count in enumerate(balance) for _ in range(count)]
-    found = routes(model)
-    crossing = [Route(i, r.key[1], part_of[r.stash], part_of[r.pop])
-                for i, r in enumerate(found) if part_of[r.stash] != part_of[r.pop]]
-    return crossing, {rt.index: found[rt.index].key for rt in crossing}
 
 
 class DistributedStage(Placed):
@@ -138,7 +129,7 @@ class DistributedStage(Placed):
         # every layer of this rank, in model order: parameters(), state_dict() and checkpoints read it
         mine = sorted((starts[p] + k, names[starts[p] + k]) for p in self.owned for k in range(balance[p]))
         self.partition = nn.Sequential(OrderedDict((n, layers[k]) for k, n in mine))
-        self.routes, self._key = _crossing_routes(model, balance)
+        self.routes, self._key = crossing_routes(model, balance)
         # skips whose values are sizes (ints made from shapes): fixed programs hold them per micro-batch
         self.sized = frozenset(size_skips(layers))
         object.__setattr__(self, "model", model)
@@ -210,6 +201,11 @@ class DistributedStage(Placed):
         held = f"partitions {self.owned}" if len(self.owned) > 1 else f"partition {self.owned[0]}"
         return (f"rank {rank} (stage {self.index + 1}/{self.stages}, {held} of {self.partitions}, "
                 f"replica {self.replica + 1}/{self.replicas})")
+
+    def optimizer(self, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """``factory(stage.parameters())``, checked: this rank's optimizer, built as an in-process pipeline builds
+        its own (:meth:`seqify.Pipeline.optimizer`); each process steps its own, as DDP's do."""
+        return built_on(factory, list(self.parameters()), f"{self.me}'s")
 
     def checkpoint_share(self) -> Share:
         """What ``seqify.checkpoint.save`` and ``load`` keep of this rank: its layers and where the others are."""

@@ -48,3 +48,13 @@ def test_casts_and_moves_to_its_own_device_work_in_place() -> None:
     assert stage.double() is stage
     assert [p.dtype for p in stage.parameters()] == [torch.float64] * len(params)
     assert all(a is b for a, b in zip(stage.parameters(), params))  # the optimizer's parameters stay its own
+
+
+def test_a_stage_builds_its_optimizer_as_a_pipeline_does() -> None:
+    """``stage.optimizer(factory)``: the same training loop as an in-process pipeline, over this rank's
+    parameters; a factory that builds on other parameters is refused, naming the rank."""
+    first, second = stages()
+    opt = first.optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
+    assert type(opt) is torch.optim.SGD and opt.param_groups[0]["params"] == list(first.parameters())
+    with pytest.raises(seqify.OptionError, match="parameters it was not given .*stage 1/2"):
+        first.optimizer(lambda params: torch.optim.SGD(second.parameters(), lr=0.1))

@@ -32,7 +32,7 @@ def main() -> None:
     share = slice(stage.replica * len(x) // stage.replicas, (stage.replica + 1) * len(x) // stage.replicas)
     inputs = x[share].to(stage.device) if stage.is_first else None
     target = y[share].to(stage.device) if stage.is_last else None
-    opt = work.optimizer(stage.parameters())
+    opt = stage.optimizer(work.optimizer)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

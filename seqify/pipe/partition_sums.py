@@ -41,6 +41,7 @@ class PartitionSums:
         # per partition, per replica receiving the sum, the new flat tensors it goes into (None: into the first
         # replica's sums)
         self._fresh: list[list[list[torch.Tensor]] | None] = []
+        self._receivers = 1  # the replicas whose .grad gets the sums: the first, or every one
         self._homes: dict[torch.device, torch.cuda.Stream] = {}
 
     @staticmethod
@@ -71,7 +72,8 @@ class PartitionSums:
         self._replays = list(replays)
         self._arrived = [0] * len(replays[0].stages)
         first = replays[0]
-        receivers = replays if everyone else replays[:1]
+        self._receivers = len(replays) if everyone else 1
+        receivers = replays[:self._receivers]
         if everyone:
             for replay in replays[1:]:
                 for params, _ in replay.handoff:
@@ -95,9 +97,8 @@ class PartitionSums:
         done = bool(replays) and all(n == len(replays) for n in self._arrived)
         fresh, self._fresh = self._fresh, []
         if hand and done:
-            receivers = len(next((f for f in fresh if f is not None), [None]))
             with torch.no_grad():
-                for r in range(receivers):
+                for r in range(self._receivers):
                     replays[r].hand([None if f is None else f[r] for f in fresh])
         return hand and done
 

@@ -81,14 +81,10 @@ def share_gradients(replicas: Sequence[Sequence[nn.Parameter]]) -> None:
         for ks in _buckets(first):
             mine = [first[k].grad for k in ks]
             flat = _flatten_dense_tensors(mine)
-            flats = [flat, *(torch.empty_like(flat, device=other[ks[0]].device) for other in replicas[1:])]
-            if distinct_cuda([f.device for f in flats]):
-                torch.cuda.nccl.broadcast(flats, root=0)
-            else:
-                for f in flats[1:]:
-                    f.copy_(flat)
-            for other, f in zip(replicas[1:], flats[1:]):
-                for k, g in zip(ks, _unflatten_dense_tensors(f, mine)):
+            theirs = [torch.empty_like(flat, device=other[ks[0]].device) for other in replicas[1:]]
+            copy_state([flat], [[t] for t in theirs])
+            for other, t in zip(replicas[1:], theirs):
+                for k, g in zip(ks, _unflatten_dense_tensors(t, mine)):
                     other[k].grad = g
 
 

@@ -51,6 +51,18 @@ def source_step(source: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tenso
     return loss.detach()
 
 
+def update_and_compare(source: nn.Module, pipe: ReplicatedPipeline, opt_s: torch.optim.Optimizer,
+                       opt_p: torch.optim.Optimizer, rtol: float = 1e-9, grads: bool = True) -> None:
+    """Both optimizers step; the pipeline's model is the source's (its gradients too, with ``grads``), every
+    replica bit-equal to the first; then both zero their gradients."""
+    opt_s.step()
+    opt_p.step()
+    assert_source_equal(source, pipe, rtol=rtol, grads=grads)
+    assert_replicas_equal(pipe)
+    opt_s.zero_grad()
+    opt_p.zero_grad()
+
+
 def gpt(replicas: int = 2, loops: int = 2, schedule: str = "zb-h1", devices: list[str] | None = None
         ) -> tuple[nn.Module, ReplicatedPipeline, torch.Tensor]:
     """TinyGPT (its embedding and head tied; no buffers that change) and its replicated pipeline."""
@@ -101,12 +113,7 @@ def test_every_replica_steps_its_own_copy_like_the_source(schedule: str, stages:
                 for a, b in zip(pipe.model.parameters(), other.partitions.parameters()):
                     assert b.grad is not None and a.grad is not None and b.grad is not a.grad
                     assert torch.equal(a.grad, b.grad)
-        opt_s.step()
-        opt_p.step()
-        assert_source_equal(source, pipe)
-        assert_replicas_equal(pipe)
-        opt_s.zero_grad()
-        opt_p.zero_grad()
+        update_and_compare(source, pipe, opt_s, opt_p)
         assert all(p.grad is None for r in pipe.replicas for p in r.partitions.parameters()), step
 
 
@@ -126,12 +133,7 @@ def test_nothing_is_copied_between_steps_where_nothing_else_changes(monkeypatch:
     for _ in range(3):
         source_step(source, gpt_loss, idx, idx, 2, 2)
         pipe.step(idx, idx, gpt_loss)
-        opt_s.step()
-        opt_p.step()
-        assert_source_equal(source, pipe)
-        assert_replicas_equal(pipe)
-        opt_s.zero_grad()
-        opt_p.zero_grad()
+        update_and_compare(source, pipe, opt_s, opt_p)
     assert len(copies) == 1  # the first step's; no later step changed the first alone
 
 
@@ -291,10 +293,5 @@ def test_replicas_on_gpus_all_reduce_and_step_their_own_copies(stages: int, grap
             for a, b in zip(pipe.model.parameters(), pipe.replicas[1].partitions.parameters()):
                 # replayed, every replica received the sums; eagerly, only the first has them until opt.step()
                 assert a.grad is not None and (not graphs or b.grad is not None and torch.equal(a.grad, b.grad.to(0)))
-            opt_s.step()
-            opt_p.step()
-            assert_source_equal(source, pipe, rtol=1e-8, grads=False)
-            assert_replicas_equal(pipe)
-            opt_s.zero_grad()
-            opt_p.zero_grad()
+            update_and_compare(source, pipe, opt_s, opt_p, rtol=1e-8, grads=False)
     assert all(r.graph_error is None and r.graphs == graphs for r in pipe.replicas)

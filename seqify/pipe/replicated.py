@@ -278,15 +278,17 @@ class ReplicatedPipeline(nn.Module):
         if not summed:
             sum_gradients(self._params)
 
-    def _summed_by_partition(self, replays: list[Replay | None], run: Callable[[], list[torch.Tensor]]
-                             ) -> tuple[list[torch.Tensor], bool]:
+    def _summed_by_partition(self, replays: list[Replay | None], run: Callable[[], list[torch.Tensor]],
+                             scaler: bool = False) -> tuple[list[torch.Tensor], bool]:
         """``run()``'s losses, with the gradients summed partition by partition beside the backward where every
         replica replays programs with flat sums (:class:`~seqify.pipe.partition_sums.PartitionSums`); whether
-        they were (else they are summed after the step)."""
+        they were (else they are summed after the step). Into every replica's ``.grad`` where replica optimizers
+        step them, unless a gradient ``scaler`` will unscale the first's: torch's unscaling kernel leaves no new
+        version on the gradients it rewrites, so the others take the first's at ``opt.step()`` instead."""
         ready = [r for r in replays if r is not None]
         if len(ready) < len(replays) or not PartitionSums.possible(ready):
             return run(), False
-        everyone = bool(self._stepping) and PartitionSums.everyone_possible(ready)
+        everyone = bool(self._stepping) and not scaler and PartitionSums.everyone_possible(ready)
         self._sums.begin(ready, everyone=everyone)
         try:
             totals = run()
@@ -343,7 +345,8 @@ class ReplicatedPipeline(nn.Module):
                 self._copies.begin(self._parts, [r for r in replays if r is not None])
                 self._taken()
             totals, summed = self._summed_by_partition(replays, lambda: self._run(work) if threads else
-                                                       [w() for w in work])
+                                                       [w() for w in work],
+                                                       scaler=isinstance(loss_scale, torch.amp.GradScaler))
         except BaseException:
             self._versions = None  # a step that failed may have left some partitions uncopied: all again
             raise

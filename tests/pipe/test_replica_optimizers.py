@@ -168,6 +168,28 @@ def test_a_scheduler_clipping_and_accumulation_reach_every_replica(monkeypatch: 
     assert len(copies) == 1
 
 
+def test_a_gradient_scaler_unscales_what_every_replica_steps_with() -> None:
+    """``pipe.step(..., loss_scale=scaler)`` and ``scaler.step(opt)``: the scaler unscales the first replica's
+    gradients through a kernel that leaves them no new version, yet every replica steps with the unscaled ones
+    (scaled ones would move Adam's steps by its eps: close to the source, not bit-equal between replicas)."""
+    source, pipe, idx = gpt()
+    for r in pipe.replicas:
+        r._replay_eager = True
+    opt_s, opt_p = Adam(source.parameters()), pipe.optimizer(Adam)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    for _ in range(3):
+        loss = gpt_loss(torch.cat([source(c) for c in micro_batches(idx, 2, 2)]), idx)
+        scalers[0].scale(loss).backward()
+        pipe.step(idx, idx, gpt_loss, loss_scale=scalers[1])
+        for scaler, opt in zip(scalers, (opt_s, opt_p)):
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert_source_equal(source, pipe, grads=False)
+        assert_replicas_equal(pipe)
+    assert scalers[1].get_scale() == scalers[0].get_scale()
+
+
 def test_the_state_saved_is_the_first_replicas_and_loads_into_every_one(tmp_path: Any) -> None:
     """``state_dict()`` is the model's optimizer's, keyed as an optimizer of ``pipe.parameters()`` keys it; loading
     it (directly or through ``seqify.checkpoint``) gives every replica tensors of its own, and training resumes

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqify.api import pipeline
 from seqify.pipe.config import PipeConfig, Trial, megabytes
 from seqify.progress import progress
 
@@ -114,7 +113,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
             pipe = None
             try:
                 with measure.peaks(placed) as got:
-                    pipe = pipeline(model, **_options(t, placed)).train()
+                    pipe = _built(model, t, placed, sample).train()
                     seconds = measure.step_seconds(pipe, sample, placed, steps=steps,
                                                    warm=warm + (1 if t.graphs else 0), update=True)
                 peaks[k] = got()
@@ -141,10 +140,11 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     return result
 
 
-def _options(t: Trial, devices: Sequence[torch.device]) -> dict[str, Any]:
-    from seqify.tuning.search import options
+def _built(model: nn.Module, t: Trial, devices: Sequence[torch.device], sample: torch.Tensor) -> nn.Module:
+    """The pipeline trial ``t`` describes, built as the tuner built its timed ones (replicas included)."""
+    from seqify.tuning.search import build_trial
 
-    return options(t, devices)
+    return build_trial(model, t, devices, sample)
 
 
 def _is(t: Trial, cfg: PipeConfig) -> bool:

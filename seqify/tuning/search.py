@@ -26,7 +26,7 @@ from seqify.tuning import measure, memory_bounds, profile, space
 from seqify.tuning.memory_bounds import OptimizerSpec
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 
-__all__ = ["tune", "BAND", "to_time", "lean", "options"]
+__all__ = ["tune", "BAND", "to_time", "lean", "options", "build_trial"]
 
 log = logging.getLogger("seqify.tuning")
 
@@ -344,7 +344,7 @@ def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], time
         pipe = None
         try:
             with measure.peaks(placed) as got:
-                pipe = _built(model, t, placed, sample).train()
+                pipe = build_trial(model, t, placed, sample).train()
                 seconds = measure.step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0),
                                                update=True)
         except Exception as e:  # predicted to fit but did not: the next candidate
@@ -453,7 +453,7 @@ def _bound(confirmed: list[Trial], bound: tuple[int | None, int | None], gpus: i
     return lower(bound[0], max(held.held())), lower(bound[1], max(_reserved(held)))
 
 
-def _built(model: nn.Sequential, t: Trial, devices: Sequence[torch.device], sample: Any) -> nn.Module:
+def build_trial(model: nn.Sequential, t: Trial, devices: Sequence[torch.device], sample: Any) -> nn.Module:
     """The pipeline trial ``t`` describes: one, or its replicas over the devices."""
     if t.replicas == 1:
         return build(model, **options(t, devices))

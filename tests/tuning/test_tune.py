@@ -1182,3 +1182,29 @@ def test_best_graphed_candidate_is_timed_again_with_two_lanes_and_kept_where_fas
     assert on.overlap and on.graphs and timed and all(t.overlap for t in timed)
     with pytest.raises(seqify.TuneError, match="overlap=True"):
         seqify.tune(seq, x, graphs=False, overlap=True, **fixed)
+
+
+def test_bench_times_a_replicated_alternative_as_replicas(monkeypatch) -> None:
+    """An alternative with replicas is timed as that layout (a pipeline per replica), not as one pipeline over
+    every device with a balance cut for fewer stages."""
+    from dataclasses import replace
+
+    from seqify.pipe.replicated import ReplicatedPipeline
+    from seqify.tools.bench import bench
+
+    _, seq, x = source_and_seq()
+    cfg = seqify.tune(seq, x, devices=CPU2, top=1, steps=1, show=False, cache=False)
+    layout = replace(cfg.trials[0], replicas=2, balance=(len(seq),), measured_s=None, chunks=2, loops=1,
+                     schedule="gpipe", overlap=False)
+    monkeypatch.setattr(seqify.tuning, "tune", lambda *a, **k: replace(cfg, trials=(*cfg.trials, layout)))
+    timed: list[type] = []
+    real = tuning.measure.step_seconds
+
+    def seconds(model, sample, devices, **kw) -> float:
+        timed.append(type(model))
+        return real(model, sample, devices, **kw)
+
+    monkeypatch.setattr(tuning.measure, "step_seconds", seconds)
+    result = bench(seq, x, CPU2, top=1, alternatives=len(cfg.trials) + 1, steps=1, warm=0, cache=False, show=False)
+    assert ReplicatedPipeline in timed
+    assert any(r.name == layout.layout() and r.measured_s is not None for r in result.rows)

@@ -2,6 +2,7 @@
 
     python benchmarks/families/main.py --out results/families-pipeline.jsonl        # 2 GPUs, every family
     python benchmarks/families/main.py --families ResNet ViT --top 2 --alternatives 1
+    python benchmarks/families/main.py --replicas 1                                 # pipelines only
     python benchmarks/families/main.py --tiny --devices cpu,cpu                     # smoke test (CPU)
 
 For each family one representative at a batch that fills one H200 well (``FAMILIES`` below), converted
@@ -104,7 +105,7 @@ def run(family: str, name: str, batch: int, side: int, kwargs: dict[str, Any], d
     convert_s = time.perf_counter() - start
     del module, model
     result = bench(seq, x, devices, spec=f"zoo:{name}", top=args.top, alternatives=args.alternatives,
-                   steps=args.steps, warm=args.warm, cache=False, show=False)
+                   steps=args.steps, warm=args.warm, cache=False, show=False, replicas=args.replicas)
     return _record(family, name, batch, side, result, convert_s)
 
 
@@ -125,6 +126,8 @@ def main() -> None:
     p.add_argument("--devices", default="cuda:0,cuda:1")
     p.add_argument("--top", type=int, default=3, help="tuner: best predicted candidates timed (the library's default)")
     p.add_argument("--alternatives", type=int, default=1, help="rejected candidates timed as well")
+    p.add_argument("--replicas", type=int, help="fix the layout's data-parallel copies (1: pipelines only); "
+                   "default: the tuner chooses among every stages x replicas")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warm", type=int, default=1)
     p.add_argument("--tiny", action="store_true", help="the zoo's small configurations (smoke test)")

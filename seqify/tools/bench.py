@@ -75,13 +75,14 @@ class Bench:
         return "\n".join(lines)
 
 
-def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spec: str = "", top: int = 3,
+def bench(model: nn.Sequential, sample: torch.Tensor, devices: Sequence[Any], *, spec: str = "", top: int = 3,
           alternatives: int = 4, steps: int = 3, warm: int = 1, cache: bool = True, show: bool = True,
-          memory_cap: float | None = None, schedule: str | None = None, optimizer: Any = None) -> Bench:
+          memory_cap: float | None = None, schedule: str | None = None, optimizer: Any = None,
+          replicas: int | None = None) -> Bench:
     """Time ``model`` (a Sequential) on ``devices[0]`` alone, tune it for ``devices``, then time every
     alternative the tuner reports but did not time (up to ``alternatives`` of them), so each row shows
-    the tuner's prediction next to a measurement (``memory_cap``, ``schedule`` and ``optimizer`` go to the tuner). The
-    model is left where it was."""
+    the tuner's prediction next to a measurement. ``memory_cap``, ``schedule``, ``optimizer`` and ``replicas``
+    go to the tuner (``replicas=1``: pipelines only). The model is left where it was."""
     from seqify.tuning import measure, tune
 
     placed = [torch.device(d) for d in devices]
@@ -100,7 +101,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     cfg = tune(model, sample, devices=placed, top=top, steps=steps, warm=warm, cache=cache, show=show,
-               memory_cap=memory_cap, schedule=schedule, optimizer=optimizer)
+               memory_cap=memory_cap, schedule=schedule, optimizer=optimizer, replicas=replicas)
     trials = list(cfg.trials)
     todo = [k for k, t in enumerate(trials) if t.measured_s is None][:alternatives]
     # The tuner's timed candidates carry the peaks it read (on CUDA; the cache key names that, so no cached
@@ -140,7 +141,7 @@ def bench(model: nn.Module, sample: torch.Tensor, devices: Sequence[Any], *, spe
     return result
 
 
-def _built(model: nn.Module, t: Trial, devices: Sequence[torch.device], sample: torch.Tensor) -> nn.Module:
+def _built(model: nn.Sequential, t: Trial, devices: Sequence[torch.device], sample: torch.Tensor) -> nn.Module:
     """The pipeline trial ``t`` describes, built as the tuner built its timed ones (replicas included)."""
     from seqify.tuning.search import build_trial
 

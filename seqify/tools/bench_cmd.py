@@ -29,7 +29,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
     with precision(args):
         result = run_bench(seq, x, devices_of(args), spec=args.spec, top=args.top, alternatives=args.alternatives,
                            steps=args.steps, warm=args.warm, cache=not args.no_cache, memory_cap=cap(args),
-                           schedule=args.schedule, optimizer=optimizer_of(args))
+                           schedule=args.schedule, optimizer=optimizer_of(args), replicas=args.replicas)
     print(result)
     print(f"\nuse it: seqify.pipeline(seq, config=cfg) with cfg = {result.config.without_trials().to_dict()}")
     if args.plot:

@@ -24,6 +24,9 @@ def add_tune_options(p: argparse.ArgumentParser) -> None:
                    "over it are rejected")
     p.add_argument("--schedule", choices=SCHEDULES,
                    help="tuning: fix the schedule (default: the tuner weighs every one that applies)")
+    p.add_argument("--replicas", type=int, metavar="N", help="tuning: fix the layout's data-parallel copies of the "
+                   "pipeline (1: pipelines only; the number of devices: plain data parallelism; default: the tuner "
+                   "weighs every stages x replicas)")
     p.add_argument("--optimizer", metavar="NAME|BYTES", help="tuning: the optimizer training will use, a torch.optim "
                    "class (AdamW, SGD) or its state bytes per parameter byte (2 for Adam): its state is counted in "
                    "each candidate's memory")
@@ -44,7 +47,7 @@ def tune_for(seq: Any, x: torch.Tensor, args: argparse.Namespace) -> Any:
 
     with precision(args):
         return tune(seq, x, devices=devices_of(args), top=args.top, cache=not args.no_cache, memory_cap=cap(args),
-                    schedule=args.schedule, optimizer=optimizer_of(args))
+                    schedule=args.schedule, optimizer=optimizer_of(args), replicas=args.replicas)
 
 
 def precision(args: argparse.Namespace) -> Any:

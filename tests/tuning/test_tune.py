@@ -322,6 +322,8 @@ def test_inspect_tune_prints_the_choice(tmp_path, capsys) -> None:
     assert code == 0 and "PipeConfig: 2 devices (cpu, cpu)" in capsys.readouterr().out
     code = inspect("--top", "0", "--no-cache", "--optimizer", "adamm")
     assert code == 2 and "--optimizer adamm: name a torch.optim optimizer (ASGD, Adadelta" in capsys.readouterr().err
+    code = inspect("--top", "0", "--no-cache", "--replicas", "2")
+    assert code == 0 and "2 replicas" in capsys.readouterr().out
 
 
 def test_fixed_balance_strategy_is_kept() -> None:

@@ -164,8 +164,18 @@ SCALING = Source(["scaling/results/scaling.json", "scaling/results/torchpp.jsonl
                  ["python benchmarks/scaling/main.py --models M --gpus 1 2 4 --out scaling.json",
                   "torchrun --nproc-per-node N benchmarks/scaling/torchpp.py --rows scaling.json --out torchpp.jsonl"],
                  note="`benchmarks/scaling/run.sh` runs both for every model.", date="2026-11-26")
-FAMILIES = Source(["families/results/families.jsonl"], H200x2, TORCH,
-                  "python benchmarks/families/main.py --out families.jsonl", date="2026-11-26")
+FAMILIES = Source(["families/results/families.jsonl", "families/results/families-repeats.jsonl",
+                   "families/results/families-batch256.jsonl"], H200x2, TORCH,
+                  ["python benchmarks/families/main.py --alternatives 0 --out families.jsonl",
+                   "python benchmarks/families/main.py --alternatives 0 --families VGG ResNeXt \"Wide ResNet\" DenseNet "
+                   "--batch VGG=256 --batch ResNeXt=256 --batch \"Wide ResNet=256\" --batch DenseNet=256"],
+                  note="The repeats are the same command for EfficientNetV2 and VGG, run again later that day.",
+                  date="2026-11-28")
+FAMILIES_PIPELINES = Source(["families/results/families-pipelines-only.jsonl"], H200x2, TORCH,
+                            "python benchmarks/families/main.py --replicas 1 --batch ResNeXt=256 "
+                            "--batch \"Wide ResNet=256\" --batch VGG=256 --batch DenseNet=256 --batch AmoebaNet-D=256",
+                            note="Measured when the tuner weighed pipelines only; `--replicas 1` keeps it to them.",
+                            date="2026-11-26")
 DIST = Source(["distributed/results/resnet101-fp32.json", "distributed/results/resnet101-bf16.json"], H100x2, TORCH,
               "the four commands its results file records, fp32 and bf16", date="2026-11-25")
 SPEED = Source(["conversion_speed/results/families.json"], "1× NVIDIA H200", TORCH + ", transformers 5.17, diffusers 0.42.1",
@@ -209,7 +219,7 @@ LAYOUTS_H100_LLAMA = Source(["layouts/results/h100-llama-two-gpus.jsonl"], H100x
                             "--layouts 1x2:gpipe:1:graphs:loops2 1x2:gpipe:1:graphs:loops4 --auto --out h100-llama-two-gpus.jsonl",
                             date="2026-11-28")
 
-SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA,
+SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, FAMILIES_PIPELINES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA,
            LAYOUTS4, LAYOUTS4_LLAMA_AUTO, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA,
            LAYOUTS_LLAMA8B, LAYOUTS_LLAMA8B_HAND)
 
@@ -561,39 +571,78 @@ def scaling_page() -> str:
     )
 
 
+def _family_label(cfg: dict[str, Any]) -> str:
+    """A chosen configuration in words: plain data parallelism, or the pipeline's schedule and options."""
+    if cfg.get("replicas", 1) > 1 and len(cfg["balance"]) == cfg["loops"]:
+        label = f"data parallel (1 × {cfg['replicas']})" + (f", {cfg['loops']} buckets" if cfg["loops"] > 1 else "")
+    else:
+        label = f"{cfg['schedule']}, {cfg['chunks']} chunks" + (f", {cfg['loops']} loops" if cfg["loops"] > 1 else "")
+        label += f", by {cfg['by']}"
+    label += (", graphs" if cfg["graphs"] else ", eager") + (
+        f", checkpoint {cfg['checkpoint']}" if cfg["checkpoint"] != "never" else "")
+    return label
+
+
+def _family_row(r: dict[str, Any], before: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
+    text = r["family"] in ("Llama", "GPT-2")
+    shape = f"{r['batch']} × {r['side']} tokens" if text else f"{r['batch']} × {r['side']}²"
+    old = before.get((r["family"], r["batch"]))
+    return [r["family"], f"`{r['model']}`", shape, _family_label(r["config"]), f"{r['predicted_ms']:.1f}",
+            f"{r['measured_ms']:.1f}", f"{r['error'] * 100:+.0f}%", x(r["speedup"]),
+            x(old["speedup"]) if old else "–", gib(r["allocated_gib"]), gib(r["one_gpu_allocated_gib"])]
+
+
 def families_page() -> str:
     found = rows(FAMILIES.files[0])
-    body = []
-    for r in sorted(found, key=lambda r: r["family"].lower()):
-        cfg = r["config"]
-        label = f"{cfg['schedule']}, {cfg['chunks']} chunks" + (f", {cfg['loops']} loops" if cfg["loops"] > 1 else "")
-        label += f", by {cfg['by']}" + (", graphs" if cfg["graphs"] else "") + (
-            f", checkpoint {cfg['checkpoint']}" if cfg["checkpoint"] != "never" else "")
-        text = r["family"] in ("Llama", "GPT-2")
-        shape = f"{r['batch']} × {r['side']} tokens" if text else f"{r['batch']} × {r['side']}²"
-        body.append([r["family"], f"`{r['model']}`", shape, label, f"{r['predicted_ms']:.1f}",
-                     f"{r['measured_ms']:.1f}", f"{r['error'] * 100:+.0f}%", x(r["speedup"]),
-                     gib(r["allocated_gib"]), gib(r["one_gpu_allocated_gib"])])
+    repeats, wide = rows(FAMILIES.files[1]), rows(FAMILIES.files[2])
+    before = {(r["family"], r["batch"]): r for r in rows(FAMILIES_PIPELINES.files[0])}
+    header = ["family", "model", "batch", "chosen", "predicted ms", "measured ms", "error", "× one GPU",
+              "pipelines only", "peak allocated per GPU", "one GPU"]
+    body = [_family_row(r, before) for r in sorted(found, key=lambda r: r["family"].lower())]
     speedups = sorted(r["speedup"] for r in found)
     within = sum(abs(r["error"]) <= 0.10 for r in found)
     lean = sum(max(r["allocated_gib"]) <= r["one_gpu_allocated_gib"][0] for r in found)
-    low = " and ".join(f"{r['family']} ({x(r['speedup'])})" for r in sorted(found, key=lambda r: r["speedup"])[:2])
+    parallel = [r for r in found if r["config"].get("replicas", 1) > 1]
+    piped = [r for r in found if r["config"].get("replicas", 1) == 1]
+    spread = "; ".join(f"{f} " + ", ".join(x(r["speedup"]) for r in [*found, *repeats] if r["family"] == f)
+                       for f in dict.fromkeys(r["family"] for r in repeats))
+    compared = [(r, before[(r["family"], r["batch"])]) for r in [*found, *wide] if (r["family"], r["batch"]) in before]
+    gained = sum(r["speedup"] > o["speedup"] for r, o in compared)
+    vgg = next((r for r in found if r["family"] == "VGG"), None)
+    vgg_rows = {row["name"]: row for row in vgg["rows"]} if vgg else {}
+    dp = min((row for row in vgg_rows.values() if row["name"].startswith("1 x ") and row["measured_ms"]),
+             key=lambda row: row["measured_ms"], default=None)
+    loses = (f"VGG-16 at batch {vgg['batch']} is the one family left a pipeline: its data-parallel candidate ran "
+             f"{dp['measured_ms']:.1f} ms against the chosen {vgg['measured_ms']:.1f} ms, but reserved "
+             f"{max(dp['reserved_gib']):.1f} GiB on a GPU, more than the {vgg['rows'][0]['reserved_gib'][0]:.1f} GiB one "
+             "GPU reserved training the model alone in this run, and the tuner keeps no choice that holds more than "
+             "one GPU would "
+             "(`seqify.pipeline(model, gpus=2, replicas=2)` takes it anyway). " if vgg and dp and piped == [vgg] else "")
     return page(
         "Every model family on two GPUs",
         "**Method.** For each zoo family, one representative model at a batch that fits one H200: "
-        "`seqify.pipeline(model, gpus=2, sample=batch)` lets `seqify.tune` choose schedule, chunks, loops, "
-        "balance, checkpointing and CUDA graphs; the table gives the choice, the tuner's predicted step, the "
-        "measured step, the speed-up over the model on one GPU in the same run, and the peak memory allocated "
-        "per GPU (GiB) against one GPU's. fp32, SGD.",
-        table(["family", "model", "batch", "chosen", "predicted ms", "measured ms", "error", "× one GPU",
-               "peak allocated per GPU", "one GPU"], body, "llllrrrrll"),
+        "`seqify.pipeline(model, gpus=2, sample=batch)` lets `seqify.tune` choose the layout (one pipeline over both "
+        "GPUs, or a data-parallel replica on each), schedule, chunks, loops, balance, checkpointing and CUDA graphs; "
+        "the table gives the choice, the tuner's predicted step, the measured step, the speed-up over the model on one "
+        "GPU in the same run, the speed-up the tuner reached when it weighed pipelines only (an earlier run, same "
+        "batch), and the peak memory allocated per GPU (GiB) against one GPU's. fp32, SGD. A data-parallel choice "
+        "with buckets is a replica cut in parts on its GPU whose gradients are summed part by part during the "
+        "backward.",
+        table(header, body, "llllrrrrrll"),
         FAMILIES.line(),
-        f"**Result.** The speed-up ranges from {x(speedups[0])} to {x(speedups[-1])}; the prediction is within 10% "
-        f"of the measured step for {within} of {len(found)} families; in {lean} of {len(found)} every GPU holds "
-        "less than one GPU training the model.",
-        f"**Where seqify loses.** {low} gain least. The tuner chooses among its best predictions by timing them, so "
-        "a configuration it predicted too slow is never tried; data parallelism, where the model fits one GPU, is "
-        "faster (see the [headline](index.md)).",
+        FAMILIES_PIPELINES.line(),
+        f"**Result.** The speed-up ranges from {x(speedups[0])} to {x(speedups[-1])}; the tuner chose plain data "
+        f"parallelism for {len(parallel)} of {len(found)} families. The prediction is within 10% of the measured step "
+        f"for {within} of {len(found)}; in {lean} of {len(found)} every GPU holds less than one GPU training the model. "
+        f"Against the pipelines-only run at the same batch, {gained} of {len(compared)} rows are faster (a dash: that "
+        "run used another batch for the family).",
+        "**At the pipelines-only run's batch.** Four families ran there at batch 256:",
+        table(header, [_family_row(r, before) for r in wide], "llllrrrrrll"),
+        f"**Run to run.** The same family measured again moved: {spread}.",
+        f"**Where seqify loses.** {loses}On a model that fits one GPU, the gain over a pipeline comes from data "
+        "parallelism, which DDP gives as well: the [layouts](layouts.md) page puts the tuner's choice beside DDP and "
+        "FSDP2 in one run. The tuner chooses among its best predictions by timing them, so a configuration it predicted "
+        "too slow is never tried.",
     )
 
 

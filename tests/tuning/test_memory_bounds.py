@@ -225,7 +225,7 @@ def test_a_timed_candidate_that_fails_to_allocate_is_passed_over_and_other_error
     torch.manual_seed(0)
     seq = seqify.convert(Wide())
     x = torch.randn(4, 8)
-    real, built = seqify.tuning.measure.step_seconds, seqify.tuning.search._built
+    real, built = seqify.tuning.measure.step_seconds, seqify.tuning.search.build_trial
     timing, failed = [], []
 
     def candidate(*args, **kwargs):  # only the timed candidates are built here: calibration builds its own
@@ -238,7 +238,7 @@ def test_a_timed_candidate_that_fails_to_allocate_is_passed_over_and_other_error
             raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
         return real(pipe, *args, **kwargs)
 
-    monkeypatch.setattr(seqify.tuning.search, "_built", candidate)
+    monkeypatch.setattr(seqify.tuning.search, "build_trial", candidate)
     monkeypatch.setattr(seqify.tuning.measure, "step_seconds", first_fails)
     options = dict(devices=CPU2, chunks=2, balance="params", top=2, steps=1, warm=0, show=False, cache=False)
     cfg = seqify.tune(seq, x, **options)

@@ -84,6 +84,7 @@ def bench(model: nn.Sequential, sample: torch.Tensor, devices: Sequence[Any], *,
     the tuner's prediction next to a measurement. ``memory_cap``, ``schedule``, ``optimizer`` and ``replicas``
     go to the tuner (``replicas=1``: pipelines only). The model is left where it was."""
     from seqify.tuning import measure, tune
+    from seqify.tuning.search import build_trial
 
     placed = [torch.device(d) for d in devices]
     # Every row starts from the sample on the first device: a sample left on the CPU would make each
@@ -114,7 +115,7 @@ def bench(model: nn.Sequential, sample: torch.Tensor, devices: Sequence[Any], *,
             pipe = None
             try:
                 with measure.peaks(placed) as got:
-                    pipe = _built(model, t, placed, sample).train()
+                    pipe = build_trial(model, t, placed, sample).train()
                     seconds = measure.step_seconds(pipe, sample, placed, steps=steps,
                                                    warm=warm + (1 if t.graphs else 0), update=True)
                 peaks[k] = got()
@@ -139,13 +140,6 @@ def bench(model: nn.Sequential, sample: torch.Tensor, devices: Sequence[Any], *,
                                memory_per_device=t.memory_per_device or (t.memory_bytes,),
                                allocated_per_device=allocated, reserved_per_device=reserved))
     return result
-
-
-def _built(model: nn.Sequential, t: Trial, devices: Sequence[torch.device], sample: torch.Tensor) -> nn.Module:
-    """The pipeline trial ``t`` describes, built as the tuner built its timed ones (replicas included)."""
-    from seqify.tuning.search import build_trial
-
-    return build_trial(model, t, devices, sample)
 
 
 def _is(t: Trial, cfg: PipeConfig) -> bool:

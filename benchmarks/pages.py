@@ -591,7 +591,8 @@ def _family_row(r: dict[str, Any], before: dict[tuple[str, int], dict[str, Any]]
     old = before.get((r["family"], r["batch"]))
     return [r["family"], f"`{r['model']}`", shape, _family_label(r["config"]), f"{r['predicted_ms']:.1f}",
             f"{r['measured_ms']:.1f}", f"{r['error'] * 100:+.0f}%", x(r["speedup"]),
-            x(old["speedup"]) if old else "–", gib(r["allocated_gib"]), gib(r["one_gpu_allocated_gib"])]
+            x(old["speedup"]) if old else "–", f"{gib(r['allocated_gib'])}; {gib(r['reserved_gib'])}",
+            f"{gib(r['one_gpu_allocated_gib'])}; {gib(r['one_gpu_reserved_gib'])}"]
 
 
 def _passed_over(r: dict[str, Any]) -> str:
@@ -614,7 +615,7 @@ def families_page() -> str:
     repeats, wide = rows(FAMILIES.files[1]), rows(FAMILIES.files[2])
     before = {(r["family"], r["batch"]): r for r in rows(FAMILIES_PIPELINES.files[0])}
     header = ["family", "model", "batch", "chosen", "predicted ms", "measured ms", "error", "× one GPU",
-              "pipelines only", "peak allocated per GPU", "one GPU"]
+              "pipelines only", "peak allocated; reserved GiB per GPU", "one GPU"]
     body = [_family_row(r, before) for r in sorted(found, key=lambda r: r["family"].lower())]
     speedups = sorted(r["speedup"] for r in found)
     within = sum(abs(r["error"]) <= 0.10 for r in found)
@@ -633,7 +634,7 @@ def families_page() -> str:
         "GPUs, or a data-parallel replica on each), schedule, chunks, loops, balance, checkpointing and CUDA graphs; "
         "the table gives the choice, the tuner's predicted step, the measured step, the speed-up over the model on one "
         "GPU in the same run, the speed-up the tuner reached when it weighed pipelines only (an earlier run, same "
-        "batch), and the peak memory allocated per GPU (GiB) against one GPU's. fp32, SGD. A data-parallel choice "
+        "batch), and the peak memory allocated and reserved per GPU (GiB) against one GPU's. fp32, SGD. A data-parallel choice "
         "with buckets is a replica cut in parts on its GPU whose gradients are summed part by part during the "
         "backward.",
         table(header, body, "llllrrrrrll"),

@@ -48,6 +48,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
     dist.destroy_process_group()
+    torchpp.exit_without_teardown()
 
 
 def _init() -> torch.device:

@@ -762,10 +762,24 @@ def _layout_table(name: str) -> str:
     anchors = [(label, rate[row]) for label, row in (("× one GPU", "one GPU"), ("× DDP", "DDP"), ("× FSDP2", "FSDP2"))
                if row in rate]
     return table(["row", "batch", "samples/s", *(label for label, _ in anchors), "peak allocated GiB per GPU",
-                  "reserved GiB per GPU"],
+                  "reserved GiB per GPU", "in use GiB per GPU, graph pools counted"],
                  [[r["row"], r["batch"], f"{r['samples_per_s']:.1f}",
-                   *(x(r["samples_per_s"] / base) for _, base in anchors), gib(r["peak_gib"]), gib(r["reserved_gib"])]
-                  for r in found], "lrr" + "r" * len(anchors) + "ll")
+                   *(x(r["samples_per_s"] / base) for _, base in anchors), gib(r["peak_gib"]), gib(r["reserved_gib"]),
+                   _in_use(r)]
+                  for r in found], "lrr" + "r" * len(anchors) + "lll")
+
+
+def _graphed(r: dict[str, Any]) -> bool:
+    """Whether a layouts row replays CUDA graphs (its name or its printed configuration says so)."""
+    return "graphs" in r["row"] or "graphs True" in (r.get("config") or "")
+
+
+def _in_use(r: dict[str, Any]) -> str:
+    """A layouts row's peak in use with CUDA graphs' pools counted: measured (``in_use_gib``), its allocated peak
+    where it replays no graphs, or a dash for a graphed row measured before the runs recorded it."""
+    if r.get("in_use_gib"):
+        return gib(r["in_use_gib"])
+    return "–" if _graphed(r) else gib(r["peak_gib"])
 
 
 def layouts_page() -> str:

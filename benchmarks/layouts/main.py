@@ -123,11 +123,25 @@ def reset(devices: list[torch.device]) -> None:
             torch.cuda.reset_peak_memory_stats(d)
 
 
-def peaks(devices: list[torch.device]) -> tuple[list[float], list[float]]:
+def peaks(devices: list[torch.device]) -> tuple[list[float], list[float], list[float]]:
+    """Per GPU, GiB: the peak allocated, the peak reserved, and the peak in use with CUDA graphs' pools counted
+    (:func:`in_use`); three empty lists on the CPU."""
     if devices[0].type != "cuda":
-        return [], []
+        return [], [], []
     return ([round(torch.cuda.max_memory_allocated(d) / GIB, 2) for d in devices],
-            [round(torch.cuda.max_memory_reserved(d) / GIB, 2) for d in devices])
+            [round(torch.cuda.max_memory_reserved(d) / GIB, 2) for d in devices],
+            [round(in_use(d) / GIB, 2) for d in devices])
+
+
+def in_use(device: torch.device) -> int:
+    """Bytes the timed steps held on ``device``: the peak allocated plus what CUDA graphs' private pools hold
+    beyond their live tensors. A replayed graph writes its intermediates into its pool's free blocks without
+    asking the allocator, so after capture ``max_memory_allocated`` leaves them out; those blocks serve no other
+    allocation, so they count as held for the whole step."""
+    index = torch.device(device).index
+    idle = sum(s["total_size"] - s["allocated_size"] for s in torch.cuda.memory_snapshot()
+               if s["device"] == index and tuple(s["segment_pool_id"]) != (0, 0))
+    return torch.cuda.max_memory_allocated(device) + idle
 
 
 def sync(devices: list[torch.device]) -> None:
@@ -182,10 +196,10 @@ def one_gpu(args: argparse.Namespace, work: Workload, devices: list[torch.device
         opt.step()
 
     sec = timed(step, [dev], args.steps, args.warm)
-    allocated, reserved = peaks([dev])
+    allocated, reserved, held = peaks([dev])
     del net, opt
     return dict(row="one GPU", batch=args.per_gpu, samples_per_s=args.per_gpu / sec, peak_gib=allocated,
-                reserved_gib=reserved)
+                reserved_gib=reserved, in_use_gib=held)
 
 
 def data_parallel(args: argparse.Namespace, work: Workload) -> list[dict[str, Any]]:
@@ -252,12 +266,12 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
         opt.step()
 
     sec = timed(step, devices, args.steps, args.warm + 1)
-    allocated, reserved = peaks(devices)
+    allocated, reserved, held = peaks(devices)
     cfg = pipe.config.without_trials() if pipe.config is not None else None
     layout = cfg.to_dict() if cfg is not None else None
     del pipe, opt, seq
     return dict(row=name, batch=batch, samples_per_s=batch / sec, peak_gib=allocated, reserved_gib=reserved,
-                config=str(cfg) if cfg is not None else None, layout=layout,
+                in_use_gib=held, config=str(cfg) if cfg is not None else None, layout=layout,
                 optimizer="pipe.optimizer" if stepping == "replicas" else "pipe.parameters()")
 
 
@@ -366,14 +380,16 @@ def main(argv: list[str] | None = None) -> None:
 
     anchors = {"x_one_gpu": rate("one GPU"), "x_ddp": rate("DDP"), "x_fsdp2": rate("FSDP2")}
     print(f"{head['device']}, torch {head['torch']}, {head['date']}: {work.name}, {args.per_gpu} samples per GPU")
-    print("| row | samples/s | x one GPU | x DDP | x FSDP2 | peak allocated GiB per GPU | reserved GiB per GPU |")
-    print("|---|---|---|---|---|---|---|")
+    print("| row | samples/s | x one GPU | x DDP | x FSDP2 | peak allocated GiB per GPU | reserved GiB per GPU | "
+          "in use GiB per GPU (graph pools counted) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         for k, base in anchors.items():
             r[k] = round(r["samples_per_s"] / base, 3) if base else None
         ratios = " | ".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in anchors)
         print(f"| {r['row']} | {r['samples_per_s']:.1f} | {ratios} | {' / '.join(map(str, r['peak_gib']))} | "
-              f"{' / '.join(map(str, r['reserved_gib']))} |", flush=True)
+              f"{' / '.join(map(str, r['reserved_gib']))} | {' / '.join(map(str, r.get('in_use_gib', [])))} |",
+              flush=True)
     for r in rows:
         if "x_in_process" in r:
             print(f"{r['row']}: {r['x_in_process']:.3f} of the same layout in one process", flush=True)

@@ -47,12 +47,12 @@ def timed(step: Any, device: torch.device, steps: int, warm: int) -> float:
     return float(layouts().timed(step, [device], steps, warm, barrier=dist.barrier))
 
 
-def peaks(device: torch.device) -> tuple[list[float], list[float]]:
-    """Every rank's peak allocated and reserved GiB (main.py's :func:`peaks` of its device), in rank order (empty
-    on the CPU)."""
-    allocated, reserved = layouts().peaks([device])
+def peaks(device: torch.device) -> tuple[list[float], list[float], list[float]]:
+    """Every rank's peak allocated, reserved and in-use GiB (main.py's :func:`peaks` of its device), in rank
+    order (empty on the CPU)."""
+    allocated, reserved, held = layouts().peaks([device])
     if not allocated:
-        return [], []
+        return [], [], []
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (allocated[0], reserved[0]))
-    return [a for a, _ in every], [r for _, r in every]
+    dist.all_gather_object(every, (allocated[0], reserved[0], held[0]))
+    return [a for a, _, _ in every], [r for _, r, _ in every], [h for _, _, h in every]

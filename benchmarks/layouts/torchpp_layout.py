@@ -90,8 +90,8 @@ def _run(schedule: Any, seq: torch.nn.Module, cfg: PipeConfig, work: Any, x: tor
         opt.step()
 
     seconds = timed(step, device, args.steps, args.warm)
-    allocated, reserved = peaks(device)
-    return dict(samples_per_s=len(x) / seconds, peak_gib=allocated, reserved_gib=reserved)
+    allocated, reserved, held = peaks(device)
+    return dict(samples_per_s=len(x) / seconds, peak_gib=allocated, reserved_gib=reserved, in_use_gib=held)
 
 
 if __name__ == "__main__":

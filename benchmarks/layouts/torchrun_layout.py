@@ -41,10 +41,10 @@ def main() -> None:
         opt.step()
 
     seconds = timed(step, stage.device, args.steps, args.warm)
-    allocated, reserved = peaks(stage.device)
+    allocated, reserved, held = peaks(stage.device)
     if dist.get_rank() == 0:
         print(json.dumps(dict(row=args.name, batch=len(x), samples_per_s=len(x) / seconds, peak_gib=allocated,
-                              reserved_gib=reserved)), flush=True)
+                              reserved_gib=reserved, in_use_gib=held)), flush=True)
     dist.destroy_process_group()
 
 

@@ -184,11 +184,31 @@ TIMM = Source(["timm_sweep/results/timm.jsonl", "timm_sweep/results/timm-more.js
               "2.14.1, timm 1.0.31", "python benchmarks/timm_sweep/main.py", date="2026-11-25")
 
 LAYOUTS = Source(["layouts/results/h200-two-gpus.jsonl"], H200x2, TORCH,
-                 "python benchmarks/layouts/main.py --gpus 2 --auto --out h200-two-gpus.jsonl", date="2026-11-28")
+                 "python benchmarks/layouts/main.py --gpus 2 --auto --torchrun --out h200-two-gpus.jsonl",
+                 date="2026-11-28")
+LAYOUTS_EAGER = Source(["layouts/results/h200-two-gpus-eager.jsonl"], H200x2, TORCH,
+                       "python benchmarks/layouts/main.py --gpus 2 --layouts 1x2:gpipe:1 1x2:gpipe:1:graphs:loops2 "
+                       "--out h200-two-gpus-eager.jsonl", date="2026-11-28")
+LAYOUTS_MICRO = Source(["layouts/results/h200-two-gpus-micro.jsonl"], H200x2, TORCH,
+                       "python benchmarks/layouts/main.py --gpus 2 --layouts 1x2:1f1b:2:graphs 1x2:gpipe:2:graphs "
+                       "1x2:1f1b:4:graphs --out h200-two-gpus-micro.jsonl", date="2026-11-28")
+LAYOUTS4_MEMORY = Source(["layouts/results/h200-four-gpus-memory.jsonl"], H200x4, TORCH,
+                         "python benchmarks/layouts/main.py --gpus 4 --layouts 1x4:1f1b:2:graphs "
+                         "1x4:gpipe:1:graphs:loops2 --out h200-four-gpus-memory.jsonl", date="2026-11-28")
 LAYOUTS_LLAMA = Source(["layouts/results/h200-llama-two-gpus.jsonl"], H200x2, TORCH + ", transformers 5.17",
                        "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
-                       "--layouts 1x2:gpipe:1:graphs:loops4 --optimizer replicas first --auto "
-                       "--out h200-llama-two-gpus.jsonl", date="2026-11-28")
+                       "--layouts 1x2:gpipe:1:graphs:loops4 --auto --torchrun --out h200-llama-two-gpus.jsonl",
+                       date="2026-11-28")
+LAYOUTS_LLAMA_MICRO = Source(["layouts/results/h200-llama-two-gpus-micro.jsonl"], H200x2,
+                             TORCH + ", transformers 5.17",
+                             "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
+                             "--layouts 1x2:1f1b:2:graphs 1x2:1f1b:4:graphs --out h200-llama-two-gpus-micro.jsonl",
+                             date="2026-11-28")
+LAYOUTS4_LLAMA8B_HAND = Source(["layouts/results/h200-llama8b-four-gpus-hand.jsonl"], H200x4,
+                               TORCH + ", transformers 5.17",
+                               "python benchmarks/layouts/main.py --model llama8b --gpus 4 --per-gpu 2 --steps 4 "
+                               "--warm 2 --layouts 4x1:zb-h1:8:graphs 2x2:gpipe:2:graphs:loops4 "
+                               "--out h200-llama8b-four-gpus-hand.jsonl", date="2026-11-28")
 LAYOUTS4 = Source(["layouts/results/h200-four-gpus.jsonl"], H200x4, TORCH,
                   "python benchmarks/layouts/main.py --gpus 4 --layouts 1x4:gpipe:1:graphs:loops2 --auto "
                   "--out h200-four-gpus.jsonl", date="2026-11-28")
@@ -221,7 +241,8 @@ LAYOUTS_H100_LLAMA = Source(["layouts/results/h100-llama-two-gpus.jsonl"], H100x
 
 SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, FAMILIES_PIPELINES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA,
            LAYOUTS4, LAYOUTS4_LLAMA_AUTO, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA,
-           LAYOUTS_LLAMA8B, LAYOUTS_LLAMA8B_HAND)
+           LAYOUTS_LLAMA8B, LAYOUTS_LLAMA8B_HAND, LAYOUTS_EAGER, LAYOUTS_MICRO, LAYOUTS4_MEMORY, LAYOUTS_LLAMA_MICRO,
+           LAYOUTS4_LLAMA8B_HAND)
 
 
 # -- the numbers the pages share ---------------------------------------------------------------------------------
@@ -305,8 +326,9 @@ def _speedup_cell(found: dict[str, dict[str, Any]], row: str) -> str:
         return "–"
     r = found[row]
     fastest = max(found[k]["samples_per_s"] for k in ("DDP", "FSDP2", "seqify automatic") if k in found)
+    held = r.get("in_use_gib") or (None if _graphed(r) else r["peak_gib"])
     text = (f"{x(r['samples_per_s'] / found['one GPU']['samples_per_s'], 3)} "
-            f"({max(r['peak_gib']):.1f} / {max(r['reserved_gib']):.1f} GiB)")
+            f"({f'{max(held):.1f}' if held else '–'} / {max(r['reserved_gib']):.1f} GiB)")
     return f"**{text}**" if r["samples_per_s"] == fastest else text
 
 
@@ -324,8 +346,8 @@ def layouts_headline() -> str:
         table(["training step, H200s", "GPUs", "DDP", "FSDP2", "seqify automatic", "its choice"], body),
         "",
         "Speed-up over one GPU training its share of the batch, in the same run; in brackets the largest peak "
-        "memory allocated / reserved on one GPU. `stages x replicas`: the tuner's layout. Steps run back to back "
-        "in every row.",
+        "memory in use on one GPU, CUDA graphs' pools counted (– where a graphed run did not record it), and "
+        "the largest reserved. `stages x replicas`: the tuner's layout. Steps run back to back in every row.",
         "",
         f"*NVIDIA H200 GPUs on NVLink; torch {TORCH}; seqify {SEQIFY}; {LAYOUTS4.date}.* The commands and raw files: "
         "[layouts](docs/benchmarks/layouts.md).",
@@ -340,6 +362,7 @@ def index_page() -> str:
     r2, r4, l4 = n["resnet2"], n["resnet4"], n["llama4"]
     llama4 = {r["row"]: r["samples_per_s"] for r in rows(LAYOUTS4_LLAMA_AUTO.files[0])}
     llama_vs_ddp = llama4["seqify automatic"] / llama4["DDP"]
+    resnet2 = {r["row"]: r for r in rows(LAYOUTS.files[0])}
     return page(
         "Benchmarks",
         "Every figure on these pages is read from a results file under `benchmarks/` by `benchmarks/pages.py`, "
@@ -360,6 +383,11 @@ def index_page() -> str:
             "and drain and splits each GPU's kernels into micro-batches; data parallelism does neither. Given every "
             "layout (replicas of a pipeline), the tuner's choice passes DDP on ResNet-101 and stays "
             f"{1 - llama_vs_ddp:.1%} behind it on the Llama at four H200s: see [layouts](layouts.md).",
+            "- **Memory against DDP, with the automatic layout.** The tuner's graphed replicas keep a step's "
+            "activations in CUDA graphs' pools and hold more per GPU than DDP (ResNet-101 on two H200s: "
+            f"{_held(resnet2['seqify automatic']):.1f} GiB in use against DDP's {_held(resnet2['DDP']):.1f}); "
+            "replicas at two micro-batches per GPU hold less than DDP, a little slower than the choice: see "
+            "[layouts](layouts.md).",
             "- **Memory against torch pipelining's 1F1B.** seqify's fastest schedules (zero bubble, two streams) "
             "keep more micro-batches in flight than 1F1B: see [two GPUs](two-gpus.md).",
             "- **Weak scaling on four GPUs** stays under 3× for the vision models: see [scaling](scaling.md).",
@@ -782,16 +810,23 @@ def _in_use(r: dict[str, Any]) -> str:
     return "–" if _graphed(r) else gib(r["peak_gib"])
 
 
+def _held(r: dict[str, Any]) -> float | None:
+    """A layouts row's largest peak in use on one GPU (graph pools counted), or None where not recorded."""
+    values = r.get("in_use_gib") or (None if _graphed(r) else r["peak_gib"])
+    return max(values) if values else None
+
+
 def layouts_page() -> str:
     def named(source: Source) -> dict[str, dict[str, Any]]:
         return {r["row"]: r for r in rows(source.files[0])}
 
     h200_4, h200_2 = named(LAYOUTS4), named(LAYOUTS)
+    micro2, micro4, eager2 = named(LAYOUTS_MICRO), named(LAYOUTS4_MEMORY), named(LAYOUTS_EAGER)
     llama4, llama2, hand4 = named(LAYOUTS4_LLAMA_AUTO), named(LAYOUTS_LLAMA), named(LAYOUTS4_LLAMA)
-    big, big_hand = named(LAYOUTS_LLAMA8B), named(LAYOUTS_LLAMA8B_HAND)
-    auto = "seqify automatic"
-    first = " (optimizer of the first replica)"
-    interleaved = "seqify 2 x 1 interleaved chunks 4 loops 4 graphs"
+    llama_micro = named(LAYOUTS_LLAMA_MICRO)
+    big, big4 = named(LAYOUTS_LLAMA8B), named(LAYOUTS4_LLAMA8B_HAND)
+    auto, under = "seqify automatic", " under torchrun"
+    light, zb8 = "seqify 1 x 2 1f1b chunks 2 graphs", "seqify 4 x 1 zb-h1 chunks 8 graphs"
 
     def vs(found: dict[str, dict[str, Any]], anchor: str, row: str = auto) -> str:
         return f"{found[row]['samples_per_s'] / found[anchor]['samples_per_s']:.3f}"
@@ -799,8 +834,12 @@ def layouts_page() -> str:
     def chose(found: dict[str, dict[str, Any]]) -> str:
         return _layout_of(found[auto].get("config") or "")
 
-    def first_gib(found: dict[str, dict[str, Any]], row: str, key: str) -> str:
-        return f"{found[row][key][0]:.1f}"
+    def held(found: dict[str, dict[str, Any]], row: str) -> str:
+        value = _held(found[row])
+        return "–" if value is None else f"{value:.1f}"
+
+    def reserved(found: dict[str, dict[str, Any]], row: str) -> str:
+        return f"{max(found[row]['reserved_gib']):.1f}"
 
     pipes4 = hand4["seqify 4 x 1 1f1b chunks 8 graphs"]
     return page(
@@ -812,52 +851,72 @@ def layouts_page() -> str:
         "the tuner's choice among every layout. Each seqify step is `pipe.step` plus an optimizer step by "
         "`pipe.optimizer` (an optimizer per replica, as DDP steps); rows marked *optimizer of the first replica* "
         "step one optimizer of `pipe.parameters()` instead, whose update the other replicas take by broadcast (the "
-        "four-GPU Llama table, older, stepped every seqify row so). Every row is "
+        "four-GPU Llama tables, older, stepped every seqify row so). Rows *under torchrun* run the configuration "
+        "of the row above them with `seqify.distributed`, one process per GPU. Every row is "
         "timed as the DDP and FSDP2 scripts time theirs: steps run back to back, the GPUs synchronised only before "
         "the first and after the last (a training loop that does not read the loss every step runs so), except "
-        "the last table, older, which synchronised each seqify step. Peak memory counts from the first timed step "
-        "(for the automatic rows, from the start of the row, tuning included). With CUDA graphs the activations "
-        "live in the graphs' memory pool, which `max_memory_allocated` does not count once captured: compare the "
-        "reserved column for graphed rows. Ratios compare rows of one table only; H100 and H200 tables are "
-        "separate runs on separate machines.",
+        "the four-GPU Llama table by hand, older, which synchronised each seqify step. Peak memory counts from "
+        "the first timed step (for the automatic rows, from the start of the row, tuning included). A replayed "
+        "CUDA graph writes its intermediates into its own memory pool without asking the allocator, so once "
+        "captured `max_memory_allocated` leaves them out: the last column adds the pools' blocks not held by a "
+        "live tensor to the allocated peak, the memory a graphed step keeps (a dash: a graphed row measured "
+        "before the runs recorded it). Compare that column, not the allocated one, between graphed rows and DDP "
+        "or FSDP2. Ratios compare rows of one table only; H100 and H200 tables are separate runs on separate "
+        "machines.",
         "## ResNet-101, fp32, SGD, 128 samples per GPU",
-        "### Four H200s", _layout_table(LAYOUTS4.files[0]), LAYOUTS4.line(),
         "### Two H200s", _layout_table(LAYOUTS.files[0]), LAYOUTS.line(),
+        "### Two H200s, replicas with fewer activations in flight",
+        _layout_table(LAYOUTS_MICRO.files[0]), LAYOUTS_MICRO.line(),
+        "### Two H200s, replicas without graphs", _layout_table(LAYOUTS_EAGER.files[0]), LAYOUTS_EAGER.line(),
+        "### Four H200s", _layout_table(LAYOUTS4.files[0]), LAYOUTS4.line(),
+        "### Four H200s, replicas with fewer activations in flight",
+        _layout_table(LAYOUTS4_MEMORY.files[0]), LAYOUTS4_MEMORY.line(),
         "### Four H100s", _layout_table(LAYOUTS_H100_4.files[0]), LAYOUTS_H100_4.line(),
         "### Two H100s", _layout_table(LAYOUTS_H100_2.files[0]), LAYOUTS_H100_2.line(),
         "## Llama 0.89 B, bf16 autocast, SGD, 4 × 2048 tokens per GPU",
-        "### Four H200s", _layout_table(LAYOUTS4_LLAMA_AUTO.files[0]), LAYOUTS4_LLAMA_AUTO.line(),
         "### Two H200s", _layout_table(LAYOUTS_LLAMA.files[0]), LAYOUTS_LLAMA.line(),
+        "### Two H200s, replicas with fewer activations in flight",
+        _layout_table(LAYOUTS_LLAMA_MICRO.files[0]), LAYOUTS_LLAMA_MICRO.line(),
+        "### Four H200s", _layout_table(LAYOUTS4_LLAMA_AUTO.files[0]), LAYOUTS4_LLAMA_AUTO.line(),
         "### Two H100s", _layout_table(LAYOUTS_H100_LLAMA.files[0]), LAYOUTS_H100_LLAMA.line(),
         "### Four H200s, layouts by hand (each step synchronised; before replicas summed gradients per partition)",
         _layout_table(LAYOUTS4_LLAMA.files[0]), LAYOUTS4_LLAMA.line(),
         "## Llama 7.2 B, bf16 autocast, fp32 Adam, 2 × 2048 tokens per GPU",
         "No one GPU trains it (its weights, gradients and Adam's moments alone take 115 GB), so FSDP2 is the anchor.",
+        "### Four H200s, layouts by hand", _layout_table(LAYOUTS4_LLAMA8B_HAND.files[0]), LAYOUTS4_LLAMA8B_HAND.line(),
         "### Two H200s", _layout_table(LAYOUTS_LLAMA8B.files[0]), LAYOUTS_LLAMA8B.line(),
         "### Two H200s, a layout by hand", _layout_table(LAYOUTS_LLAMA8B_HAND.files[0]),
         LAYOUTS_LLAMA8B_HAND.line() + " Its second layout, GPipe at 4 micro-batches, ran out of memory at its "
         "first Adam step in that run and has no row.",
-        f"**Result.** On H200s the tuner chose {chose(h200_4)} for ResNet-101 on four GPUs, {vs(h200_4, 'DDP')}× "
-        f"DDP's throughput, and {chose(h200_2)} on two, {vs(h200_2, 'DDP')}×, each at a far lower allocated peak "
-        f"per GPU than DDP's and more reserved (the graphs' pools). For the Llama it chose {chose(llama4)} on four H200s: "
-        f"{vs(llama4, 'FSDP2')}× FSDP2's throughput at {first_gib(llama4, auto, 'peak_gib')} GiB allocated on the "
-        f"first GPU (FSDP2: {first_gib(llama4, 'FSDP2', 'peak_gib')}), and on two "
-        f"{vs(llama2, 'FSDP2')}× FSDP2's. For the 7.2 B Llama on two H200s it chose {chose(big)}: "
-        f"{vs(big, 'FSDP2')}× FSDP2's throughput, at {max(big[auto]['peak_gib']):.1f} GiB allocated on a GPU against "
-        f"FSDP2's {max(big['FSDP2']['peak_gib']):.1f}; interleaved at 4 micro-batches, by hand, ran "
-        f"{vs(big_hand, 'FSDP2', interleaved)}× at {max(big_hand[interleaved]['peak_gib']):.1f} GiB. "
-        "Every GPU is busy through the whole step: `benchmarks/layouts/gaps.py` finds no idle gap of 0.2 ms or "
-        "more on four H100s.",
-        f"**Where seqify loses.** DDP trains the 0.89 B Llama as fast or faster: seqify's choice runs at "
-        f"{vs(llama2, 'DDP')} of DDP's throughput on two H200s with an optimizer per replica "
-        f"({vs(llama2, 'DDP', auto + first)} with one optimizer on the first replica), and at {vs(llama4, 'DDP')} "
-        "on four in the older run with one optimizer on the first replica; one GPU's share of a step is "
-        "the same work in both, and the replicas' all-reduce is DDP's. On the 7.2 B Llama seqify is faster than "
-        "FSDP2 but holds 3-4 GiB more allocated per GPU (FSDP2 shards the weights, gradients and Adam's moments; "
-        "a pipeline holds its half of each whole). A pure pipeline over four GPUs is far behind both (`4 x 1`: "
-        f"{pipes4['x_ddp']:.2f} of DDP, timed step by step). Replicated steps hold more reserved memory than DDP "
-        f"(the graphs' pools: {first_gib(llama4, auto, 'reserved_gib')} GiB on the Llama's first GPU against DDP's "
-        f"{first_gib(llama4, 'DDP', 'reserved_gib')}). Not measured yet: eight GPUs.",
+        f"**Result.** On two H200s the tuner chose {chose(h200_2)} for ResNet-101: {vs(h200_2, 'DDP')}× DDP's "
+        f"throughput, holding {held(h200_2, auto)} GiB in use on a GPU against DDP's {held(h200_2, 'DDP')} "
+        f"allocated ({reserved(h200_2, auto)} reserved against {reserved(h200_2, 'DDP')}). Replicas that run each "
+        f"GPU's share as two micro-batches in 1F1B order, graphed, hold far less: "
+        f"{vs(micro2, 'DDP', light)}× DDP's throughput at {held(micro2, light)} GiB on two GPUs, "
+        f"{vs(micro4, 'DDP', light.replace('1 x 2', '1 x 4'))}× at "
+        f"{held(micro4, light.replace('1 x 2', '1 x 4'))} GiB on four. For the 0.89 B Llama on two H200s it "
+        f"chose {chose(llama2)}: {vs(llama2, 'DDP')}× DDP's throughput and {vs(llama2, 'FSDP2')}× FSDP2's at "
+        f"{held(llama2, auto)} GiB in use (DDP {held(llama2, 'DDP')}, FSDP2 {held(llama2, 'FSDP2')}). Under "
+        f"torchrun, `seqify.distributed` ran the same layouts at {h200_2[auto + under]['x_in_process']:.3f} "
+        f"(ResNet-101) and {llama2[auto + under]['x_in_process']:.3f} (the Llama) of their in-process speed. "
+        f"On four H200s the 7.2 B Llama trained as `4 x 1` (ZB-H1, 8 micro-batches, graphs), by hand, at "
+        f"{vs(big4, 'FSDP2', zb8)}× FSDP2's throughput with {held(big4, zb8)} GiB in use on its fullest GPU "
+        f"against FSDP2's {held(big4, 'FSDP2')} allocated ({reserved(big4, zb8)} reserved against "
+        f"{reserved(big4, 'FSDP2')}). Every GPU is busy through the whole step: `benchmarks/layouts/gaps.py` "
+        "finds no idle gap of 0.2 ms or more on four H100s.",
+        f"**Where seqify loses.** Its automatic choices hold more memory per GPU than DDP: the graphs' pools keep "
+        f"a whole step's activations apart from the allocator's cache (ResNet-101 on two H200s: "
+        f"{held(h200_2, auto)} GiB in use against DDP's {held(h200_2, 'DDP')}; the tuner bounds a layout by one "
+        "GPU training the whole batch and by its own graphed data-parallel candidate, not by what DDP holds). Without graphs, replicas in one process run "
+        f"at DDP's memory but behind it ({vs(eager2, 'DDP', 'seqify 1 x 2 gpipe chunks 1')}× on ResNet-101). "
+        f"On the 0.89 B Llama no layout measured is at once as fast as DDP and as light as FSDP2: two micro-batches "
+        f"per replica hold {held(llama_micro, light)} GiB in use but run {vs(llama_micro, 'DDP', light)}× DDP's "
+        f"throughput; on four H200s the older automatic run reached {vs(llama4, 'DDP')} of DDP. The 7.2 B Llama "
+        f"on two H200s ran {vs(big, 'FSDP2')}× FSDP2's throughput at {max(big[auto]['peak_gib']):.1f} GiB "
+        f"allocated against {max(big['FSDP2']['peak_gib']):.1f} and {reserved(big, auto)} reserved against "
+        f"{reserved(big, 'FSDP2')} (FSDP2 shards the weights, gradients and Adam's moments; a pipeline holds its "
+        "half of each whole). A pure pipeline over four GPUs is far behind DDP on models that fit one GPU "
+        f"(`4 x 1`: {pipes4['x_ddp']:.2f} of DDP on the Llama, timed step by step). Not measured yet: eight GPUs.",
     )
 
 

@@ -324,7 +324,7 @@ def _with_overlap(model: nn.Sequential, sample: Any, placed: list[torch.device],
         more = [t for t in more if memory_bounds.fullness(t, placed) <= memory_bounds.ROOM]
     confirmed += more
     timed.append(twin)
-    bound = costs.bound
+    bound = _bound(confirmed, costs.bound, len(placed))  # two lanes hold more: still no more than data parallelism
     ran, before = (more[0].measured_s if more else None), best.measured_s
     if ran is not None and before is not None and ran < before and (lean(more, *bound) or not lean([best], *bound)):
         return more[0]

@@ -247,7 +247,7 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
             pipe = seqify.pipeline(seq, devices=devices, replicas=replicas, chunks=int(chunks), schedule=schedule,
                                    loops=loops, graphs="graphs" in rest, checkpoint="never", balance="time", sample=x)
             pipe.config = pipe.config or seqify.PipeConfig(
-                chunks=int(chunks), loops=loops, balance=tuple(pipe.balance), checkpoint="never",
+                chunks=int(chunks), loops=loops, balance=tuple(pipe.balance), by="time", checkpoint="never",
                 graphs="graphs" in rest, devices=tuple(str(d) for d in devices), schedule=schedule, replicas=replicas)
             name = (f"seqify {stages} x {replicas} {schedule} chunks {chunks}"
                     + (f" loops {loops}" if loops > 1 else "") + (" graphs" if "graphs" in rest else ""))

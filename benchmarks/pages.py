@@ -183,61 +183,43 @@ SPEED = Source(["conversion_speed/results/families.json"], "1× NVIDIA H200", TO
 TIMM = Source(["timm_sweep/results/timm.jsonl", "timm_sweep/results/timm-more.jsonl"], "CPU (x86_64)",
               "2.14.1, timm 1.0.31", "python benchmarks/timm_sweep/main.py", date="2026-11-25")
 
-LAYOUTS = Source(["layouts/results/h200-two-gpus.jsonl"], H200x2, TORCH,
-                 "python benchmarks/layouts/main.py --gpus 2 --auto --torchrun --out h200-two-gpus.jsonl",
-                 date="2026-11-28")
-LAYOUTS_EAGER = Source(["layouts/results/h200-two-gpus-eager.jsonl"], H200x2, TORCH,
-                       "python benchmarks/layouts/main.py --gpus 2 --layouts 1x2:gpipe:1 1x2:gpipe:1:graphs:loops2 "
-                       "--out h200-two-gpus-eager.jsonl", date="2026-11-28")
-LAYOUTS_MICRO = Source(["layouts/results/h200-two-gpus-micro.jsonl"], H200x2, TORCH,
-                       "python benchmarks/layouts/main.py --gpus 2 --layouts 1x2:1f1b:2:graphs 1x2:gpipe:2:graphs "
-                       "1x2:1f1b:4:graphs --out h200-two-gpus-micro.jsonl", date="2026-11-28")
-LAYOUTS4_MEMORY = Source(["layouts/results/h200-four-gpus-memory.jsonl"], H200x4, TORCH,
-                         "python benchmarks/layouts/main.py --gpus 4 --layouts 1x4:1f1b:2:graphs "
-                         "1x4:gpipe:1:graphs:loops2 --out h200-four-gpus-memory.jsonl", date="2026-11-28")
-LAYOUTS_LLAMA = Source(["layouts/results/h200-llama-two-gpus.jsonl"], H200x2, TORCH + ", transformers 5.17",
-                       "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
-                       "--layouts 1x2:gpipe:1:graphs:loops4 --auto --torchrun --out h200-llama-two-gpus.jsonl",
-                       date="2026-11-28")
-LAYOUTS_LLAMA_MICRO = Source(["layouts/results/h200-llama-two-gpus-micro.jsonl"], H200x2,
-                             TORCH + ", transformers 5.17",
-                             "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
-                             "--layouts 1x2:1f1b:2:graphs 1x2:1f1b:4:graphs --out h200-llama-two-gpus-micro.jsonl",
-                             date="2026-11-28")
-LAYOUTS4_LLAMA8B_HAND = Source(["layouts/results/h200-llama8b-four-gpus-hand.jsonl"], H200x4,
-                               TORCH + ", transformers 5.17",
-                               "python benchmarks/layouts/main.py --model llama8b --gpus 4 --per-gpu 2 --steps 4 "
-                               "--warm 2 --layouts 4x1:zb-h1:8:graphs 2x2:gpipe:2:graphs:loops4 "
-                               "--out h200-llama8b-four-gpus-hand.jsonl", date="2026-11-28")
-LAYOUTS4 = Source(["layouts/results/h200-four-gpus.jsonl"], H200x4, TORCH,
-                  "python benchmarks/layouts/main.py --gpus 4 --layouts 1x4:gpipe:1:graphs:loops2 --auto "
-                  "--out h200-four-gpus.jsonl", date="2026-11-28")
-LAYOUTS_LLAMA8B = Source(["layouts/results/h200-llama8b-two-gpus.jsonl"], H200x2, TORCH + ", transformers 5.17",
-                         "python benchmarks/layouts/main.py --model llama8b --gpus 2 --per-gpu 2 --steps 4 --warm 2 "
-                         "--auto --out h200-llama8b-two-gpus.jsonl", date="2026-11-28")
-LAYOUTS_LLAMA8B_HAND = Source(["layouts/results/h200-llama8b-two-gpus-hand.jsonl"], H200x2,
-                              TORCH + ", transformers 5.17",
-                              "python benchmarks/layouts/main.py --model llama8b --gpus 2 --per-gpu 2 --steps 4 "
-                              "--warm 2 --layouts 2x1:interleaved:4:graphs:loops4 2x1:gpipe:4:graphs:loops4 "
-                              "--out h200-llama8b-two-gpus-hand.jsonl", date="2026-11-28")
-LAYOUTS4_LLAMA_AUTO = Source(["layouts/results/h200-llama-four-gpus.jsonl"], H200x4, TORCH + ", transformers 5.17",
-                             "python benchmarks/layouts/main.py --model llama --gpus 4 --per-gpu 4 --steps 4 --warm 2 "
-                             "--auto --out h200-llama-four-gpus.jsonl", date="2026-11-28")
-LAYOUTS4_LLAMA = Source(["layouts/results/llama-four-gpus.jsonl"], H200x4, TORCH + ", transformers 5.17",
-                        "python benchmarks/layouts/main.py --model llama --gpus 4 --per-gpu 4 --steps 4 --warm 2 "
-                        "--layouts 1x4:gpipe:1:graphs 2x2:1f1b:4:graphs 4x1:1f1b:8:graphs --out llama-four-gpus.jsonl",
-                        date="2026-11-27")
-LAYOUTS_H100_4 = Source(["layouts/results/h100-four-gpus.jsonl"], H100x4, TORCH,
-                        "python benchmarks/layouts/main.py --gpus 4 --layouts 1x4:gpipe:1:graphs --auto "
-                        "--out h100-four-gpus.jsonl", date="2026-11-28")
-LAYOUTS_H100_2 = Source(["layouts/results/h100-two-gpus.jsonl"], H100x2, TORCH,
-                        "python benchmarks/layouts/main.py --gpus 2 --layouts 1x2:gpipe:1:graphs --auto "
-                        "--out h100-two-gpus.jsonl", date="2026-11-28")
-LAYOUTS_H100_LLAMA = Source(["layouts/results/h100-llama-two-gpus.jsonl"], H100x2,
-                            TORCH + ", transformers 5.17",
-                            "python benchmarks/layouts/main.py --model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2 "
-                            "--layouts 1x2:gpipe:1:graphs:loops2 1x2:gpipe:1:graphs:loops4 --auto --out h100-llama-two-gpus.jsonl",
-                            date="2026-11-28")
+def _layouts(file: str, device: str, args: str, date: str = "2026-11-28", llama: bool = False) -> Source:
+    """A run of benchmarks/layouts/main.py with ``args`` that wrote ``file`` under layouts/results/."""
+    return Source([f"layouts/results/{file}"], device, TORCH + (", transformers 5.17" if llama else ""),
+                  f"python benchmarks/layouts/main.py {args} --out {file}", date=date)
+
+
+LLAMA_2 = "--model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2"
+LLAMA_4 = "--model llama --gpus 4 --per-gpu 4 --steps 4 --warm 2"
+LAYOUTS = _layouts("h200-two-gpus.jsonl", H200x2, "--gpus 2 --auto --torchrun")
+LAYOUTS_EAGER = _layouts("h200-two-gpus-eager.jsonl", H200x2,
+                         "--gpus 2 --layouts 1x2:gpipe:1 1x2:gpipe:1:graphs:loops2")
+LAYOUTS_MICRO = _layouts("h200-two-gpus-micro.jsonl", H200x2,
+                         "--gpus 2 --layouts 1x2:1f1b:2:graphs 1x2:gpipe:2:graphs 1x2:1f1b:4:graphs")
+LAYOUTS4_MEMORY = _layouts("h200-four-gpus-memory.jsonl", H200x4,
+                           "--gpus 4 --layouts 1x4:1f1b:2:graphs 1x4:gpipe:1:graphs:loops2")
+LAYOUTS_LLAMA = _layouts("h200-llama-two-gpus.jsonl", H200x2,
+                         f"{LLAMA_2} --layouts 1x2:gpipe:1:graphs:loops4 --auto --torchrun", llama=True)
+LAYOUTS_LLAMA_MICRO = _layouts("h200-llama-two-gpus-micro.jsonl", H200x2,
+                               f"{LLAMA_2} --layouts 1x2:1f1b:2:graphs 1x2:1f1b:4:graphs", llama=True)
+LAYOUTS4_LLAMA8B_HAND = _layouts("h200-llama8b-four-gpus-hand.jsonl", H200x4,
+                                 "--model llama8b --gpus 4 --per-gpu 2 --steps 4 --warm 2 "
+                                 "--layouts 4x1:zb-h1:8:graphs 2x2:gpipe:2:graphs:loops4", llama=True)
+LAYOUTS4 = _layouts("h200-four-gpus.jsonl", H200x4, "--gpus 4 --layouts 1x4:gpipe:1:graphs:loops2 --auto")
+LAYOUTS_LLAMA8B = _layouts("h200-llama8b-two-gpus.jsonl", H200x2,
+                           "--model llama8b --gpus 2 --per-gpu 2 --steps 4 --warm 2 --auto", llama=True)
+LAYOUTS_LLAMA8B_HAND = _layouts("h200-llama8b-two-gpus-hand.jsonl", H200x2,
+                                "--model llama8b --gpus 2 --per-gpu 2 --steps 4 --warm 2 "
+                                "--layouts 2x1:interleaved:4:graphs:loops4 2x1:gpipe:4:graphs:loops4", llama=True)
+LAYOUTS4_LLAMA_AUTO = _layouts("h200-llama-four-gpus.jsonl", H200x4, f"{LLAMA_4} --auto", llama=True)
+LAYOUTS4_LLAMA = _layouts("llama-four-gpus.jsonl", H200x4,
+                          f"{LLAMA_4} --layouts 1x4:gpipe:1:graphs 2x2:1f1b:4:graphs 4x1:1f1b:8:graphs",
+                          date="2026-11-27", llama=True)
+LAYOUTS_H100_4 = _layouts("h100-four-gpus.jsonl", H100x4, "--gpus 4 --layouts 1x4:gpipe:1:graphs --auto")
+LAYOUTS_H100_2 = _layouts("h100-two-gpus.jsonl", H100x2, "--gpus 2 --layouts 1x2:gpipe:1:graphs --auto")
+LAYOUTS_H100_LLAMA = _layouts("h100-llama-two-gpus.jsonl", H100x2,
+                              f"{LLAMA_2} --layouts 1x2:gpipe:1:graphs:loops2 1x2:gpipe:1:graphs:loops4 --auto",
+                              llama=True)
 
 SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, FAMILIES_PIPELINES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA,
            LAYOUTS4, LAYOUTS4_LLAMA_AUTO, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA,
@@ -326,9 +308,9 @@ def _speedup_cell(found: dict[str, dict[str, Any]], row: str) -> str:
         return "–"
     r = found[row]
     fastest = max(found[k]["samples_per_s"] for k in ("DDP", "FSDP2", "seqify automatic") if k in found)
-    held = r.get("in_use_gib") or (None if _graphed(r) else r["peak_gib"])
+    held = _held(r)
     text = (f"{x(r['samples_per_s'] / found['one GPU']['samples_per_s'], 3)} "
-            f"({f'{max(held):.1f}' if held else '–'} / {max(r['reserved_gib']):.1f} GiB)")
+            f"({'–' if held is None else f'{held:.1f}'} / {max(r['reserved_gib']):.1f} GiB)")
     return f"**{text}**" if r["samples_per_s"] == fastest else text
 
 
@@ -793,7 +775,7 @@ def _layout_table(name: str) -> str:
                   "reserved GiB per GPU", "in use GiB per GPU, graph pools counted"],
                  [[r["row"], r["batch"], f"{r['samples_per_s']:.1f}",
                    *(x(r["samples_per_s"] / base) for _, base in anchors), gib(r["peak_gib"]), gib(r["reserved_gib"]),
-                   _in_use(r)]
+                   gib(_in_use(r)) or "–"]
                   for r in found], "lrr" + "r" * len(anchors) + "lll")
 
 
@@ -802,17 +784,15 @@ def _graphed(r: dict[str, Any]) -> bool:
     return "graphs" in r["row"] or "graphs True" in (r.get("config") or "")
 
 
-def _in_use(r: dict[str, Any]) -> str:
-    """A layouts row's peak in use with CUDA graphs' pools counted: measured (``in_use_gib``), its allocated peak
-    where it replays no graphs, or a dash for a graphed row measured before the runs recorded it."""
-    if r.get("in_use_gib"):
-        return gib(r["in_use_gib"])
-    return "–" if _graphed(r) else gib(r["peak_gib"])
+def _in_use(r: dict[str, Any]) -> list[float] | None:
+    """A layouts row's peak in use per GPU with CUDA graphs' pools counted: measured (``in_use_gib``), its
+    allocated peak where it replays no graphs, or None for a graphed row measured before the runs recorded it."""
+    return r.get("in_use_gib") or (None if _graphed(r) else r["peak_gib"])
 
 
 def _held(r: dict[str, Any]) -> float | None:
-    """A layouts row's largest peak in use on one GPU (graph pools counted), or None where not recorded."""
-    values = r.get("in_use_gib") or (None if _graphed(r) else r["peak_gib"])
+    """A layouts row's largest peak in use on one GPU (:func:`_in_use`), or None where not recorded."""
+    values = _in_use(r)
     return max(values) if values else None
 
 

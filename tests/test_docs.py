@@ -34,6 +34,18 @@ def test_benchmark_pages_match_the_results() -> None:
     assert not stale, f"out of date: {stale}; run python benchmarks/pages.py"
 
 
+def test_graphed_layout_rows_are_never_shown_by_their_allocated_peak() -> None:
+    """A replayed graph's activations are not counted as allocated once captured: a graphed row shows its
+    recorded in-use memory, or nothing, and only an eager row's allocated peak stands for what it held."""
+    pages = _script("benchmarks/pages.py")
+    eager = {"row": "DDP", "peak_gib": [15.8, 15.6]}
+    graphed = {"row": "seqify 1 x 2 gpipe chunks 1 graphs", "peak_gib": [1.6, 1.3]}
+    chosen = {"row": "seqify automatic", "config": "PipeConfig: ... graphs True ...", "peak_gib": [1.6, 1.3]}
+    assert pages._in_use(eager) == [15.8, 15.6] and pages._held(eager) == 15.8
+    assert pages._in_use(graphed) is None and pages._held(chosen) is None
+    assert pages._held({**chosen, "in_use_gib": [19.0, 18.9]}) == 19.0
+
+
 def test_readme_stays_short_and_names_no_commits() -> None:
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 300

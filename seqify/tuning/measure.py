@@ -4,6 +4,7 @@ and the peak memory a block of work holds."""
 from __future__ import annotations
 
 import functools
+import gc
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -21,7 +22,7 @@ from seqify.pipe.split_backward import input_grads, weight_values
 from seqify.tuning.predict import Calibration
 
 __all__ = ["batch_size", "head", "call", "loss", "sync", "step_seconds", "kept", "calibrate", "chain_split",
-           "split_backward", "model_split", "peaks", "out_of_memory"]
+           "split_backward", "model_split", "peaks", "release", "out_of_memory"]
 
 
 def batch_size(sample: Any) -> int:
@@ -284,15 +285,26 @@ def _on_cuda(devices: Sequence[torch.device]) -> list[torch.device]:
 
 @contextmanager
 def peaks(devices: Sequence[torch.device]) -> Iterator[Callable[[], tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """Measure the peak allocated and reserved bytes per CUDA device of the block, from an emptied cache;
-    the value yielded returns them once the block is done (empty on the CPU)."""
+    """Measure the peak allocated and reserved bytes per CUDA device of the block, from a collected heap and an
+    emptied cache (:func:`release`); the value yielded returns them once the block is done (empty on the CPU)."""
     cuda = _on_cuda(devices)
+    release(cuda)
     for d in cuda:
-        with torch.cuda.device(d):
-            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(d)
     yield lambda: (tuple(torch.cuda.max_memory_allocated(d) for d in cuda),
                    tuple(torch.cuda.max_memory_reserved(d) for d in cuda))
+
+
+def release(devices: Sequence[torch.device]) -> None:
+    """Give back what pipelines no longer referenced hold on ``devices``' GPUs: collect Python's cyclic garbage
+    (a pipeline's captured graphs and their memory pools live as long as the pipeline object, which a reference
+    cycle can keep until the collector runs), then empty the caching allocator's cache. Nothing on the CPU."""
+    cuda = _on_cuda(devices)
+    if cuda:
+        gc.collect()
+    for d in cuda:
+        with torch.cuda.device(d):
+            torch.cuda.empty_cache()
 
 
 def out_of_memory(e: BaseException) -> bool:

@@ -159,6 +159,7 @@ def tune(
         if overlap is None and best.measured_s is not None and best.graphs and (best.schedule or "gpipe") != "gpipe":
             best = _with_overlap(model, sample, placed, best, costs, batch, confirmed, timed, memory_cap=memory_cap,
                                  steps=steps, warm=warm, show=show)
+    measure.release(placed)  # the timed candidates' graphs and pools, before the chosen pipeline is built
     cfg = _config(best, confirmed, fits, timed, placed, batch, key)
     log.info("tune: chose %s (of %d candidates that fit, %d timed)", cfg.without_trials(), len(fits), len(confirmed))
     if cache:

@@ -353,6 +353,20 @@ def test_tune_on_two_gpus_is_exact_and_reports_predictions() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tuning_gives_back_the_memory_pools_of_the_graphs_it_timed() -> None:
+    """The timed candidates' captured graphs keep their activations in private memory pools; once seqify.tune
+    returns none is left on a GPU (they would hold memory beside the chosen pipeline for the whole training)."""
+    _, seq, _ = source_and_seq()
+    x = torch.randn(64, 6, dtype=torch.float64)
+    cfg = seqify.tune(seq, x, gpus=2, graphs=True, top=2, show=False, cache=False)
+    assert any(t.graphs and t.measured_s for t in cfg.trials)
+    pooled = [(s["device"], s["total_size"]) for s in torch.cuda.memory_snapshot()
+              if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    assert not pooled, f"graph pools left after tuning (device, bytes): {pooled}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tune_inside_autocast_places_every_candidate_on_its_devices() -> None:
     """Inside the caller's torch.autocast region the tuner places candidates one after another: a weight's cast
     that autocast cached on one GPU is not read after the weight moved to the other, and the chosen pipeline
@@ -745,9 +759,10 @@ def test_bench_reads_each_cuda_devices_peaks_from_an_emptied_cache(monkeypatch: 
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d.index)))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[d.index][0])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks[d.index][1])
+    monkeypatch.setattr(tuning.measure.gc, "collect", lambda: calls.append(("collect", None)))
     devices = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 0), torch.device("cpu")]
-    with tuning.measure.peaks(devices) as got:
-        assert calls == [("empty", None), ("reset", 0), ("empty", None), ("reset", 1)]
+    with tuning.measure.peaks(devices) as got:  # pipelines left in reference cycles are collected first
+        assert calls == [("collect", None), ("empty", None), ("empty", None), ("reset", 0), ("reset", 1)]
     assert got() == ((5, 2), (7, 3))
     row = bench.Row("x", 0.1, 0.1, allocated_per_device=(5 * 2**20, 2 * 2**20), reserved_per_device=(7 * 2**20, 3 * 2**20))
     table = str(bench.Bench("m", 8, ["cuda:0", "cuda:1"], None, [bench.Row("one", None, 0.2), row]))  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from seqify.tuning import measure, memory_bounds, profile, space
 from seqify.tuning.memory_bounds import OptimizerSpec
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 
-__all__ = ["tune", "BAND", "to_time", "lean", "options", "build_trial"]
+__all__ = ["tune", "BAND", "to_time", "lighter", "lean", "options", "build_trial"]
 
 log = logging.getLogger("seqify.tuning")
 
@@ -98,8 +98,10 @@ def tune(
             that divides the GPUs is a layout (``stages x replicas``: every GPU one pipeline, plain data
             parallelism, and those between), predicted with the reduction of its gradients, and the best of
             each layout is timed (with ``top >= 2``). On CPU devices, one pipeline unless fixed. A
-            layout whose timed steps held more on some GPU than plain data parallelism's is chosen only where
-            no other stays under it.
+            layout whose timed steps held more on some GPU than plain data parallelism without graphs (what
+            DDP holds; timed beside the others) is chosen only where no other stays under it; where the
+            fastest does, the best predicted to hold less are timed too (a replica's share as several
+            micro-batches in 1F1B order holds fewer activations).
         optimizer: the optimizer training will use: its class (``torch.optim.AdamW``), a function that builds
             it from parameters (``functools.partial(torch.optim.AdamW, lr=3e-4)``), or the bytes of state it
             keeps per parameter byte (``2.0`` for Adam). Its state (probed on one small parameter: Adam's two
@@ -291,10 +293,16 @@ def _time_best(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
                show: bool) -> tuple[list[Trial], list[Trial]]:
     """Time the candidates :func:`to_time` picks, and where each held more than ``bound`` the next best too;
     the confirmed ones (with their measurements) and every one timed."""
-    timed = to_time(fits, top)
+    timed = to_time(fits, top, gpus=len(placed))
     confirmed = _confirm(model, sample, placed, timed, steps=steps, warm=warm, show=show)
     if confirmed and not lean(confirmed, *bound):  # each held more than the bound: time the next best too
         more = [t for t in fits if not any(t is u for u in timed)][:max(top, 1)]
+        confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
+        timed += more
+    plain = _bound(confirmed, bound, len(placed))
+    if confirmed and plain != bound and not lean([steady(confirmed)], *plain):
+        # the fastest holds more than data parallelism would: time the best predicted to hold less
+        more = lighter(fits, timed, steady(confirmed))[:max(top, 1)]
         confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
         timed += more
     if top > 0 and not confirmed:
@@ -317,7 +325,7 @@ def _with_overlap(model: nn.Sequential, sample: Any, placed: list[torch.device],
         more = [t for t in more if memory_bounds.fullness(t, placed) <= memory_bounds.ROOM]
     confirmed += more
     timed.append(twin)
-    bound = costs.bound
+    bound = _bound(confirmed, costs.bound, len(placed))  # two lanes hold more: still no more than data parallelism
     ran, before = (more[0].measured_s if more else None), best.measured_s
     if ran is not None and before is not None and ran < before and (lean(more, *bound) or not lean([best], *bound)):
         return more[0]
@@ -365,12 +373,14 @@ def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], time
 BAND = 0.05
 
 
-def to_time(fits: list[Trial], top: int) -> list[Trial]:
+def to_time(fits: list[Trial], top: int, gpus: int = 0) -> list[Trial]:
     """The candidates to time: the ``top`` best predicted (``fits`` is sorted), and with ``top >= 2`` also the
     best of the other kind (eager or replayed) when none of them is: the two kinds are predicted from different
     costs (the host's issue time against the GPU's work), and an error in one must not keep the other untimed.
-    Then the best of each layout (stages x replicas) not yet among them, and the best of each schedule not yet
-    among them predicted within :data:`BAND` of the best."""
+    Then the best of each layout (stages x replicas) not yet among them; over ``gpus`` GPUs, data parallelism as
+    DDP runs it (:func:`_like_ddp`; else the best eager one): what DDP holds, the memory bound of every layout,
+    see :func:`_bound`; and the best of each schedule not yet among them predicted within :data:`BAND` of the
+    best."""
     best = fits[:top]
     if top < 2:
         return best
@@ -381,6 +391,10 @@ def to_time(fits: list[Trial], top: int) -> list[Trial]:
         first = next(t for t in fits if t.replicas == r)
         if not any(first is u for u in best):
             best.append(first)
+    ddp = next((t for t in fits if _like_ddp(t, gpus)), None) or next(
+        (t for t in fits if t.replicas == gpus > 1 and not t.graphs), None)
+    if ddp is not None and not any(ddp is u for u in best):
+        best.append(ddp)
     schedules = {t.schedule for t in best}
     for t in fits[top:]:
         if t.predicted_s > fits[0].predicted_s * (1 + BAND):
@@ -389,6 +403,15 @@ def to_time(fits: list[Trial], top: int) -> list[Trial]:
             best.append(t)
             schedules.add(t.schedule)
     return best
+
+
+def lighter(fits: list[Trial], timed: list[Trial], than: Trial) -> list[Trial]:
+    """The candidates not yet timed that are predicted to hold less on their fullest device than ``than``, best
+    predicted first (fewer micro-batches in flight: 1F1B where GPipe keeps every one)."""
+    def fullest(t: Trial) -> int:
+        return max(t.memory_per_device, default=t.memory_bytes)
+
+    return [t for t in fits if not any(t is u for u in timed) and fullest(t) < fullest(than)]
 
 
 #: Timed candidates within this fraction of the fastest measured step are taken as equally fast: timing one
@@ -442,16 +465,26 @@ def _trial(c: Candidate, by: str, loops: int, p: Prediction, replicas: int = 1) 
 def _bound(confirmed: list[Trial], bound: tuple[int | None, int | None], gpus: int
            ) -> tuple[int | None, int | None]:
     """``bound`` lowered to what plain data parallelism held per GPU where it was timed: a layout is chosen over
-    it only at no more memory per GPU (a user's other choice, at that memory)."""
+    it only at no more memory per GPU (a user's other choice, at that memory). The reference is data parallelism
+    as DDP runs it (:func:`_like_ddp`), which holds what DDP holds; failing that, other eager data parallelism;
+    replayed graphs keep a step's activations in pools of their own, so a graphed one holds more and is the
+    reference only where no eager one was timed."""
     plain = [t for t in confirmed if t.replicas == gpus > 1 and t.measured_peak]
     if not plain:
         return bound
-    held = min(plain, key=lambda t: t.measured_s or 0.0)
+    held = min([t for t in plain if _like_ddp(t, gpus)] or [t for t in plain if not t.graphs] or plain,
+               key=lambda t: t.measured_s or 0.0)
 
     def lower(a: int | None, b: int) -> int:
         return b if a is None else min(a, b)
 
     return lower(bound[0], max(held.held())), lower(bound[1], max(_reserved(held)))
+
+
+def _like_ddp(t: Trial, gpus: int) -> bool:
+    """Whether ``t`` runs as DDP does: one whole replica per GPU, each step eager, nothing recomputed, the share
+    in one micro-batch (the memory every layout is held to)."""
+    return t.replicas == gpus > 1 and not t.graphs and t.checkpoint == "never" and t.chunks == 1
 
 
 def build_trial(model: nn.Sequential, t: Trial, devices: Sequence[torch.device], sample: Any) -> nn.Module:

@@ -7,6 +7,7 @@ import itertools
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,81 @@ def test_timed_candidates_within_noise_of_the_fastest_are_chosen_in_a_fixed_orde
         assert steady(list(order)) is plain
     faster = _timed(100.0 * (1 - 2 * TIE), schedule="zb-h2", chunks=8, balance=(1, 3))
     assert steady([plain, piped, faster]) is faster  # beyond the noise, the fastest
+
+
+GIB = 2**30
+
+
+def _fit(ms: float, gib: float, **options: object) -> Trial:
+    """A predicted one-GPU replica of an 8-layer model over two GPUs: ``ms`` and ``gib`` its predicted step and
+    fullest device."""
+    base: dict[str, object] = dict(chunks=1, loops=1, by="time", checkpoint="never", graphs=True, schedule="gpipe",
+                                   balance=(8,), replicas=2)
+    return Trial(**{**base, **options, "predicted_s": ms / 1e3, "memory_bytes": int(gib * GIB),  # type: ignore[arg-type]
+                    "memory_per_device": (int(gib * GIB),)})
+
+
+def test_a_layout_is_held_to_what_eager_data_parallelism_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory reference is data parallelism without graphs (what DDP holds), timed beside the best: graphed
+    replicas keep a step's activations in their pools and hold more. Where the fastest holds more than it, the
+    best predicted to hold less are timed too, and the fastest of those within the reference is chosen (on two
+    H200s ResNet-101's graphed GPipe replicas reserved 19.4 GiB against DDP's 18.0 and ran 1.051x its throughput;
+    1F1B at two micro-batches reserved 10.3 at 1.012x; without graphs, 17.9 at 0.974x)."""
+    from seqify.tuning import search
+
+    gpipe = _fit(93, 24)
+    pipeline = _fit(110, 12, replicas=1, balance=(4, 4), chunks=4, schedule="1f1b")
+    gpipe2 = _fit(104, 24, chunks=2)  # GPipe keeps both micro-batches in flight: predicted no lighter
+    light = _fit(105, 12, chunks=2, schedule="1f1b")
+    lighter_but_slow = _fit(106, 11, chunks=2, schedule="zb-h1", checkpoint="always")
+    eager = _fit(140, 16, graphs=False)
+    fits = [gpipe, gpipe2, pipeline, light, lighter_but_slow, eager]
+    ran = {id(gpipe): (100.0, 17.0, 19.4), id(pipeline): (112.0, 12.0, 14.0), id(gpipe2): (101.0, 17.0, 18.7),
+           id(eager): (108.0, 15.6, 17.9), id(light): (104.0, 9.0, 10.3), id(lighter_but_slow): (115.0, 8.0, 9.0)}
+    timed_ids: list[int] = []
+
+    def confirm(model, sample, placed, timed, *, steps, warm, show):  # type: ignore[no-untyped-def]
+        timed_ids.extend(id(t) for t in timed)
+        return [replace(t, measured_s=ran[id(t)][0] / 1e3, measured_peak=(int(ran[id(t)][1] * GIB),) * 2,
+                        measured_reserved=(int(ran[id(t)][2] * GIB),) * 2) for t in timed]
+
+    monkeypatch.setattr(search, "_confirm", confirm)
+    one_gpu = (int(30 * GIB), int(32 * GIB))  # one GPU training the whole batch
+    placed = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    confirmed, _ = search._time_best(nn.Sequential(), None, placed, fits, one_gpu, top=2, steps=1, warm=0, show=False)
+    assert id(eager) in timed_ids  # timed as the reference, though predicted far behind
+    assert id(light) in timed_ids and id(lighter_but_slow) in timed_ids and id(gpipe2) in timed_ids
+    reference = search._bound(confirmed, one_gpu, len(placed))
+    assert reference == (int(15.6 * GIB), int(17.9 * GIB))  # eager's, not the graphed data parallelism's
+    chosen = steady(search.lean(confirmed, *reference))
+    assert (chosen.schedule, chosen.chunks, chosen.graphs) == ("1f1b", 2, True)
+    # where no eager one was timed, the fastest graphed data parallelism is the reference
+    assert search._bound([c for c in confirmed if c.graphs], one_gpu, 2)[1] == int(19.4 * GIB)
+
+
+def test_the_memory_reference_runs_as_ddp_does_not_recomputed_nor_in_micro_batches() -> None:
+    """DDP neither recomputes activations nor splits a replica's share: eager replicas that do hold less than it,
+    and are no reference even where predicted faster or timed (MaxViT's bound was once an eager replica with
+    checkpoint='always', which held its batch's activations no more than graphed GPipe replicas did)."""
+    from seqify.tuning import search
+
+    recomputed = _fit(120, 10, graphs=False, checkpoint="always")
+    split = _fit(125, 12, graphs=False, chunks=2, schedule="1f1b")
+    ddp = _fit(130, 16, graphs=False)
+    graphed, graphed2 = _fit(100, 17), _fit(101, 17, loops=2)
+    timed = search.to_time([graphed, graphed2, recomputed, split, ddp], 2, gpus=2)
+    assert any(t is ddp for t in timed) and not any(t is split for t in timed)  # (recomputed: the best eager one)
+    ran = [replace(t, measured_s=s / 1e3, measured_peak=(int(g * GIB),) * 2, measured_reserved=(int(g * GIB),) * 2)
+           for t, s, g in [(graphed, 100, 17), (recomputed, 110, 11), (split, 111, 12), (ddp, 112, 16)]]
+    assert search._bound(ran, (None, None), 2) == (int(16 * GIB), int(16 * GIB))
+    assert search._bound(ran[:3], (None, None), 2) == (int(11 * GIB), int(11 * GIB))  # else the fastest eager one
+
+
+def test_lighter_candidates_are_the_untimed_ones_predicted_to_hold_less_in_predicted_order() -> None:
+    from seqify.tuning.search import lighter
+
+    fastest, same, less, least, timed = _fit(90, 24), _fit(95, 24), _fit(100, 12), _fit(101, 8), _fit(99, 10)
+    assert lighter([fastest, same, timed, less, least], [fastest, timed], fastest) == [less, least]
 
 
 def test_the_layout_benchmark_runs_each_layout_in_one_process_and_under_torchrun(tmp_path: Path) -> None:

@@ -259,6 +259,68 @@ def test_lighter_candidates_are_the_untimed_ones_predicted_to_hold_less_in_predi
     assert lighter([fastest, same, timed, less, least], [fastest, timed], fastest) == [less, least]
 
 
+def _ran(t: Trial, ms: float) -> Trial:
+    return replace(t, measured_s=ms / 1e3, measured_peak=(GIB, GIB), measured_reserved=(GIB, GIB))
+
+
+def test_close_timings_on_gpus_are_timed_again_before_one_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Candidates within RUNOFF of the fastest are built and timed again with twice the steps, each kept at the
+    mean of both timings: one lucky timing of an eager step no longer decides (on two H200s ResNet-101's eager
+    replicas timed 100.5 ms against graphed 1F1B's 106.1, then trained 8% slower than them)."""
+    from seqify.tuning import search
+
+    eager = _ran(_fit(140, 16, graphs=False), 100.0)
+    graphed = _ran(_fit(105, 12, chunks=2, schedule="1f1b"), 106.0)
+    slow = _ran(_fit(110, 12, chunks=4, schedule="1f1b"), 120.0)  # beyond RUNOFF: not timed again
+    again = {id(eager): 115.0, id(graphed): 104.0}
+    calls: list[tuple[int, int]] = []
+
+    def confirm(model, sample, placed, timed, *, steps, warm, show):  # type: ignore[no-untyped-def]
+        calls.extend((id(t), steps) for t in timed)
+        return [replace(t, measured_s=again[id(t)] / 1e3, measured_peak=(9 * GIB,) * 2) for t in timed]
+
+    monkeypatch.setattr(search, "_confirm", confirm)
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    confirmed = [slow, eager, graphed]
+    pool = search._runoff(nn.Sequential(), None, gpus, [eager, graphed, slow], confirmed, steps=2, warm=1,
+                          show=False)
+    assert calls == [(id(eager), 4), (id(graphed), 4)]  # the fastest first, twice the steps
+    assert [t.measured_s for t in pool] == pytest.approx([0.1075, 0.105, 0.120])
+    assert [t.measured_s for t in confirmed] == pytest.approx([0.120, 0.1075, 0.105])  # print(cfg) shows the means
+    assert pool[0].measured_peak == (GIB, GIB)  # the peaks the bounds passed, not the second build's
+    chosen = steady(pool)
+    assert (chosen.graphs, chosen.schedule) == (True, "1f1b")
+    assert steady([eager, graphed, slow]) is eager  # control: on the first timings alone, the eager step
+
+    calls.clear()  # on the CPU nothing is timed again
+    cpu = [torch.device("cpu")] * 2
+    assert search._runoff(nn.Sequential(), None, cpu, [eager, graphed], [eager, graphed], steps=2, warm=1,
+                          show=False) == [eager, graphed] and not calls
+
+
+def test_a_contender_whose_second_build_runs_out_of_memory_keeps_its_first_timing(monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    from seqify.tuning import search
+
+    first, second = _ran(_fit(100, 12), 100.0), _ran(_fit(101, 12, chunks=2), 101.0)
+    monkeypatch.setattr(search, "_confirm", lambda model, sample, placed, timed, **kw: [
+        replace(t, measured_s=0.090) for t in timed if t is second])  # the first ran out of memory
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    pool = search._runoff(nn.Sequential(), None, gpus, [first, second], [first, second], steps=2, warm=1, show=False)
+    assert [t.measured_s for t in pool] == pytest.approx([0.100, 0.0955])
+
+
+def test_contenders_are_the_timed_ones_within_runoff_of_the_fastest_fastest_first() -> None:
+    from seqify.tuning.search import RUNOFF, RUNOFF_MOST, contenders
+
+    a, b, c = _ran(_fit(1, 1), 100.0), _ran(_fit(1, 1, chunks=2), 100.0 * (1 + RUNOFF)), _ran(
+        _fit(1, 1, chunks=4), 100.0 * (1 + RUNOFF) + 1)
+    untimed = _fit(1, 1, chunks=8)
+    assert contenders([c, b, untimed, a]) == [a, b]
+    many = [_ran(_fit(1, 1, chunks=k), 100.0 + k) for k in range(1, 6)]
+    assert len(contenders(many)) == RUNOFF_MOST and contenders([]) == []
+
+
 def test_the_layout_benchmark_runs_each_layout_in_one_process_and_under_torchrun(tmp_path: Path) -> None:
     """benchmarks/layouts/main.py's CPU smoke run: a layout row, the same configuration run by
     seqify.distributed under torchrun (gloo, one process per device), and torch pipelining's schedules on its

@@ -18,6 +18,7 @@ fingerprint, input shapes and dtypes, devices, options) in ``$SEQIFY_CACHE_DIR/t
 One concept a module: :mod:`~seqify.tuning.measure` (timed steps, overheads, peak memory),
 :mod:`~seqify.tuning.profile` (the layer model), :mod:`~seqify.tuning.space` (the candidates),
 :mod:`~seqify.tuning.predict` (a candidate's predicted step), :mod:`~seqify.tuning.search` (:func:`tune`),
+:mod:`~seqify.tuning.choice` (which candidates are timed, the memory bounds, ties),
 :mod:`~seqify.tuning.memory_bounds` (the optimizer's state and the GPUs' memory in the bounds),
 :mod:`~seqify.tuning.cache` (choices on disk). The other modules call :mod:`~seqify.tuning.measure` through
 the module (``measure.step_seconds``), so one patch of a measurement there reaches every caller.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from seqify.pipe.config import PipeConfig, Trial
 from seqify.tuning.cache import cache_path, fingerprint
+from seqify.tuning.choice import RUNOFF
 from seqify.tuning.measure import calibrate, step_seconds
 from seqify.tuning.memory_bounds import ROOM, optimizer_ratio, state_ratio, step_ratio
 from seqify.tuning.profile import fit_host, layer_model
@@ -33,4 +35,4 @@ from seqify.tuning.search import tune
 from seqify.tuning.space import TIME_SLACK
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds",
-           "fit_host", "state_ratio", "step_ratio", "optimizer_ratio", "ROOM", "TIME_SLACK"]
+           "fit_host", "state_ratio", "step_ratio", "optimizer_ratio", "ROOM", "TIME_SLACK", "RUNOFF"]

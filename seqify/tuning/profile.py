@@ -56,7 +56,7 @@ def anchor(model: nn.Sequential, sample: Any, device: torch.device, layers: Laye
     replayed as captured graphs (GPU work only) predicts its measured step, then the host's issue times so
     that the eager step does too (:func:`fit_host`); where the model cannot be replayed, both by one factor
     so that the eager step does. Also the peak bytes the eager step allocated and reserved on a GPU
-    (the bounds of :func:`~seqify.tuning.search.lean`; ``None`` on the CPU). Where the batch does not fit one
+    (the bounds of :func:`~seqify.tuning.choice.lean`; ``None`` on the CPU). Where the batch does not fit one
     device whole, the bounds are those of one device accumulating it in the fewest micro-batches that fit
     (:func:`_accumulated`), and the steps that anchor the times are of one such micro-batch (weak scaling's
     batches are anchored too, not left as profiled)."""
@@ -163,7 +163,7 @@ def _accumulated(model: nn.Sequential, sample: Any, device: torch.device,
     the peak bytes it allocated and reserved doing so (``None`` on the CPU: no peaks): what one device holds
     training a batch it cannot take whole, as a user without a pipeline would (weak scaling's batches). A
     pipeline holding more than that on some GPU is no gain in memory, so it bounds
-    :func:`~seqify.tuning.search.lean` as the whole-batch step does. ``None`` where no micro-batch fits."""
+    :func:`~seqify.tuning.choice.lean` as the whole-batch step does. ``None`` where no micro-batch fits."""
     k = 2
     while k <= batch:
         try:

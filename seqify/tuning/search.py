@@ -1,4 +1,5 @@
-"""The tuner's search: predict every candidate, time the best few, keep the fastest within the memory bounds."""
+"""The tuner's search: predict every candidate, time the best few, keep the fastest within the memory bounds
+(which, and how, in :mod:`~seqify.tuning.choice`)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,23 @@ from seqify.progress import progress
 from seqify.schedule.actions import SCHEDULES, SPLIT
 from seqify.tuning import cache as tune_cache
 from seqify.tuning import measure, memory_bounds, profile, space
+from seqify.tuning.choice import (
+    BAND,
+    RUNOFF,
+    RUNOFF_MOST,
+    TIE,
+    bound_to_ddp,
+    contenders,
+    lean,
+    lighter,
+    steady,
+    to_time,
+)
 from seqify.tuning.memory_bounds import OptimizerSpec
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 
-__all__ = ["tune", "BAND", "RUNOFF", "to_time", "lighter", "contenders", "lean", "options", "build_trial"]
+__all__ = ["tune", "BAND", "TIE", "RUNOFF", "RUNOFF_MOST", "to_time", "lighter", "contenders", "lean", "steady",
+           "options", "build_trial"]
 
 log = logging.getLogger("seqify.tuning")
 
@@ -98,8 +112,9 @@ def tune(
             that divides the GPUs is a layout (``stages x replicas``: every GPU one pipeline, plain data
             parallelism, and those between), predicted with the reduction of its gradients, and the best of
             each layout is timed (with ``top >= 2``). On CPU devices, one pipeline unless fixed. A
-            layout whose timed steps held more on some GPU than plain data parallelism without graphs (what
-            DDP holds; timed beside the others) is chosen only where no other stays under it; where the
+            layout whose timed steps held more on some GPU than data parallelism as DDP runs it (one eager
+            replica per GPU, one micro-batch, nothing recomputed; timed beside the others as the reference,
+            :func:`~seqify.tuning.choice.like_ddp`) is chosen only where no other stays under it; where the
             fastest does, the best predicted to hold less are timed too (a replica's share as several
             micro-batches in 1F1B order holds fewer activations).
         optimizer: the optimizer training will use: its class (``torch.optim.AdamW``), a function that builds
@@ -157,8 +172,8 @@ def tune(
                                       show=show)
         if ratio:
             confirmed = memory_bounds.with_room(confirmed, placed)
-        lightest = lean(confirmed, *_bound(confirmed, costs.bound, len(placed))) or lean(confirmed, *costs.bound) \
-            or confirmed
+        plain = bound_to_ddp(confirmed, costs.bound, len(placed))
+        lightest = lean(confirmed, *plain) or lean(confirmed, *costs.bound) or confirmed
         if top >= 2:
             lightest = _runoff(model, sample, placed, lightest, confirmed, steps=steps, warm=warm, show=show)
         best = steady(lightest) if confirmed else fits[0]
@@ -303,7 +318,7 @@ def _time_best(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
         more = [t for t in fits if not any(t is u for u in timed)][:max(top, 1)]
         confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
         timed += more
-    plain = _bound(confirmed, bound, len(placed))
+    plain = bound_to_ddp(confirmed, bound, len(placed))
     if confirmed and plain != bound and not lean([steady(confirmed)], *plain):
         # the fastest holds more than data parallelism would: time the best predicted to hold less
         more = lighter(fits, timed, steady(confirmed))[:max(top, 1)]
@@ -329,7 +344,7 @@ def _with_overlap(model: nn.Sequential, sample: Any, placed: list[torch.device],
         more = [t for t in more if memory_bounds.fullness(t, placed) <= memory_bounds.ROOM]
     confirmed += more
     timed.append(twin)
-    bound = _bound(confirmed, costs.bound, len(placed))  # two lanes hold more: still no more than data parallelism
+    bound = bound_to_ddp(confirmed, costs.bound, len(placed))  # two lanes hold more: still no more than DDP
     ran, before = (more[0].measured_s if more else None), best.measured_s
     if ran is not None and before is not None and ran < before and (lean(more, *bound) or not lean([best], *bound)):
         return more[0]
@@ -372,61 +387,6 @@ def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], time
     return confirmed
 
 
-#: How far over the best prediction each other schedule's best candidate is still timed (with ``top >= 2``):
-#: on GPUs the predictions err by more than schedules differ (docs/design/cost-model.md, "What is timed").
-BAND = 0.05
-
-
-def to_time(fits: list[Trial], top: int, gpus: int = 0) -> list[Trial]:
-    """The candidates to time: the ``top`` best predicted (``fits`` is sorted), and with ``top >= 2`` also the
-    best of the other kind (eager or replayed) when none of them is: the two kinds are predicted from different
-    costs (the host's issue time against the GPU's work), and an error in one must not keep the other untimed.
-    Then the best of each layout (stages x replicas) not yet among them; over ``gpus`` GPUs, data parallelism as
-    DDP runs it (:func:`_like_ddp`; else the best eager one): what DDP holds, the memory bound of every layout,
-    see :func:`_bound`; and the best of each schedule not yet among them predicted within :data:`BAND` of the
-    best."""
-    best = fits[:top]
-    if top < 2:
-        return best
-    if len({t.graphs for t in best}) == 1:
-        other = next((t for t in fits[top:] if t.graphs != best[0].graphs), None)
-        best += [other] if other is not None else []
-    for r in dict.fromkeys(t.replicas for t in fits):  # the best of each layout (stages x replicas)
-        first = next(t for t in fits if t.replicas == r)
-        if not any(first is u for u in best):
-            best.append(first)
-    ddp = next((t for t in fits if _like_ddp(t, gpus)), None) or next(
-        (t for t in fits if t.replicas == gpus > 1 and not t.graphs), None)
-    if ddp is not None and not any(ddp is u for u in best):
-        best.append(ddp)
-    schedules = {t.schedule for t in best}
-    for t in fits[top:]:
-        if t.predicted_s > fits[0].predicted_s * (1 + BAND):
-            break
-        if t.schedule not in schedules and not any(t is u for u in best):
-            best.append(t)
-            schedules.add(t.schedule)
-    return best
-
-
-def lighter(fits: list[Trial], timed: list[Trial], than: Trial) -> list[Trial]:
-    """The candidates not yet timed that are predicted to hold less on their fullest device than ``than``, best
-    predicted first (fewer micro-batches in flight: 1F1B where GPipe keeps every one)."""
-    def fullest(t: Trial) -> int:
-        return max(t.memory_per_device, default=t.memory_bytes)
-
-    return [t for t in fits if not any(t is u for u in timed) and fullest(t) < fullest(than)]
-
-
-#: Timed GPU candidates within this fraction of the fastest are timed once more before one is chosen: a step
-#: timed twice moves by a few percent, and an eager step, whose host issues every kernel, by more than a replay
-#: (on two H200s an eager ResNet-101 data-parallel step timed 5% under a replayed 1F1B one and trained 8% over).
-RUNOFF = 0.08
-
-#: The most candidates :func:`_runoff` times again.
-RUNOFF_MOST = 3
-
-
 def _runoff(model: nn.Sequential, sample: Any, placed: list[torch.device], pool: list[Trial], confirmed: list[Trial],
             *, steps: int, warm: int, show: bool) -> list[Trial]:
     """``pool`` (timed candidates within the memory bounds) where the best of them on GPUs are within
@@ -449,87 +409,10 @@ def _runoff(model: nn.Sequential, sample: Any, placed: list[torch.device], pool:
     return [again.get(id(t), t) for t in pool]
 
 
-def contenders(pool: list[Trial]) -> list[Trial]:
-    """The timed candidates of ``pool`` within :data:`RUNOFF` of its fastest, fastest first, at most
-    :data:`RUNOFF_MOST`."""
-    timed = sorted((t for t in pool if t.measured_s is not None), key=lambda t: t.measured_s or 0.0)
-    if not timed:
-        return []
-    fastest = timed[0].measured_s or 0.0
-    return [t for t in timed if (t.measured_s or 0.0) <= fastest * (1 + RUNOFF)][:RUNOFF_MOST]
-
-
-#: Timed candidates within this fraction of the fastest measured step are taken as equally fast: timing one
-#: configuration again moves it by about as much (GPU clocks, the host).
-TIE = 0.02
-
-
-def steady(confirmed: list[Trial]) -> Trial:
-    """The fastest timed candidate, or, among those within :data:`TIE` of it, the first in a fixed order of
-    their options (:func:`_preference`): a choice between ties that timing noise would make differently run
-    after run is made the same way every time."""
-    fastest = min(t.measured_s or 0.0 for t in confirmed)
-    ties = [t for t in confirmed if (t.measured_s or 0.0) <= fastest * (1 + TIE)]
-    return min(ties, key=_preference)
-
-
-def _preference(t: Trial) -> tuple[Any, ...]:
-    """Simpler first: more replicas (fewer stages), graphs, no checkpointing, fewer micro-batches and loops, the
-    schedule's place in SCHEDULES, one lane; then the balance, so that no two distinct options tie."""
-    schedules, recomputed = list(SCHEDULES), ["never", "except_last", "always"]
-    schedule = t.schedule or "gpipe"
-    return (-t.replicas, not t.graphs,
-            recomputed.index(t.checkpoint) if t.checkpoint in recomputed else len(recomputed), t.chunks, t.loops,
-            schedules.index(schedule) if schedule in schedules else len(schedules), t.overlap, t.by, t.balance)
-
-
-def lean(confirmed: list[Trial], allocated: int | None, reserved: int | None) -> list[Trial]:
-    """The confirmed candidates whose timed steps allocated at most ``allocated`` and reserved at most
-    ``reserved`` bytes on every device (the model training on one device; the allocated bound also the
-    user's memory cap), each with the optimizer state the candidate will hold (:meth:`Trial.held`): a pipeline
-    that holds more on some GPU than one GPU training the whole model is no gain (people pipeline because a
-    model does not fit). A bound that is ``None``, or a candidate not measured (the CPU), passes."""
-    def within(peaks: tuple[int, ...], bound: int | None) -> bool:
-        return bound is None or not peaks or max(peaks) <= bound
-
-    return [t for t in confirmed if within(t.held(), allocated) and within(_reserved(t), reserved)]
-
-
-def _reserved(t: Trial) -> tuple[int, ...]:
-    """The timed step's reserved peak per CUDA device plus the optimizer state it will hold there."""
-    extra = t.optimizer_bytes or (0,) * len(t.measured_reserved)
-    return tuple(r + o for r, o in zip(t.measured_reserved, extra))
-
-
 def _trial(c: Candidate, by: str, loops: int, p: Prediction, replicas: int = 1) -> Trial:
     return Trial(chunks=c.chunks, loops=loops, by=by, checkpoint=c.checkpoint, graphs=c.graphs,
                  schedule=c.schedule, balance=c.balance, predicted_s=p.seconds, memory_bytes=p.memory_bytes,
                  memory_per_device=p.per_device, overlap=c.overlap, replicas=replicas)
-
-
-def _bound(confirmed: list[Trial], bound: tuple[int | None, int | None], gpus: int
-           ) -> tuple[int | None, int | None]:
-    """``bound`` lowered to what plain data parallelism held per GPU where it was timed: a layout is chosen over
-    it only at no more memory per GPU (a user's other choice, at that memory). The reference is data parallelism
-    as DDP runs it (:func:`_like_ddp`), which holds what DDP holds; failing that, other eager data parallelism;
-    replayed graphs keep a step's activations in pools of their own, so a graphed one holds more and is the
-    reference only where no eager one was timed."""
-    plain = [t for t in confirmed if t.replicas == gpus > 1 and t.measured_peak]
-    if not plain:
-        return bound
-    held = min([t for t in plain if _like_ddp(t, gpus)] or [t for t in plain if not t.graphs] or plain,
-               key=lambda t: t.measured_s or 0.0)
-
-    def lower(a: int | None, b: int) -> int:
-        return b if a is None else min(a, b)
-
-    return lower(bound[0], max(held.held())), lower(bound[1], max(_reserved(held)))
-
-
-def _like_ddp(t: Trial, gpus: int) -> bool:
-    """Whether ``t`` runs as DDP does: one whole replica per GPU, each step eager, nothing recomputed, the share
-    in one micro-batch (the memory every layout is held to)."""
-    return t.replicas == gpus > 1 and not t.graphs and t.checkpoint == "never" and t.chunks == 1
 
 
 def build_trial(model: nn.Sequential, t: Trial, devices: Sequence[torch.device], sample: Any) -> nn.Module:

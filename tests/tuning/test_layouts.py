@@ -202,7 +202,7 @@ def test_a_layout_is_held_to_what_eager_data_parallelism_holds(monkeypatch: pyte
     best predicted to hold less are timed too, and the fastest of those within the reference is chosen (on two
     H200s ResNet-101's graphed GPipe replicas reserved 19.4 GiB against DDP's 18.0 and ran 1.051x its throughput;
     1F1B at two micro-batches reserved 10.3 at 1.012x; without graphs, 17.9 at 0.974x)."""
-    from seqify.tuning import search
+    from seqify.tuning import choice, search
 
     gpipe = _fit(93, 24)
     pipeline = _fit(110, 12, replicas=1, balance=(4, 4), chunks=4, schedule="1f1b")
@@ -226,19 +226,19 @@ def test_a_layout_is_held_to_what_eager_data_parallelism_holds(monkeypatch: pyte
     confirmed, _ = search._time_best(nn.Sequential(), None, placed, fits, one_gpu, top=2, steps=1, warm=0, show=False)
     assert id(eager) in timed_ids  # timed as the reference, though predicted far behind
     assert id(light) in timed_ids and id(lighter_but_slow) in timed_ids and id(gpipe2) in timed_ids
-    reference = search._bound(confirmed, one_gpu, len(placed))
+    reference = choice.bound_to_ddp(confirmed, one_gpu, len(placed))
     assert reference == (int(15.6 * GIB), int(17.9 * GIB))  # eager's, not the graphed data parallelism's
     chosen = steady(search.lean(confirmed, *reference))
     assert (chosen.schedule, chosen.chunks, chosen.graphs) == ("1f1b", 2, True)
     # where no eager one was timed, the fastest graphed data parallelism is the reference
-    assert search._bound([c for c in confirmed if c.graphs], one_gpu, 2)[1] == int(19.4 * GIB)
+    assert choice.bound_to_ddp([c for c in confirmed if c.graphs], one_gpu, 2)[1] == int(19.4 * GIB)
 
 
 def test_the_memory_reference_runs_as_ddp_does_not_recomputed_nor_in_micro_batches() -> None:
     """DDP neither recomputes activations nor splits a replica's share: eager replicas that do hold less than it,
     and are no reference even where predicted faster or timed (MaxViT's bound was once an eager replica with
     checkpoint='always', which held its batch's activations no more than graphed GPipe replicas did)."""
-    from seqify.tuning import search
+    from seqify.tuning import choice, search
 
     recomputed = _fit(120, 10, graphs=False, checkpoint="always")
     split = _fit(125, 12, graphs=False, chunks=2, schedule="1f1b")
@@ -248,8 +248,8 @@ def test_the_memory_reference_runs_as_ddp_does_not_recomputed_nor_in_micro_batch
     assert any(t is ddp for t in timed) and not any(t is split for t in timed)  # (recomputed: the best eager one)
     ran = [replace(t, measured_s=s / 1e3, measured_peak=(int(g * GIB),) * 2, measured_reserved=(int(g * GIB),) * 2)
            for t, s, g in [(graphed, 100, 17), (recomputed, 110, 11), (split, 111, 12), (ddp, 112, 16)]]
-    assert search._bound(ran, (None, None), 2) == (int(16 * GIB), int(16 * GIB))
-    assert search._bound(ran[:3], (None, None), 2) == (int(11 * GIB), int(11 * GIB))  # else the fastest eager one
+    assert choice.bound_to_ddp(ran, (None, None), 2) == (int(16 * GIB), int(16 * GIB))
+    assert choice.bound_to_ddp(ran[:3], (None, None), 2) == (int(11 * GIB), int(11 * GIB))  # else the fastest eager one
 
 
 def test_lighter_candidates_are_the_untimed_ones_predicted_to_hold_less_in_predicted_order() -> None:
@@ -267,7 +267,7 @@ def test_close_timings_on_gpus_are_timed_again_before_one_is_chosen(monkeypatch:
     """Candidates within RUNOFF of the fastest are built and timed again with twice the steps, each kept at the
     mean of both timings: one lucky timing of an eager step no longer decides (on two H200s ResNet-101's eager
     replicas timed 100.5 ms against graphed 1F1B's 106.1, then trained 8% slower than them)."""
-    from seqify.tuning import search
+    from seqify.tuning import choice, search
 
     eager = _ran(_fit(140, 16, graphs=False), 100.0)
     graphed = _ran(_fit(105, 12, chunks=2, schedule="1f1b"), 106.0)
@@ -300,7 +300,7 @@ def test_close_timings_on_gpus_are_timed_again_before_one_is_chosen(monkeypatch:
 
 def test_a_contender_whose_second_build_runs_out_of_memory_keeps_its_first_timing(monkeypatch: pytest.MonkeyPatch
                                                                                  ) -> None:
-    from seqify.tuning import search
+    from seqify.tuning import choice, search
 
     first, second = _ran(_fit(100, 12), 100.0), _ran(_fit(101, 12, chunks=2), 101.0)
     monkeypatch.setattr(search, "_confirm", lambda model, sample, placed, timed, **kw: [

@@ -63,7 +63,7 @@ def lighter(fits: list[Trial], timed: list[Trial], than: Trial) -> list[Trial]:
 RUNOFF = 0.08
 
 
-#: The most candidates :func:`_runoff` times again.
+#: The most candidates timed again before the choice (see :data:`RUNOFF`).
 RUNOFF_MOST = 3
 
 

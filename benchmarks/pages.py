@@ -641,14 +641,14 @@ def _bounded_families(found: list[dict[str, Any]]) -> tuple[str, str]:
     """The families measured again with the tuner held to DDP's memory, beside their row in the main table
     (``found``): the table and a sentence on the change."""
     then = {(r["family"], r["batch"]): r for r in found}
-    now = rows(FAMILIES_BOUNDED.files[0])
+    now = [(r, then[(r["family"], r["batch"])]) for r in rows(FAMILIES_BOUNDED.files[0])]
     body = [[r["family"], f"`{r['model']}`", r["batch"], _family_label(r["config"]), x(r["speedup"]),
-             _family_label(then[(r["family"], r["batch"])]["config"]), x(then[(r["family"], r["batch"])]["speedup"]),
-             f"{gib(r['allocated_gib'])}; {gib(r['reserved_gib'])}"] for r in now]
-    ratios = [r["speedup"] / then[(r["family"], r["batch"])]["speedup"] for r in now]
+             _family_label(old["config"]), x(old["speedup"]), f"{gib(r['allocated_gib'])}; {gib(r['reserved_gib'])}"]
+            for r, old in now]
+    ratios = [r["speedup"] / old["speedup"] for r, old in now]
     header = ["family", "model", "batch", "chosen, held to DDP's memory", "× one GPU", "chosen in the table above",
               "× one GPU", "peak allocated; reserved GiB per GPU"]
-    summary = (f"Each stays at or above {x(min(r['speedup'] for r in now))} one GPU; against the table above they "
+    summary = (f"Each stays at or above {x(min(r['speedup'] for r, _ in now))} one GPU; against the table above they "
                f"moved by {min(ratios) - 1:+.0%} to {max(ratios) - 1:+.0%}.")
     return table(header, body, "llrlrlrl"), summary
 
@@ -820,6 +820,15 @@ def _layout_table(name: str) -> str:
                   for r in found], "lrr" + "r" * len(anchors) + "lll")
 
 
+#: The heading of the two-GPU runs of the tuner before it was held to DDP's memory.
+EARLIER_TWO = "Two H200s, an earlier tuner (bounded by its own graphed data parallelism), and under torchrun"
+
+
+def _layout_section(title: str, source: Source, after: str = "") -> str:
+    """A layouts run under its heading: the table, then where it comes from (and ``after``, said beneath)."""
+    return "\n\n".join([f"### {title}", _layout_table(source.files[0]), source.line() + after])
+
+
 def _graphed(r: dict[str, Any]) -> bool:
     """Whether a layouts row replays CUDA graphs (its name or its printed configuration says so)."""
     return "graphs" in r["row"] or "graphs True" in (r.get("config") or "")
@@ -886,34 +895,29 @@ def layouts_page() -> str:
         "or FSDP2. Ratios compare rows of one table only; H100 and H200 tables are separate runs on separate "
         "machines.",
         "## ResNet-101, fp32, SGD, 128 samples per GPU",
-        "### Two H200s", _layout_table(LAYOUTS_BOUNDED.files[0]), LAYOUTS_BOUNDED.line(),
-        "### Two H200s, an earlier tuner (bounded by its own graphed data parallelism), and under torchrun",
-        _layout_table(LAYOUTS.files[0]), LAYOUTS.line(),
-        "### Two H200s, replicas with fewer activations in flight",
-        _layout_table(LAYOUTS_MICRO.files[0]), LAYOUTS_MICRO.line(),
-        "### Two H200s, replicas without graphs", _layout_table(LAYOUTS_EAGER.files[0]), LAYOUTS_EAGER.line(),
-        "### Four H200s, an earlier tuner", _layout_table(LAYOUTS4.files[0]), LAYOUTS4.line(),
-        "### Four H200s, replicas with fewer activations in flight",
-        _layout_table(LAYOUTS4_MEMORY.files[0]), LAYOUTS4_MEMORY.line(),
-        "### Four H100s", _layout_table(LAYOUTS_H100_4.files[0]), LAYOUTS_H100_4.line(),
-        "### Two H100s", _layout_table(LAYOUTS_H100_2.files[0]), LAYOUTS_H100_2.line(),
+        _layout_section("Two H200s", LAYOUTS_BOUNDED),
+        _layout_section(EARLIER_TWO, LAYOUTS),
+        _layout_section("Two H200s, replicas with fewer activations in flight", LAYOUTS_MICRO),
+        _layout_section("Two H200s, replicas without graphs", LAYOUTS_EAGER),
+        _layout_section("Four H200s, an earlier tuner", LAYOUTS4),
+        _layout_section("Four H200s, replicas with fewer activations in flight", LAYOUTS4_MEMORY),
+        _layout_section("Four H100s", LAYOUTS_H100_4),
+        _layout_section("Two H100s", LAYOUTS_H100_2),
         "## Llama 0.89 B, bf16 autocast, SGD, 4 × 2048 tokens per GPU",
-        "### Two H200s", _layout_table(LAYOUTS_LLAMA_BOUNDED.files[0]), LAYOUTS_LLAMA_BOUNDED.line(),
-        "### Two H200s, an earlier tuner (bounded by its own graphed data parallelism), and under torchrun",
-        _layout_table(LAYOUTS_LLAMA.files[0]), LAYOUTS_LLAMA.line(),
-        "### Two H200s, replicas with fewer activations in flight",
-        _layout_table(LAYOUTS_LLAMA_MICRO.files[0]), LAYOUTS_LLAMA_MICRO.line(),
-        "### Four H200s, an earlier tuner", _layout_table(LAYOUTS4_LLAMA_AUTO.files[0]), LAYOUTS4_LLAMA_AUTO.line(),
-        "### Two H100s", _layout_table(LAYOUTS_H100_LLAMA.files[0]), LAYOUTS_H100_LLAMA.line(),
-        "### Four H200s, layouts by hand (each step synchronised; before replicas summed gradients per partition)",
-        _layout_table(LAYOUTS4_LLAMA.files[0]), LAYOUTS4_LLAMA.line(),
+        _layout_section("Two H200s", LAYOUTS_LLAMA_BOUNDED),
+        _layout_section(EARLIER_TWO, LAYOUTS_LLAMA),
+        _layout_section("Two H200s, replicas with fewer activations in flight", LAYOUTS_LLAMA_MICRO),
+        _layout_section("Four H200s, an earlier tuner", LAYOUTS4_LLAMA_AUTO),
+        _layout_section("Two H100s", LAYOUTS_H100_LLAMA),
+        _layout_section("Four H200s, layouts by hand (each step synchronised; before replicas summed gradients per "
+                        "partition)", LAYOUTS4_LLAMA),
         "## Llama 7.2 B, bf16 autocast, fp32 Adam, 2 × 2048 tokens per GPU",
         "No one GPU trains it (its weights, gradients and Adam's moments alone take 115 GB), so FSDP2 is the anchor.",
-        "### Four H200s, layouts by hand", _layout_table(LAYOUTS4_LLAMA8B_HAND.files[0]), LAYOUTS4_LLAMA8B_HAND.line(),
-        "### Two H200s", _layout_table(LAYOUTS_LLAMA8B.files[0]), LAYOUTS_LLAMA8B.line(),
-        "### Two H200s, a layout by hand", _layout_table(LAYOUTS_LLAMA8B_HAND.files[0]),
-        LAYOUTS_LLAMA8B_HAND.line() + " Its second layout, GPipe at 4 micro-batches, ran out of memory at its "
-        "first Adam step in that run and has no row.",
+        _layout_section("Four H200s, layouts by hand", LAYOUTS4_LLAMA8B_HAND),
+        _layout_section("Two H200s", LAYOUTS_LLAMA8B),
+        _layout_section("Two H200s, a layout by hand", LAYOUTS_LLAMA8B_HAND,
+                        " Its second layout, GPipe at 4 micro-batches, ran out of memory at its first Adam step in "
+                        "that run and has no row."),
         f"**Result.** On two H200s the tuner, which keeps no layout that holds more per GPU than DDP would (it "
         "times data parallelism as DDP runs it, eager, as the reference), chose "
         f"{chose(bound2)} for ResNet-101: {vs(bound2, 'DDP')}× DDP's throughput, holding {held(bound2, auto)} GiB "

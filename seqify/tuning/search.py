@@ -319,9 +319,10 @@ def _time_best(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
         confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
         timed += more
     plain = bound_to_ddp(confirmed, bound, len(placed))
-    if confirmed and plain != bound and not lean([steady(confirmed)], *plain):
+    fastest = steady(confirmed) if confirmed else None
+    if fastest is not None and plain != bound and not lean([fastest], *plain):
         # the fastest holds more than data parallelism would: time the best predicted to hold less
-        more = lighter(fits, timed, steady(confirmed))[:max(top, 1)]
+        more = lighter(fits, timed, fastest)[:max(top, 1)]
         confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
         timed += more
     if top > 0 and not confirmed:

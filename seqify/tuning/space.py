@@ -123,7 +123,8 @@ def candidates(model: nn.Sequential, sample: Any, hi: LayerCosts, devices: list[
     its micro-batches of 64 at [101, 244], 1.62x and 1.64x one GPU under ZB-H2 on two H200s) with every
     checkpointing, graphs and schedule choice that applies. ``devices`` are one pipeline's; with ``replicas``
     of a pipeline on one GPU, ``loops`` cut it into partitions that are DDP's buckets: each partition's gradient
-    sum starts as its backward ends (replayed graphs only, fill-drain, :mod:`seqify.pipe.partition_sums`)."""
+    sum starts as its last backward ends (replayed graphs only, GPipe or interleaved order,
+    :mod:`seqify.pipe.partition_sums`)."""
     batch = measure.batch_size(sample)
     n = len(hi)
     cuda = all(d.type == "cuda" for d in devices)
@@ -142,7 +143,9 @@ def candidates(model: nn.Sequential, sample: Any, hi: LayerCosts, devices: list[
         parts = len(devices) * loops
         if parts > n:
             continue
-        valid = ("gpipe",) if buckets and loops > 1 else schedules(loops, sample)
+        # a replica's partitions on one GPU: all forwards then all backwards (GPipe), or one micro-batch through
+        # them at a time (interleaved: one micro-batch's activations, each partition's sum after its last backward)
+        valid = ("gpipe", "interleaved") if buckets and loops > 1 else schedules(loops, sample)
         if fixed.get("schedule"):
             sched_set = [fixed["schedule"]] if fixed["schedule"] in valid else []
         else:

@@ -99,7 +99,8 @@ def test_replicas_in_threads_train_like_one_device() -> None:
 
 
 @pytest.mark.parametrize("schedule,stages,replicas,loops", [("gpipe", 2, 2, 1), ("1f1b", 2, 2, 1), ("zb-h1", 2, 2, 1),
-                                                            ("interleaved", 2, 2, 2), ("gpipe", 1, 3, 3)])
+                                                            ("interleaved", 2, 2, 2), ("gpipe", 1, 3, 3),
+                                                            ("interleaved", 1, 2, 3)])
 def test_replayed_replicas_sum_each_partition_as_its_backward_ends(schedule: str, stages: int, replicas: int,
                                                                    loops: int, monkeypatch: Any) -> None:
     """Replicas that replay programs add each partition's gradient sums as soon as every replica's backward has

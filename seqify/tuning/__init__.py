@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from seqify.pipe.config import PipeConfig, Trial
 from seqify.tuning.cache import cache_path, fingerprint
-from seqify.tuning.choice import RUNOFF
+from seqify.tuning.choice import RESERVED_TIE, RUNOFF
 from seqify.tuning.measure import calibrate, step_seconds
 from seqify.tuning.memory_bounds import ROOM, optimizer_ratio, state_ratio, step_ratio
 from seqify.tuning.profile import fit_host, layer_model
@@ -35,4 +35,5 @@ from seqify.tuning.search import tune
 from seqify.tuning.space import TIME_SLACK
 
 __all__ = ["tune", "PipeConfig", "Trial", "cache_path", "fingerprint", "calibrate", "layer_model", "step_seconds",
-           "fit_host", "state_ratio", "step_ratio", "optimizer_ratio", "ROOM", "TIME_SLACK", "RUNOFF"]
+           "fit_host", "state_ratio", "step_ratio", "optimizer_ratio", "ROOM", "TIME_SLACK", "RUNOFF",
+           "RESERVED_TIE"]

@@ -74,9 +74,10 @@ def test_replayed_replicas_leave_only_the_first_partitions_sum_after_the_backwar
 
 
 def test_a_replica_on_one_gpu_is_cut_into_buckets_only_where_its_graphs_sum_them_early() -> None:
-    """Replicas on one GPU each: loops 2 and 4 are considered as buckets (fill-drain, replayed graphs, whose
-    partitions' sums start beside the backward); eager replicas, one pipeline on one GPU and replicas of a
-    two-GPU pipeline get no extra candidates."""
+    """Replicas on one GPU each: loops 2 and 4 are considered as buckets (replayed graphs, whose partitions' sums
+    start beside the backward), in GPipe's order and interleaved (one micro-batch through the partitions at a
+    time, which holds fewer activations); eager replicas, one pipeline on one GPU and replicas of a two-GPU
+    pipeline get no extra candidates."""
     torch.manual_seed(0)
     seq = seqify.convert(Net())
     x = torch.randn(16, 8)
@@ -88,11 +89,28 @@ def test_a_replica_on_one_gpu_is_cut_into_buckets_only_where_its_graphs_sum_them
         found = space.candidates(seq, x, hi, devices, fixed, 1e11, replicas=replicas)
         return {(loops, c.graphs, c.schedule) for c, _, loops in found if loops > 1}
 
-    assert looped(one, 2) == {(2, True, "gpipe"), (4, True, "gpipe")}
+    assert looped(one, 2) == {(v, True, s) for v in (2, 4) for s in ("gpipe", "interleaved")}
     assert looped(one, 1) == set()
     assert looped([torch.device("cpu")], 2) == set()  # on the host replicas share it: no graphs, no buckets
     two = looped([torch.device("cuda:0"), torch.device("cuda:1")], 2)
     assert two and two == looped([torch.device("cuda:0"), torch.device("cuda:1")], 1)  # a pipeline's own loops
+
+
+def test_interleaved_buckets_are_predicted_to_hold_one_micro_batch_of_activations() -> None:
+    """A replica cut into four buckets on one GPU, its share in two micro-batches: GPipe's order keeps both
+    micro-batches' activations until the backward, the interleaved order about one micro-batch's, and both leave
+    only the first partition's sum after the backward."""
+    layers = _layers(8)
+    cal = Calibration(task_s=1e-5, launch_s=1e-5, copy_latency_s=1e-5, copy_bytes_per_s=1e11, host_serial=False)
+    seen = {}
+    for schedule in ("gpipe", "interleaved"):
+        c = Candidate((2, 2, 2, 2), ("cuda:0",) * 4, 2, "never", graphs=True, schedule=schedule,
+                      placement=(0, 0, 0, 0))
+        seen[schedule] = predict(c, layers, cal, 64, replicas=2)
+    activations = 8 * 1e3 * 32  # every layer's saved bytes for the replica's 32 samples
+    held = seen["gpipe"].memory_bytes - seen["interleaved"].memory_bytes
+    assert activations * 0.3 <= held <= activations * 0.5  # one of two micro-batches, less a partition's share
+    assert seen["interleaved"].seconds == pytest.approx(seen["gpipe"].seconds, rel=0.05)
 
 
 def test_replayed_candidates_hold_the_gradients_twice() -> None:
@@ -227,11 +245,12 @@ def test_a_layout_is_held_to_what_eager_data_parallelism_holds(monkeypatch: pyte
     assert id(eager) in timed_ids  # timed as the reference, though predicted far behind
     assert id(light) in timed_ids and id(lighter_but_slow) in timed_ids and id(gpipe2) in timed_ids
     reference = choice.bound_to_ddp(confirmed, one_gpu, len(placed))
-    assert reference == (int(15.6 * GIB), int(17.9 * GIB))  # eager's, not the graphed data parallelism's
+    # eager's, not the graphed data parallelism's; its reserved peak within the allocator's noise
+    assert reference == (int(15.6 * GIB), int(int(17.9 * GIB) * (1 + choice.RESERVED_TIE)))
     chosen = steady(search.lean(confirmed, *reference))
     assert (chosen.schedule, chosen.chunks, chosen.graphs) == ("1f1b", 2, True)
     # where no eager one was timed, the fastest graphed data parallelism is the reference
-    assert choice.bound_to_ddp([c for c in confirmed if c.graphs], one_gpu, 2)[1] == int(19.4 * GIB)
+    assert choice.bound_to_ddp([c for c in confirmed if c.graphs], one_gpu, 2)[1] == int(int(19.4 * GIB) * 1.02)
 
 
 def test_the_memory_reference_runs_as_ddp_does_not_recomputed_nor_in_micro_batches() -> None:
@@ -248,8 +267,28 @@ def test_the_memory_reference_runs_as_ddp_does_not_recomputed_nor_in_micro_batch
     assert any(t is ddp for t in timed) and not any(t is split for t in timed)  # (recomputed: the best eager one)
     ran = [replace(t, measured_s=s / 1e3, measured_peak=(int(g * GIB),) * 2, measured_reserved=(int(g * GIB),) * 2)
            for t, s, g in [(graphed, 100, 17), (recomputed, 110, 11), (split, 111, 12), (ddp, 112, 16)]]
-    assert choice.bound_to_ddp(ran, (None, None), 2) == (int(16 * GIB), int(16 * GIB))
-    assert choice.bound_to_ddp(ran[:3], (None, None), 2) == (int(11 * GIB), int(11 * GIB))  # else the fastest eager one
+    tied = 1 + choice.RESERVED_TIE
+    assert choice.bound_to_ddp(ran, (None, None), 2) == (int(16 * GIB), int(int(16 * GIB) * tied))
+    assert choice.bound_to_ddp(ran[:3], (None, None), 2) == (int(11 * GIB), int(int(11 * GIB) * tied))  # else the fastest eager one
+
+
+def test_a_layout_reserving_within_the_allocators_noise_of_data_parallelism_is_not_left_out() -> None:
+    """Reserved peaks move from run to run with fragmentation: DenseNet-121's graphed replicas on two H200s
+    allocated 8.92 GiB against DDP's 9.01 and reserved 11.03 against 11.00, and were left out for 0.03 GiB; beyond
+    RESERVED_TIE a layout is still left out, and allocated peaks have no such slack."""
+    from seqify.tuning import choice
+
+    ddp = replace(_fit(116, 9, graphs=False), measured_s=0.116, measured_peak=(int(9.01 * GIB),) * 2,
+                  measured_reserved=(int(11.0 * GIB),) * 2)
+
+    def graphed(allocated: float, reserved: float) -> Trial:
+        return replace(_fit(54, 9), measured_s=0.054, measured_peak=(int(allocated * GIB),) * 2,
+                       measured_reserved=(int(reserved * GIB),) * 2)
+
+    bound = choice.bound_to_ddp([ddp], (None, None), 2)
+    assert choice.lean([graphed(8.92, 11.03)], *bound)
+    assert not choice.lean([graphed(8.92, 11.0 * (1 + choice.RESERVED_TIE) + 0.01)], *bound)
+    assert not choice.lean([graphed(9.02, 11.0)], *bound)
 
 
 def test_lighter_candidates_are_the_untimed_ones_predicted_to_hold_less_in_predicted_order() -> None:
@@ -257,6 +296,17 @@ def test_lighter_candidates_are_the_untimed_ones_predicted_to_hold_less_in_predi
 
     fastest, same, less, least, timed = _fit(90, 24), _fit(95, 24), _fit(100, 12), _fit(101, 8), _fit(99, 10)
     assert lighter([fastest, same, timed, less, least], [fastest, timed], fastest) == [less, least]
+
+
+def test_lighter_candidates_of_another_kind_come_before_another_cut_of_one_layout() -> None:
+    """Three cuts of one layout hold about as much: with room to time three (MaxViT-T on two H200s timed its
+    interleaved replicas cut by flops, memory and time), the best predicted of each kind comes first."""
+    from seqify.tuning.search import lighter
+
+    fastest = _fit(90, 24)
+    cuts = [_fit(100 + k, 12, chunks=2, loops=2, schedule="interleaved", balance=(3 + k, 5 - k)) for k in range(3)]
+    other = _fit(104, 11, chunks=2, schedule="1f1b")
+    assert lighter([fastest, *cuts, other], [fastest], fastest) == [cuts[0], other, cuts[1], cuts[2]]
 
 
 def _ran(t: Trial, ms: float) -> Trial:

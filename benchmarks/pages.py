@@ -174,6 +174,15 @@ FAMILIES = Source(["families/results/families.jsonl", "families/results/families
 FAMILIES_BOUNDED = Source(["families/results/families-bounded.jsonl"], H200x2, TORCH,
                           "python benchmarks/families/main.py --alternatives 0 --time-limit 280 --families DenseNet "
                           "MaxViT \"Wide ResNet\" ResNeXt --out families-bounded.jsonl", date="2026-11-28")
+FAMILIES_BUCKETS = Source(["families/results/families-buckets.jsonl", "families/results/families-reserved-tie.jsonl"],
+                          H200x2, TORCH,
+                          ["python benchmarks/families/main.py --alternatives 0 --time-limit 220 --families MaxViT "
+                           "DenseNet \"Wide ResNet\" ResNeXt --out families-buckets.jsonl",
+                           "python benchmarks/families/main.py --alternatives 0 --time-limit 90 --families DenseNet "
+                           "\"Wide ResNet\" --out families-reserved-tie.jsonl"],
+                          note="The second run, after the reserved bound took 2% of noise (`RESERVED_TIE`), gives "
+                               "DenseNet's and Wide ResNet's rows; the first, MaxViT's and ResNeXt's.",
+                          date="2026-11-28")
 FAMILIES_PIPELINES = Source(["families/results/families-pipelines-only.jsonl"], H200x2, TORCH,
                             "python benchmarks/families/main.py --replicas 1 --batch ResNeXt=256 "
                             "--batch \"Wide ResNet=256\" --batch VGG=256 --batch DenseNet=256 --batch AmoebaNet-D=256",
@@ -198,6 +207,15 @@ LAYOUTS = _layouts("h200-two-gpus.jsonl", H200x2, "--gpus 2 --auto --torchrun")
 LAYOUTS_BOUNDED = _layouts("h200-two-gpus-bounded.jsonl", H200x2, "--gpus 2 --auto")
 LAYOUTS_LLAMA_BOUNDED = _layouts("h200-llama-two-gpus-bounded.jsonl", H200x2,
                                  "--model llama --gpus 2 --per-gpu 4 --auto", llama=True)
+LAYOUTS_BOUNDED_AGAIN = _layouts("h200-two-gpus-bounded-again.jsonl", H200x2, "--gpus 2 --auto")
+LAYOUTS_LLAMA_BUCKETS = _layouts("h200-llama-two-gpus-buckets.jsonl", H200x2,
+                                 "--model llama --gpus 2 --per-gpu 4 --layouts 1x2:interleaved:2:graphs:loops4 "
+                                 "1x2:gpipe:1:graphs:loops4 --auto", llama=True)
+LAYOUTS_LLAMA_AUTO = _layouts("h200-llama-two-gpus-auto.jsonl", H200x2, "--model llama --gpus 2 --per-gpu 4 --no-ddp --auto",
+                              llama=True)
+LAYOUTS_LLAMA_BUCKETS_TORCHRUN = _layouts("h200-llama-two-gpus-buckets-torchrun.jsonl", H200x2,
+                                          "--model llama --gpus 2 --per-gpu 4 --no-ddp "
+                                          "--layouts 1x2:interleaved:2:graphs:loops4 --torchrun", llama=True)
 LAYOUTS_EAGER = _layouts("h200-two-gpus-eager.jsonl", H200x2,
                          "--gpus 2 --layouts 1x2:gpipe:1 1x2:gpipe:1:graphs:loops2")
 LAYOUTS_MICRO = _layouts("h200-two-gpus-micro.jsonl", H200x2,
@@ -230,7 +248,8 @@ LAYOUTS_H100_LLAMA = _layouts("h100-llama-two-gpus.jsonl", H100x2,
 SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, FAMILIES_PIPELINES, DIST, SPEED, TIMM, LAYOUTS, LAYOUTS_LLAMA,
            LAYOUTS4, LAYOUTS4_LLAMA_AUTO, LAYOUTS4_LLAMA, LAYOUTS_H100_4, LAYOUTS_H100_2, LAYOUTS_H100_LLAMA,
            LAYOUTS_LLAMA8B, LAYOUTS_LLAMA8B_HAND, LAYOUTS_EAGER, LAYOUTS_MICRO, LAYOUTS4_MEMORY, LAYOUTS_LLAMA_MICRO,
-           LAYOUTS4_LLAMA8B_HAND, LAYOUTS_BOUNDED, LAYOUTS_LLAMA_BOUNDED, FAMILIES_BOUNDED)
+           LAYOUTS4_LLAMA8B_HAND, LAYOUTS_BOUNDED, LAYOUTS_LLAMA_BOUNDED, FAMILIES_BOUNDED, FAMILIES_BUCKETS,
+           LAYOUTS_BOUNDED_AGAIN, LAYOUTS_LLAMA_BUCKETS, LAYOUTS_LLAMA_AUTO, LAYOUTS_LLAMA_BUCKETS_TORCHRUN)
 
 
 # -- the numbers the pages share ---------------------------------------------------------------------------------
@@ -320,11 +339,22 @@ def _speedup_cell(found: dict[str, dict[str, Any]], row: str) -> str:
     return f"**{text}**" if r["samples_per_s"] == fastest else text
 
 
+def _llama_buckets_note() -> str:
+    """What the Llama's two-GPU automatic row in the README's second table counts, and the step's own memory."""
+    found = {r["row"]: r for r in rows(LAYOUTS_LLAMA_BUCKETS.files[0])}
+    hand, fsdp = found["seqify 1 x 2 interleaved chunks 2 loops 4 graphs"], found["FSDP2"]
+    return (f"The Llama's automatic row on two GPUs counts the tuning in its peaks; the same layout by hand held "
+            f"{_held(hand):.1f} GiB in use and {max(hand['reserved_gib']):.1f} reserved (FSDP2 {_held(fsdp):.1f} and "
+            f"{max(fsdp['reserved_gib']):.1f}). In that run the tuner also added graphs' idle pool blocks to its "
+            "candidates' peaks, which the released one does not; it chose 4 partitions per replica where the "
+            "released one, in a run of its own, chose 2.")
+
+
 def layouts_headline() -> str:
     """The README's second table: seqify's automatic choice among every layout beside DDP and FSDP2, per run."""
     runs = [("ResNet-101, fp32, SGD, 128 per GPU", "2", LAYOUTS_BOUNDED),
             ("ResNet-101, fp32, SGD, 128 per GPU", "4", LAYOUTS4),
-            ("Llama 0.89 B, bf16, SGD, 4 × 2048 tokens per GPU", "2", LAYOUTS_LLAMA_BOUNDED),
+            ("Llama 0.89 B, bf16, SGD, 4 × 2048 tokens per GPU", "2", LAYOUTS_LLAMA_BUCKETS),
             ("Llama 0.89 B, bf16, SGD, 4 × 2048 tokens per GPU", "4", LAYOUTS4_LLAMA_AUTO)]
     body = []
     for workload, gpus, source in runs:
@@ -339,7 +369,7 @@ def layouts_headline() -> str:
         "the largest reserved. `stages x replicas`: the tuner's layout. Steps run back to back in every row. On two "
         "GPUs the tuner keeps the fastest layout that holds no more per GPU than DDP would; the four-GPU rows are an "
         "earlier run, whose tuner held a layout only to one GPU training the batch and to its own graphed data "
-        "parallelism, and hold more than DDP.",
+        "parallelism, and hold more than DDP. " + _llama_buckets_note(),
         "",
         f"*NVIDIA H200 GPUs on NVLink; torch {TORCH}; seqify {SEQIFY}; {LAYOUTS4.date}.* The commands and raw files: "
         "[layouts](docs/benchmarks/layouts.md).",
@@ -355,8 +385,8 @@ def index_page() -> str:
     llama4 = {r["row"]: r["samples_per_s"] for r in rows(LAYOUTS4_LLAMA_AUTO.files[0])}
     llama_vs_ddp = llama4["seqify automatic"] / llama4["DDP"]
     resnet2 = {r["row"]: r for r in rows(LAYOUTS_BOUNDED.files[0])}
-    llama2 = {r["row"]: r for r in rows(LAYOUTS_LLAMA_BOUNDED.files[0])}
-    auto = "seqify automatic"
+    llama2 = {r["row"]: r for r in rows(LAYOUTS_LLAMA_BUCKETS.files[0])}
+    auto, buckets = "seqify automatic", "seqify 1 x 2 interleaved chunks 2 loops 4 graphs"
     return page(
         "Benchmarks",
         "Every figure on these pages is read from a results file under `benchmarks/` by `benchmarks/pages.py`, "
@@ -381,10 +411,11 @@ def index_page() -> str:
             "would; graphed replicas at one micro-batch per GPU, faster, keep a step's activations in CUDA graphs' "
             "pools and hold more. On two H200s ResNet-101's choice is "
             f"{resnet2[auto]['samples_per_s'] / resnet2['DDP']['samples_per_s']:.3f}× DDP's throughput at "
-            f"{_held(resnet2[auto]):.1f} GiB in use against DDP's {_held(resnet2['DDP']):.1f}; the 0.89 B Llama's "
-            f"is {llama2[auto]['samples_per_s'] / llama2['DDP']['samples_per_s']:.3f}× DDP's at "
-            f"{_held(llama2[auto]):.1f} GiB against {_held(llama2['DDP']):.1f} (FSDP2: "
-            f"{llama2[auto]['samples_per_s'] / llama2['FSDP2']['samples_per_s']:.3f}× its throughput, "
+            f"{_held(resnet2[auto]):.1f} GiB in use against DDP's {_held(resnet2['DDP']):.1f}; the 0.89 B Llama's, "
+            "two replicas each running its share as two micro-batches through four parts interleaved, is "
+            f"{llama2[buckets]['samples_per_s'] / llama2['DDP']['samples_per_s']:.3f}× DDP's at "
+            f"{_held(llama2[buckets]):.1f} GiB against {_held(llama2['DDP']):.1f} (FSDP2: "
+            f"{llama2[buckets]['samples_per_s'] / llama2['FSDP2']['samples_per_s']:.3f}× its throughput, "
             f"{_held(llama2['FSDP2']):.1f} GiB): see [layouts](layouts.md).",
             "- **Memory against torch pipelining's 1F1B.** seqify's fastest schedules (zero bubble, two streams) "
             "keep more micro-batches in flight than 1F1B: see [two GPUs](two-gpus.md).",
@@ -641,15 +672,19 @@ def _bounded_families(found: list[dict[str, Any]]) -> tuple[str, str]:
     """The families measured again with the tuner held to DDP's memory, beside their row in the main table
     (``found``): the table and a sentence on the change."""
     then = {(r["family"], r["batch"]): r for r in found}
-    now = [(r, then[(r["family"], r["batch"])]) for r in rows(FAMILIES_BOUNDED.files[0])]
+    latest = {(r["family"], r["batch"]): r for f in FAMILIES_BUCKETS.files for r in rows(f)}  # later runs win
+    now = [(r, then[key]) for key, r in latest.items()]
     body = [[r["family"], f"`{r['model']}`", r["batch"], _family_label(r["config"]), x(r["speedup"]),
              _family_label(old["config"]), x(old["speedup"]), f"{gib(r['allocated_gib'])}; {gib(r['reserved_gib'])}"]
             for r, old in now]
     ratios = [r["speedup"] / old["speedup"] for r, old in now]
     header = ["family", "model", "batch", "chosen, held to DDP's memory", "× one GPU", "chosen in the table above",
               "× one GPU", "peak allocated; reserved GiB per GPU"]
+    first = {r["family"]: r for r in rows(FAMILIES_BOUNDED.files[0])}
     summary = (f"Each stays at or above {x(min(r['speedup'] for r, _ in now))} one GPU; against the table above they "
-               f"moved by {min(ratios) - 1:+.0%} to {max(ratios) - 1:+.0%}.")
+               f"moved by {min(ratios) - 1:+.0%} to {max(ratios) - 1:+.0%}. A first run held to DDP's memory, before "
+               "the reserved bound allowed for the allocator's noise and before a replica's parts could run "
+               "interleaved, measured " + ", ".join(f"{f} {x(r['speedup'])}" for f, r in first.items()) + ".")
     return table(header, body, "llrlrlrl"), summary
 
 
@@ -697,8 +732,9 @@ def families_page() -> str:
         "than data parallelism as DDP runs it (eager, one micro-batch per GPU), timed beside the candidates. Four "
         "families measured again:",
         bounded,
-        FAMILIES_BOUNDED.line(),
+        FAMILIES_BUCKETS.line(),
         bounded_summary + " The other families were not measured again after the change.",
+        FAMILIES_BOUNDED.line(),
         f"**Where seqify loses.** {loses}On a model that fits one GPU, the gain over a pipeline comes from data "
         "parallelism, which DDP gives as well: the [layouts](layouts.md) page puts the tuner's choice beside DDP and "
         "FSDP2 in one run. The tuner chooses among its best predictions by timing them, so a configuration it predicted "
@@ -856,6 +892,9 @@ def layouts_page() -> str:
     llama_micro = named(LAYOUTS_LLAMA_MICRO)
     big, big4 = named(LAYOUTS_LLAMA8B), named(LAYOUTS4_LLAMA8B_HAND)
     bound2, bound_llama = named(LAYOUTS_BOUNDED), named(LAYOUTS_LLAMA_BOUNDED)
+    again2, buckets, released = named(LAYOUTS_BOUNDED_AGAIN), named(LAYOUTS_LLAMA_BUCKETS), named(LAYOUTS_LLAMA_AUTO)
+    buckets_under = named(LAYOUTS_LLAMA_BUCKETS_TORCHRUN)
+    parts = "seqify 1 x 2 interleaved chunks 2 loops 4 graphs"
     auto, under = "seqify automatic", " under torchrun"
     light, zb8 = "seqify 1 x 2 1f1b chunks 2 graphs", "seqify 4 x 1 zb-h1 chunks 8 graphs"
 
@@ -896,6 +935,8 @@ def layouts_page() -> str:
         "machines.",
         "## ResNet-101, fp32, SGD, 128 samples per GPU",
         _layout_section("Two H200s", LAYOUTS_BOUNDED),
+        _layout_section("Two H200s, again", LAYOUTS_BOUNDED_AGAIN, " The same choice as the run above, timed in a run "
+                        "of its own (that run's tuner also added graphs' idle pool blocks to its candidates' peaks)."),
         _layout_section(EARLIER_TWO, LAYOUTS),
         _layout_section("Two H200s, replicas with fewer activations in flight", LAYOUTS_MICRO),
         _layout_section("Two H200s, replicas without graphs", LAYOUTS_EAGER),
@@ -904,7 +945,10 @@ def layouts_page() -> str:
         _layout_section("Four H100s", LAYOUTS_H100_4),
         _layout_section("Two H100s", LAYOUTS_H100_2),
         "## Llama 0.89 B, bf16 autocast, SGD, 4 × 2048 tokens per GPU",
-        _layout_section("Two H200s", LAYOUTS_LLAMA_BOUNDED),
+        _layout_section("Two H200s, replicas in interleaved parts", LAYOUTS_LLAMA_BUCKETS, " " + _llama_buckets_note()),
+        _layout_section("Two H200s, the tuner's choice (one GPU beside it only)", LAYOUTS_LLAMA_AUTO),
+        _layout_section("Two H200s, replicas in interleaved parts under torchrun", LAYOUTS_LLAMA_BUCKETS_TORCHRUN),
+        _layout_section("Two H200s, before replicas ran their parts interleaved", LAYOUTS_LLAMA_BOUNDED),
         _layout_section(EARLIER_TWO, LAYOUTS_LLAMA),
         _layout_section("Two H200s, replicas with fewer activations in flight", LAYOUTS_LLAMA_MICRO),
         _layout_section("Four H200s, an earlier tuner", LAYOUTS4_LLAMA_AUTO),
@@ -922,10 +966,14 @@ def layouts_page() -> str:
         "times data parallelism as DDP runs it, eager, as the reference), chose "
         f"{chose(bound2)} for ResNet-101: {vs(bound2, 'DDP')}× DDP's throughput, holding {held(bound2, auto)} GiB "
         f"in use on a GPU against DDP's {held(bound2, 'DDP')} allocated ({reserved(bound2, auto)} reserved against "
-        f"{reserved(bound2, 'DDP')}). For the 0.89 B Llama it chose {chose(bound_llama)}: "
-        f"{vs(bound_llama, 'DDP')}× DDP's throughput and {vs(bound_llama, 'FSDP2')}× FSDP2's at "
-        f"{held(bound_llama, auto)} GiB in use (DDP {held(bound_llama, 'DDP')}, FSDP2 "
-        f"{held(bound_llama, 'FSDP2')}). An earlier tuner, which held a layout only to one GPU training the batch "
+        f"{reserved(bound2, 'DDP')}); timed again in another run, {vs(again2, 'DDP')}×. For the 0.89 B Llama it "
+        f"chose {chose(released)}, {released[auto]['samples_per_s'] / released['one GPU']['samples_per_s']:.3f}× one "
+        f"GPU at {held(released, auto)} GiB in use, in a run without DDP or FSDP2. Beside DDP and FSDP2 in one run, the "
+        f"same replicas with 4 parts per GPU ran {vs(buckets, 'DDP', parts)}× DDP's throughput and {vs(buckets, 'FSDP2', parts)}× "
+        f"FSDP2's at {held(buckets, parts)} GiB in use (DDP {held(buckets, 'DDP')}, FSDP2 {held(buckets, 'FSDP2')}); "
+        f"under torchrun, {buckets_under[parts + under]['x_in_process']:.3f} of their in-process speed. Before "
+        f"replicas could run their parts interleaved, the tuner chose {chose(bound_llama)} for the Llama: "
+        f"{vs(bound_llama, 'DDP')}× DDP at {held(bound_llama, auto)} GiB. An earlier tuner, which held a layout only to one GPU training the batch "
         f"and to its own graphed data parallelism, chose {chose(h200_2)} for ResNet-101 ({vs(h200_2, 'DDP')}× DDP "
         f"at {held(h200_2, auto)} GiB in use) and {chose(llama2)} for the Llama ({vs(llama2, 'DDP')}× DDP at "
         f"{held(llama2, auto)} GiB). Replicas that run each GPU's share as two micro-batches in 1F1B order, "
@@ -946,10 +994,11 @@ def layouts_page() -> str:
         "Without graphs, replicas in one process run "
         f"at DDP's memory but can fall behind it ({vs(eager2, 'DDP', 'seqify 1 x 2 gpipe chunks 1')}× on ResNet-101 "
         "by hand; the host issues every GPU's kernels). "
-        f"On the 0.89 B Llama no layout measured is at once as fast as DDP and as light as FSDP2: two micro-batches "
-        f"per replica hold {held(llama_micro, light)} GiB in use but run {vs(llama_micro, 'DDP', light)}× DDP's "
-        f"throughput, and the automatic choice, a pipeline, {vs(bound_llama, 'DDP')}× at "
-        f"{held(bound_llama, auto)} GiB; on four H200s the earlier automatic run reached {vs(llama4, 'DDP')} of DDP. The 7.2 B Llama "
+        f"On the 0.89 B Llama no layout measured is at once as fast as DDP and as light as FSDP2: replicas in "
+        f"interleaved parts hold {held(buckets, parts)} GiB in use at {vs(buckets, 'DDP', parts)}× DDP's throughput "
+        f"(in one part, {held(llama_micro, light)} GiB at {vs(llama_micro, 'DDP', light)}×), and GPipe's order over "
+        f"the parts, one micro-batch per GPU, {vs(buckets, 'DDP', 'seqify 1 x 2 gpipe chunks 1 loops 4 graphs')}× "
+        f"at {held(buckets, 'seqify 1 x 2 gpipe chunks 1 loops 4 graphs')} GiB; on four H200s the earlier automatic run reached {vs(llama4, 'DDP')} of DDP. The 7.2 B Llama "
         f"on two H200s ran {vs(big, 'FSDP2')}× FSDP2's throughput at {max(big[auto]['peak_gib']):.1f} GiB "
         f"allocated against {max(big['FSDP2']['peak_gib']):.1f} and {reserved(big, auto)} reserved against "
         f"{reserved(big, 'FSDP2')} (FSDP2 shards the weights, gradients and Adam's moments; a pipeline holds its "

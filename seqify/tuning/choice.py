@@ -141,8 +141,8 @@ def bound_to_ddp(confirmed: list[Trial], bound: tuple[int | None, int | None], g
                  ) -> tuple[int | None, int | None]:
     """``bound`` lowered to what plain data parallelism held per GPU where it was timed: a layout is chosen over
     it only at no more memory per GPU (a user's other choice, at that memory; its reserved peak within
-    :data:`RESERVED_TIE`). The reference is data parallelism
-    as DDP runs it (:func:`like_ddp`), which holds what DDP holds; failing that, other eager data parallelism;
+    :data:`RESERVED_TIE`). The reference is data parallelism as DDP runs it (:func:`like_ddp`), which holds
+    what DDP holds; failing that, other eager data parallelism;
     replayed graphs keep a step's activations in pools of their own, so a graphed one holds more and is the
     reference only where no eager one was timed."""
     plain = [t for t in confirmed if t.replicas == gpus > 1 and t.measured_peak]

@@ -211,6 +211,9 @@ LAYOUTS_BOUNDED_AGAIN = _layouts("h200-two-gpus-bounded-again.jsonl", H200x2, "-
 LAYOUTS_LLAMA_BUCKETS = _layouts("h200-llama-two-gpus-buckets.jsonl", H200x2,
                                  "--model llama --gpus 2 --per-gpu 4 --layouts 1x2:interleaved:2:graphs:loops4 "
                                  "1x2:gpipe:1:graphs:loops4 --auto", llama=True)
+#: The rows of LAYOUTS_LLAMA_BUCKETS' replicas by hand: parts interleaved, and in GPipe's order.
+LLAMA_PARTS, LLAMA_PARTS_GPIPE = ("seqify 1 x 2 interleaved chunks 2 loops 4 graphs",
+                                  "seqify 1 x 2 gpipe chunks 1 loops 4 graphs")
 LAYOUTS_LLAMA_AUTO = _layouts("h200-llama-two-gpus-auto.jsonl", H200x2, "--model llama --gpus 2 --per-gpu 4 --no-ddp --auto",
                               llama=True)
 LAYOUTS_LLAMA_BUCKETS_TORCHRUN = _layouts("h200-llama-two-gpus-buckets-torchrun.jsonl", H200x2,
@@ -342,7 +345,7 @@ def _speedup_cell(found: dict[str, dict[str, Any]], row: str) -> str:
 def _llama_buckets_note() -> str:
     """What the Llama's two-GPU automatic row in the README's second table counts, and the step's own memory."""
     found = {r["row"]: r for r in rows(LAYOUTS_LLAMA_BUCKETS.files[0])}
-    hand, fsdp = found["seqify 1 x 2 interleaved chunks 2 loops 4 graphs"], found["FSDP2"]
+    hand, fsdp = found[LLAMA_PARTS], found["FSDP2"]
     return (f"The Llama's automatic row on two GPUs counts the tuning in its peaks; the same layout by hand held "
             f"{_held(hand):.1f} GiB in use and {max(hand['reserved_gib']):.1f} reserved (FSDP2 {_held(fsdp):.1f} and "
             f"{max(fsdp['reserved_gib']):.1f}). In that run the tuner also added graphs' idle pool blocks to its "
@@ -386,7 +389,7 @@ def index_page() -> str:
     llama_vs_ddp = llama4["seqify automatic"] / llama4["DDP"]
     resnet2 = {r["row"]: r for r in rows(LAYOUTS_BOUNDED.files[0])}
     llama2 = {r["row"]: r for r in rows(LAYOUTS_LLAMA_BUCKETS.files[0])}
-    auto, buckets = "seqify automatic", "seqify 1 x 2 interleaved chunks 2 loops 4 graphs"
+    auto, buckets = "seqify automatic", LLAMA_PARTS
     return page(
         "Benchmarks",
         "Every figure on these pages is read from a results file under `benchmarks/` by `benchmarks/pages.py`, "
@@ -894,7 +897,7 @@ def layouts_page() -> str:
     bound2, bound_llama = named(LAYOUTS_BOUNDED), named(LAYOUTS_LLAMA_BOUNDED)
     again2, buckets, released = named(LAYOUTS_BOUNDED_AGAIN), named(LAYOUTS_LLAMA_BUCKETS), named(LAYOUTS_LLAMA_AUTO)
     buckets_under = named(LAYOUTS_LLAMA_BUCKETS_TORCHRUN)
-    parts = "seqify 1 x 2 interleaved chunks 2 loops 4 graphs"
+    parts, gpipe_parts = LLAMA_PARTS, LLAMA_PARTS_GPIPE
     auto, under = "seqify automatic", " under torchrun"
     light, zb8 = "seqify 1 x 2 1f1b chunks 2 graphs", "seqify 4 x 1 zb-h1 chunks 8 graphs"
 
@@ -997,8 +1000,8 @@ def layouts_page() -> str:
         f"On the 0.89 B Llama no layout measured is at once as fast as DDP and as light as FSDP2: replicas in "
         f"interleaved parts hold {held(buckets, parts)} GiB in use at {vs(buckets, 'DDP', parts)}× DDP's throughput "
         f"(in one part, {held(llama_micro, light)} GiB at {vs(llama_micro, 'DDP', light)}×), and GPipe's order over "
-        f"the parts, one micro-batch per GPU, {vs(buckets, 'DDP', 'seqify 1 x 2 gpipe chunks 1 loops 4 graphs')}× "
-        f"at {held(buckets, 'seqify 1 x 2 gpipe chunks 1 loops 4 graphs')} GiB; on four H200s the earlier automatic run reached {vs(llama4, 'DDP')} of DDP. The 7.2 B Llama "
+        f"the parts, one micro-batch per GPU, {vs(buckets, 'DDP', gpipe_parts)}× at {held(buckets, gpipe_parts)} GiB; "
+        f"on four H200s the earlier automatic run reached {vs(llama4, 'DDP')} of DDP. The 7.2 B Llama "
         f"on two H200s ran {vs(big, 'FSDP2')}× FSDP2's throughput at {max(big[auto]['peak_gib']):.1f} GiB "
         f"allocated against {max(big['FSDP2']['peak_gib']):.1f} and {reserved(big, auto)} reserved against "
         f"{reserved(big, 'FSDP2')} (FSDP2 shards the weights, gradients and Adam's moments; a pipeline holds its "

@@ -24,23 +24,11 @@ from seqify.progress import progress
 from seqify.schedule.actions import SCHEDULES, SPLIT
 from seqify.tuning import cache as tune_cache
 from seqify.tuning import measure, memory_bounds, profile, space
-from seqify.tuning.choice import (
-    BAND,
-    RUNOFF,
-    RUNOFF_MOST,
-    TIE,
-    bound_to_ddp,
-    contenders,
-    lean,
-    lighter,
-    steady,
-    to_time,
-)
+from seqify.tuning.choice import bound_to_ddp, contenders, lean, lighter, steady, to_time
 from seqify.tuning.memory_bounds import OptimizerSpec
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, Prediction, predict, schedule_of
 
-__all__ = ["tune", "BAND", "TIE", "RUNOFF", "RUNOFF_MOST", "to_time", "lighter", "contenders", "lean", "steady",
-           "options", "build_trial"]
+__all__ = ["tune", "options", "build_trial"]
 
 log = logging.getLogger("seqify.tuning")
 
@@ -130,8 +118,8 @@ def tune(
             all of the other kind, and the best of each other schedule predicted within ``BAND`` (5%) of
             the best);
             ``steps`` timed steps each after ``warm`` untimed ones. On GPUs, with ``top >= 2``, the timed
-            candidates within the memory bounds and within :data:`RUNOFF` (8%) of the fastest are built and timed
-            once more with twice the steps before one is chosen (their times the mean of both).
+            candidates within the memory bounds and within :data:`~seqify.tuning.RUNOFF` (8%) of the fastest are
+            built and timed once more with twice the steps before one is chosen (their times the mean of both).
         cache: read and write the on-disk cache (:func:`cache_path`).
         show: progress bars on stderr (on a terminal, or with ``SEQIFY_PROGRESS=1``).
 
@@ -390,8 +378,8 @@ def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], time
 
 def _runoff(model: nn.Sequential, sample: Any, placed: list[torch.device], pool: list[Trial], confirmed: list[Trial],
             *, steps: int, warm: int, show: bool) -> list[Trial]:
-    """``pool`` (timed candidates within the memory bounds) where the best of them on GPUs are within
-    :data:`RUNOFF` of its fastest: those (at most :data:`RUNOFF_MOST`) built again and timed with twice the steps,
+    """``pool`` (timed candidates within the memory bounds) where the best of them on GPUs are within ``RUNOFF``
+    of its fastest (:func:`~seqify.tuning.choice.contenders`): those built again and timed with twice the steps,
     their measured seconds the mean of both timings (their peaks those of the first, which the bounds passed; the
     same replaced in ``confirmed``, which ``print(cfg)`` shows); one whose second build runs out of memory keeps
     its first timing. On the CPU, ``pool``."""

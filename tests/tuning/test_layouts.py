@@ -19,7 +19,7 @@ from seqify.pipe.config import Trial
 from seqify.pipe.replicated import ReplicatedPipeline
 from seqify.tuning import measure, space
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, predict
-from seqify.tuning.search import TIE, steady
+from seqify.tuning.choice import TIE, steady
 
 from helpers import benchmarks
 from helpers.procs import child_env
@@ -247,7 +247,7 @@ def test_a_layout_is_held_to_what_eager_data_parallelism_holds(monkeypatch: pyte
     reference = choice.bound_to_ddp(confirmed, one_gpu, len(placed))
     # eager's, not the graphed data parallelism's; its reserved peak within the allocator's noise
     assert reference == (int(15.6 * GIB), int(int(17.9 * GIB) * (1 + choice.RESERVED_TIE)))
-    chosen = steady(search.lean(confirmed, *reference))
+    chosen = steady(choice.lean(confirmed, *reference))
     assert (chosen.schedule, chosen.chunks, chosen.graphs) == ("1f1b", 2, True)
     # where no eager one was timed, the fastest graphed data parallelism is the reference
     assert choice.bound_to_ddp([c for c in confirmed if c.graphs], one_gpu, 2)[1] == int(int(19.4 * GIB) * 1.02)
@@ -263,7 +263,7 @@ def test_the_memory_reference_runs_as_ddp_does_not_recomputed_nor_in_micro_batch
     split = _fit(125, 12, graphs=False, chunks=2, schedule="1f1b")
     ddp = _fit(130, 16, graphs=False)
     graphed, graphed2 = _fit(100, 17), _fit(101, 17, loops=2)
-    timed = search.to_time([graphed, graphed2, recomputed, split, ddp], 2, gpus=2)
+    timed = choice.to_time([graphed, graphed2, recomputed, split, ddp], 2, gpus=2)
     assert any(t is ddp for t in timed) and not any(t is split for t in timed)  # (recomputed: the best eager one)
     ran = [replace(t, measured_s=s / 1e3, measured_peak=(int(g * GIB),) * 2, measured_reserved=(int(g * GIB),) * 2)
            for t, s, g in [(graphed, 100, 17), (recomputed, 110, 11), (split, 111, 12), (ddp, 112, 16)]]
@@ -292,7 +292,7 @@ def test_a_layout_reserving_within_the_allocators_noise_of_data_parallelism_is_n
 
 
 def test_lighter_candidates_are_the_untimed_ones_predicted_to_hold_less_in_predicted_order() -> None:
-    from seqify.tuning.search import lighter
+    from seqify.tuning.choice import lighter
 
     fastest, same, less, least, timed = _fit(90, 24), _fit(95, 24), _fit(100, 12), _fit(101, 8), _fit(99, 10)
     assert lighter([fastest, same, timed, less, least], [fastest, timed], fastest) == [less, least]
@@ -301,7 +301,7 @@ def test_lighter_candidates_are_the_untimed_ones_predicted_to_hold_less_in_predi
 def test_lighter_candidates_of_another_kind_come_before_another_cut_of_one_layout() -> None:
     """Three cuts of one layout hold about as much: with room to time three (MaxViT-T on two H200s timed its
     interleaved replicas cut by flops, memory and time), the best predicted of each kind comes first."""
-    from seqify.tuning.search import lighter
+    from seqify.tuning.choice import lighter
 
     fastest = _fit(90, 24)
     cuts = [_fit(100 + k, 12, chunks=2, loops=2, schedule="interleaved", balance=(3 + k, 5 - k)) for k in range(3)]
@@ -361,7 +361,7 @@ def test_a_contender_whose_second_build_runs_out_of_memory_keeps_its_first_timin
 
 
 def test_contenders_are_the_timed_ones_within_runoff_of_the_fastest_fastest_first() -> None:
-    from seqify.tuning.search import RUNOFF, RUNOFF_MOST, contenders
+    from seqify.tuning.choice import RUNOFF, RUNOFF_MOST, contenders
 
     a, b, c = _ran(_fit(1, 1), 100.0), _ran(_fit(1, 1, chunks=2), 100.0 * (1 + RUNOFF)), _ran(
         _fit(1, 1, chunks=4), 100.0 * (1 + RUNOFF) + 1)

@@ -18,7 +18,7 @@ from seqify.tuning.measure import out_of_memory
 from seqify.tuning.memory_bounds import (fullness, optimizer_ratio, per_device, predicted_to_fit, state_ratio,
                                          step_ratio, trainable_bytes, with_room, with_state)
 from seqify.tuning.predict import Candidate
-from seqify.tuning.search import lean
+from seqify.tuning.choice import lean
 
 CPU2 = ["cpu", "cpu"]
 

@@ -19,7 +19,7 @@ import seqify
 from seqify.pipe.microbatch import scatter
 from seqify.pipe.config import Trial
 from seqify.tuning.predict import Calibration, Candidate, LayerModel, predict
-from seqify.tuning.search import TIE, steady
+from seqify.tuning.choice import TIE, steady
 
 from helpers.exactness import assert_unchanged, loss_of, snapshot
 
@@ -593,12 +593,12 @@ def test_the_best_eager_and_replayed_candidates_are_both_timed() -> None:
                      balance=(4, 4), predicted_s=ms / 1e3, memory_bytes=0, memory_per_device=(0, 0))
 
     fits = [trial(200, False), trial(210, False), trial(220, False), trial(300, True), trial(310, True)]
-    got = tuning.search.to_time(fits, 2)
+    got = tuning.choice.to_time(fits, 2)
     assert got == fits[:2] + [fits[3]]  # the two best, and the best replayed one beside them
-    assert tuning.search.to_time(fits, 1) == fits[:1]  # one to time: the best prediction
+    assert tuning.choice.to_time(fits, 1) == fits[:1]  # one to time: the best prediction
     mixed = [fits[0], fits[3], fits[1]]
-    assert tuning.search.to_time(mixed, 2) == mixed[:2]  # both kinds among the best already
-    assert tuning.search.to_time(fits[:3], 2) == fits[:2]  # no other kind to add
+    assert tuning.choice.to_time(mixed, 2) == mixed[:2]  # both kinds among the best already
+    assert tuning.choice.to_time(fits[:3], 2) == fits[:2]  # no other kind to add
 
 
 def test_each_schedule_within_the_band_gets_a_timing() -> None:
@@ -612,14 +612,14 @@ def test_each_schedule_within_the_band_gets_a_timing() -> None:
         return Trial(chunks=chunks, loops=1, by="time", checkpoint="never", graphs=True, schedule=schedule,
                      balance=(4, 4), predicted_s=ms / 1e3, memory_bytes=0, memory_per_device=(0, 0))
 
-    edge = 100 * (1 + tuning.search.BAND)
+    edge = 100 * (1 + tuning.choice.BAND)
     fits = [trial(100, "zb-h1", 2), trial(100.5, "gpipe"), trial(101, "zb-h1"), trial(102, "interleaved"),
             trial(103, "zb-h2"), trial(104, "zb-h2", 8), trial(edge + 0.5, "1f1b"), rep(trial(150, "gpipe"), graphs=False)]
-    got = tuning.search.to_time(fits, 3)
+    got = tuning.choice.to_time(fits, 3)
     assert got[:3] == fits[:3] and fits[-1] in got  # the top, the other kind
     assert [t.schedule for t in got[4:]] == ["interleaved", "zb-h2"]  # each once, within the band
     assert not any(t.schedule == "1f1b" for t in got)  # past the band
-    assert tuning.search.to_time(fits, 1) == fits[:1]
+    assert tuning.choice.to_time(fits, 1) == fits[:1]
 
 
 def test_split_backward_at_the_boundary_is_measured_too(monkeypatch) -> None:
@@ -971,13 +971,13 @@ def test_lean_bounds_allocated_and_reserved_apart() -> None:
     H200s: 8.9 GiB allocated against 13.3 on one GPU, 18.5 reserved against 15.1); unmeasured ones pass."""
     t = tuning.Trial(chunks=2, loops=1, by="time", checkpoint="never", graphs=True, schedule="gpipe", balance=(1, 1),
                      predicted_s=0.1, measured_s=0.1, measured_peak=(80, 90), measured_reserved=(100, 185))
-    assert tuning.search.lean([t], 133, 151) == []
-    assert tuning.search.lean([t], 133, 190) == [t]
-    assert tuning.search.lean([t], 85, None) == []  # the cap (or one device) bounds allocated bytes alone
-    assert tuning.search.lean([t], None, None) == [t]
+    assert tuning.choice.lean([t], 133, 151) == []
+    assert tuning.choice.lean([t], 133, 190) == [t]
+    assert tuning.choice.lean([t], 85, None) == []  # the cap (or one device) bounds allocated bytes alone
+    assert tuning.choice.lean([t], None, None) == [t]
     unmeasured = tuning.Trial(chunks=2, loops=1, by="time", checkpoint="never", graphs=False, schedule="gpipe",
                               balance=(1, 1), predicted_s=0.1)
-    assert tuning.search.lean([unmeasured], 1, 1) == [unmeasured]
+    assert tuning.choice.lean([unmeasured], 1, 1) == [unmeasured]
 
 
 def test_the_profile_prices_what_b_keeps_for_w_and_zero_bubble_holds_it() -> None:

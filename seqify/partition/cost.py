@@ -130,7 +130,7 @@ def time_costs(
     repeats: int = 3,
     progress: bool = False,
 ) -> LayerCosts:
-    """Measured forward+backward seconds per layer on ``device`` (CPU when None), median of ``repeats``."""
+    """Measured forward+backward seconds per layer on ``device`` (CPU when None), the least of ``repeats``."""
     _need(sample, "time")
     lays = layers(model)
     prof = profile(lays, first_input(model, sample), device, repeats=repeats, progress=progress)

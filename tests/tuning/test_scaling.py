@@ -138,6 +138,38 @@ def test_families_benchmark_smoke(tmp_path) -> None:
     assert bad.returncode == 2 and "unknown families" in bad.stderr
 
 
+def test_stability_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/stability/main.py in its CPU smoke mode: per partitions, micro-batch count and slack, one cut
+    per fresh profile, each covering every layer, the count of distinct ones, the profiles kept for study, and
+    the tuner's choice per run."""
+    import os
+
+    import torch
+
+    out, dump = tmp_path / "stability.jsonl", tmp_path / "profiles.pt"
+    env = {**os.environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, str(benchmarks.path("stability/main.py")), "--tiny", "--device", "cpu",
+                          "--devices", "cpu,cpu", "--runs", "2", "--tunes", "1", "--chunks", "1", "4", "--out",
+                          str(out), "--dump", str(dump)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("# environment: ")
+    rows = [json.loads(line) for line in lines[1:]]
+    cuts = [r for r in rows if r["kind"] == "cut"]
+    assert {(r["partitions"], r["chunks"], r["slack"]) for r in cuts} == {
+        (p, c, s) for p in (2, 4) for c in (1, 4) for s in (0.02, 0.0)}
+    layers = sum(cuts[0]["balances"][0])
+    for r in cuts:
+        assert len(r["balances"]) == 2 and all(sum(b) == layers and len(b) == r["partitions"] for b in r["balances"])
+        assert r["distinct"] == len({tuple(b) for b in r["balances"]})
+    tune = next(r for r in rows if r["kind"] == "tune")
+    assert tune["devices"] == ["cpu", "cpu"] and len(tune["choices"]) == 1
+    assert tune["choices"][0]["config"].startswith("PipeConfig")
+    profiles = torch.load(dump, weights_only=False)
+    assert len(profiles) == 2 and all(set(p) == {1, 4} and len(p[1]["cost"]) == layers for p in profiles)
+
+
 def _bench(name: str) -> Any:
     """benchmarks/NAME/main.py, imported by its path."""
     return benchmarks.load(f"{name}/main.py")

@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from seqify.errors import MemoryCapError, ScheduleError, SeqifyError, TuneError
+from seqify.errors import MemoryCapError, MicroBatchError, ScheduleError, SeqifyError, TuneError
 from seqify.partition.cost import LayerCosts
 from seqify.pipe import tied
 from seqify.pipe.assemble import build
@@ -301,10 +301,17 @@ def _time_best(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
     """Time the candidates :func:`to_time` picks, and where each held more than ``bound`` the next best too;
     the confirmed ones (with their measurements) and every one timed."""
     timed = to_time(fits, top, gpus=len(placed))
-    confirmed = _confirm(model, sample, placed, timed, steps=steps, warm=warm, show=show)
+    refused: list[MicroBatchError] = []
+    confirmed = _confirm(model, sample, placed, timed, steps=steps, warm=warm, show=show, refused=refused)
+    if refused:  # the model refuses micro-batches of one sample: none of those, and the next best where none ran
+        fits = [t for t in fits if -(-measure.batch_size(sample) // t.replicas) // t.chunks >= 2]
+        if not confirmed:
+            more = [t for t in fits if not any(t is u for u in timed)][:max(top, 1)]
+            confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
+            timed += more
     if confirmed and not lean(confirmed, *bound):  # each held more than the bound: time the next best too
         more = [t for t in fits if not any(t is u for u in timed)][:max(top, 1)]
-        confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
+        confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show, refused=refused)
         timed += more
     plain = bound_to_ddp(confirmed, bound, len(placed))
     fastest = steady(confirmed) if confirmed else None
@@ -313,6 +320,8 @@ def _time_best(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
         more = lighter(fits, timed, fastest)[:max(top, 1)]
         confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
         timed += more
+    if top > 0 and not confirmed and refused:
+        raise refused[0]  # the model cannot run micro-batches that small: the refusal says how to fix it
     if top > 0 and not confirmed:
         raise MemoryCapError(f"each of the {len(timed)} best candidates ran out of memory in a timed "
                              "step; pass a memory_cap below the devices' memory, use more devices, or a smaller "
@@ -352,10 +361,11 @@ def _config(best: Trial, confirmed: list[Trial], fits: list[Trial], timed: list[
 
 
 def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], timed: list[Trial], *, steps: int,
-             warm: int, show: bool) -> list[Trial]:
+             warm: int, show: bool, refused: list[MicroBatchError] | None = None) -> list[Trial]:
     """``timed`` with measured step seconds and, on GPUs, the peak bytes each device allocated while the
     pipeline was built, captured and ran its steps (from an emptied cache); a candidate that runs out of
-    memory is left out."""
+    memory is left out, and so is one whose micro-batches the model refuses (a BatchNorm left one value per
+    channel), its refusal added to ``refused``."""
     confirmed = []
     for t in progress(timed, len(timed), "seqify tune: timing the best candidates", show):
         pipe = None
@@ -364,6 +374,10 @@ def _confirm(model: nn.Sequential, sample: Any, placed: list[torch.device], time
                 pipe = build_trial(model, t, placed, sample).train()
                 seconds = measure.step_seconds(pipe, sample, placed, steps=steps, warm=warm + (1 if t.graphs else 0),
                                                update=True)
+        except MicroBatchError as e:  # a shape the profile at two samples or more could not show
+            if refused is not None:
+                refused.append(e)
+            continue
         except Exception as e:  # predicted to fit but did not: the next candidate
             if not measure.out_of_memory(e):
                 raise

@@ -233,7 +233,7 @@ def test_a_layout_is_held_to_what_eager_data_parallelism_holds(monkeypatch: pyte
            id(eager): (108.0, 15.6, 17.9), id(light): (104.0, 9.0, 10.3), id(lighter_but_slow): (115.0, 8.0, 9.0)}
     timed_ids: list[int] = []
 
-    def confirm(model, sample, placed, timed, *, steps, warm, show):  # type: ignore[no-untyped-def]
+    def confirm(model, sample, placed, timed, *, steps, warm, show, refused=None):  # type: ignore[no-untyped-def]
         timed_ids.extend(id(t) for t in timed)
         return [replace(t, measured_s=ran[id(t)][0] / 1e3, measured_peak=(int(ran[id(t)][1] * GIB),) * 2,
                         measured_reserved=(int(ran[id(t)][2] * GIB),) * 2) for t in timed]
@@ -325,7 +325,7 @@ def test_close_timings_on_gpus_are_timed_again_before_one_is_chosen(monkeypatch:
     again = {id(eager): 115.0, id(graphed): 104.0}
     calls: list[tuple[int, int]] = []
 
-    def confirm(model, sample, placed, timed, *, steps, warm, show):  # type: ignore[no-untyped-def]
+    def confirm(model, sample, placed, timed, *, steps, warm, show, refused=None):  # type: ignore[no-untyped-def]
         calls.extend((id(t), steps) for t in timed)
         return [replace(t, measured_s=again[id(t)] / 1e3, measured_peak=(9 * GIB,) * 2) for t in timed]
 

@@ -942,6 +942,37 @@ def test_when_every_timed_candidate_holds_too_much_the_next_best_are_timed(monke
     assert len([t for t in cfg.trials if t.measured_s is not None]) == 1
 
 
+class PooledNorm(nn.Module):
+    """A BatchNorm after global pooling: one value per channel for a micro-batch of one sample, which torch
+    refuses in training (the profile, at two samples or more, cannot see it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(nn.functional.adaptive_avg_pool2d(self.conv(x), 1)).flatten(1))
+
+
+def test_candidates_whose_micro_batches_a_batchnorm_refuses_are_passed_over(monkeypatch) -> None:
+    # The best predictions are of one-sample micro-batches: each is refused when timed, and the next best with
+    # larger ones are timed and chosen; where every candidate is of one sample, the refusal itself is raised.
+    torch.manual_seed(0)
+    seq = seqify.convert(PooledNorm())
+    x = torch.randn(4, 3, 8, 8)
+    before = snapshot(seq)
+    to_time = tuning.search.to_time
+    monkeypatch.setattr(tuning.search, "to_time", lambda fits, top, gpus: to_time(
+        sorted(fits, key=lambda t: -t.chunks), top, gpus=gpus))
+    cfg = seqify.tune(seq, x, devices=CPU2, top=2, steps=1, show=False, cache=False)
+    assert cfg.chunks <= 2 and cfg.measured_s is not None
+    assert_unchanged(seq, before)
+    with pytest.raises(seqify.errors.MicroBatchError, match="chunks=2 or fewer"):
+        seqify.tune(seq, x, devices=CPU2, chunks=4, top=2, steps=1, show=False, cache=False)
+
+
 def test_measured_peaks_survive_a_saved_config(tmp_path, monkeypatch) -> None:
     _, seq, x = source_and_seq()
     fake_gpu_readings(monkeypatch, seq, over=set())

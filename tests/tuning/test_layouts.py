@@ -390,3 +390,19 @@ def test_the_layout_benchmark_runs_each_layout_in_one_process_and_under_torchrun
     assert (layout.replicas, layout.schedule, layout.chunks, len(layout.balance)) == (1, "1f1b", 2, 2)
     assert rows[2]["samples_per_s"] > 0 and rows[2]["x_in_process"] > 0
     assert "of the same layout in one process" in done.stdout
+
+
+def test_the_recompute_benchmark_changes_no_value(tmp_path: Path) -> None:
+    """benchmarks/layouts/recompute.py's CPU smoke run: the tiny Llama plain and with its cheap layers recomputed
+    in the backward, each row timed, and the first step's loss and gradients the same in every row."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "rows.jsonl"
+    done = subprocess.run([sys.executable, str(benchmarks.path("layouts/recompute.py")), "--tiny", "--device", "cpu",
+                           "--steps", "1", "--warm", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    assert [r["row"] for r in rows] == ["none", "norms", "mlp", "norms+mlp"]
+    assert all(r["samples_per_s"] > 0 for r in rows) and rows[0]["x_first"] == 1.0
+    assert len({r["first_loss"] for r in rows}) == 1
+    assert all(r["first_grad_norm"] == pytest.approx(rows[0]["first_grad_norm"], rel=1e-6) for r in rows)

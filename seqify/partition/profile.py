@@ -72,8 +72,8 @@ def profile(
     taken with ``torch.autograd.grad`` so no ``.grad`` is written; buffers (BatchNorm running stats,
     ``num_batches_tracked``) are restored afterwards and the global RNG state is left as it was. Layers
     not on ``device`` run as copies moved there. Time is the least of ``repeats`` runs after one
-    measuring run, since an interruption only adds time (on an H200 a few of ResNet-101's 345 layers per profile
-    took 3-17 times their usual time in one run: a median of two keeps that, the least drops it). It is
+    measuring run, since an interruption only adds time (on an H200, as a median of two runs, up to 11 of
+    ResNet-101's 345 layers per profile took 2 to 93 times their usual time; as the least, none over 1.14). It is
     wall-clock on CPU; on CUDA the GPU time between two events, with the GPU held busy
     (``torch.cuda._sleep``) while the layer's kernels are queued, so that the per-call launch and
     synchronisation overhead a pipeline hides is not counted; the host's seconds to issue the layer are

@@ -25,7 +25,7 @@ from torch import nn
 
 import seqify
 from seqify.partition import split
-from seqify.partition.cost import default_transfer_cost
+from seqify.partition.cost import LINK_BANDWIDTH, default_transfer_cost
 from seqify.partition.walk import layers as walk_layers
 from seqify.tuning import profile, space
 
@@ -52,14 +52,15 @@ def cuts(seq: nn.Sequential, x: torch.Tensor, batch: int, device: torch.device, 
     sizes = sorted({batch // c for c in chunks})
     for _ in range(runs):
         layers, hi = profile.layer_model(seq, x, device, lo=min(sizes), sizes=sizes, show=False)
-        kept.append({m: dataclasses.asdict(space._at(hi, layers, batch, m)) for m in chunks})
+        timed = {m: space._at(hi, layers, batch, m) for m in chunks}
+        kept.append({m: dataclasses.asdict(costs) for m, costs in timed.items()})
         for parts in (2, 4):
-            for m in chunks:
-                timed = space._at(hi, layers, batch, m)
-                for slack in (space.TIME_SLACK, 0.0):
-                    plan = split(timed, parts, lays.names, lays.routes, transfer_cost=default_transfer_cost("time"),
-                                 slack=slack)
-                    found.setdefault((parts, m, slack), []).append(list(plan.balance))
+            for m, costs in timed.items():
+                # the tuner's cut by time (at the default link bandwidth), and the exact optimum without its slack
+                tuner = space.balances(seq, x, costs, parts, ["time"], LINK_BANDWIDTH)["time"]
+                exact = split(costs, parts, lays.names, lays.routes, transfer_cost=default_transfer_cost("time"))
+                found.setdefault((parts, m, space.TIME_SLACK), []).append(list(tuner))
+                found.setdefault((parts, m, 0.0), []).append(list(exact.balance))
     if dump:
         torch.save(kept, dump)
     return [dict(kind="cut", partitions=p, chunks=m, slack=s, balances=b, distinct=len({tuple(v) for v in b}))
@@ -67,7 +68,8 @@ def cuts(seq: nn.Sequential, x: torch.Tensor, batch: int, device: torch.device, 
 
 
 def tunes(seq: nn.Sequential, x: torch.Tensor, devices: list[str], times: int) -> dict[str, Any]:
-    """``seqify.tune``'s choice ``times`` over, each measured afresh."""
+    """``seqify.tune``'s choice ``times`` over, each measured afresh: its step time and the peak allocated and
+    reserved GiB per device of its timed step (empty on the CPU)."""
     chosen: list[dict[str, Any]] = []
     configs: set[str] = set()  # the choices without their measurements
     for _ in range(times):
@@ -75,7 +77,10 @@ def tunes(seq: nn.Sequential, x: torch.Tensor, devices: list[str], times: int) -
         cfg = seqify.tune(seq, x.to(devices[0]), devices=devices, cache=False, show=False)
         text = str(cfg.without_trials())
         configs.add(text.split(";")[0])
-        chosen.append(dict(config=text, seconds=round(time.perf_counter() - t0, 1)))
+        ran = next(t for t in cfg.trials if t.measured_s == cfg.measured_s)  # the choice's timed step
+        chosen.append(dict(config=text, seconds=round(time.perf_counter() - t0, 1), step_ms=1e3 * (cfg.measured_s or 0),
+                           peak_gib=[round(b / 2**30, 2) for b in ran.measured_peak],
+                           reserved_gib=[round(b / 2**30, 2) for b in ran.measured_reserved]))
         print(json.dumps(chosen[-1]), flush=True)
     return dict(kind="tune", devices=devices, choices=chosen, distinct=len(configs))
 

@@ -304,14 +304,15 @@ def _time_best(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
     refused: list[MicroBatchError] = []
     confirmed = _confirm(model, sample, placed, timed, steps=steps, warm=warm, show=show, refused=refused)
     if refused:  # the model refuses micro-batches of one sample: none of those, and the next best where none ran
-        fits = [t for t in fits if -(-measure.batch_size(sample) // t.replicas) // t.chunks >= 2]
+        batch = measure.batch_size(sample)
+        fits = [t for t in fits if -(-batch // t.replicas) // t.chunks >= 2]
         if not confirmed:
-            more = [t for t in fits if not any(t is u for u in timed)][:max(top, 1)]
+            more = _untimed(fits, timed)[:max(top, 1)]
             confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
             timed += more
     if confirmed and not lean(confirmed, *bound):  # each held more than the bound: time the next best too
-        more = [t for t in fits if not any(t is u for u in timed)][:max(top, 1)]
-        confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show, refused=refused)
+        more = _untimed(fits, timed)[:max(top, 1)]
+        confirmed += _confirm(model, sample, placed, more, steps=steps, warm=warm, show=show)
         timed += more
     plain = bound_to_ddp(confirmed, bound, len(placed))
     fastest = steady(confirmed) if confirmed else None
@@ -327,6 +328,11 @@ def _time_best(model: nn.Sequential, sample: Any, placed: list[torch.device], fi
                              "step; pass a memory_cap below the devices' memory, use more devices, or a smaller "
                              "mini-batch")
     return confirmed, timed
+
+
+def _untimed(fits: list[Trial], timed: list[Trial]) -> list[Trial]:
+    """``fits`` not among ``timed``, in their order."""
+    return [t for t in fits if not any(t is u for u in timed)]
 
 
 def _with_overlap(model: nn.Sequential, sample: Any, placed: list[torch.device], best: Trial, costs: _Costs, batch: int,
@@ -352,7 +358,7 @@ def _with_overlap(model: nn.Sequential, sample: Any, placed: list[torch.device],
 def _config(best: Trial, confirmed: list[Trial], fits: list[Trial], timed: list[Trial],
             placed: list[torch.device], batch: int, key: str) -> PipeConfig:
     """The choice, with the timed candidates and the next best predicted ones beside it."""
-    shown = confirmed + [t for t in fits if not any(t is u for u in timed)][:8]
+    shown = confirmed + _untimed(fits, timed)[:8]
     return PipeConfig(chunks=best.chunks, loops=best.loops, balance=best.balance, by=best.by,
                       checkpoint=best.checkpoint, graphs=best.graphs, devices=tuple(str(d) for d in placed),
                       batch=batch, predicted_s=best.predicted_s, measured_s=best.measured_s,

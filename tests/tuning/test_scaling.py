@@ -165,7 +165,9 @@ def test_stability_benchmark_smoke(tmp_path) -> None:
         assert r["distinct"] == len({tuple(b) for b in r["balances"]})
     tune = next(r for r in rows if r["kind"] == "tune")
     assert tune["devices"] == ["cpu", "cpu"] and len(tune["choices"]) == 1
-    assert tune["choices"][0]["config"].startswith("PipeConfig")
+    choice = tune["choices"][0]
+    assert choice["config"].startswith("PipeConfig") and choice["step_ms"] > 0
+    assert choice["peak_gib"] == choice["reserved_gib"] == []  # per CUDA device: none on the CPU
     profiles = torch.load(dump, weights_only=False)
     assert len(profiles) == 2 and all(set(p) == {1, 4} and len(p[1]["cost"]) == layers for p in profiles)
 

@@ -18,6 +18,7 @@ from seqify.errors import GraphError
 from seqify.pipe.executors.buffers import Buffers, partition_order, places
 from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
+from seqify.pipe.executors.loans import Loans
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.executors.programs import (
     Flat,
@@ -26,7 +27,6 @@ from seqify.pipe.executors.programs import (
     accumulators,
     checkpointing,
     flat_sums,
-    hand_over,
 )
 from seqify.pipe.executors.replayed import GraphWarning
 from seqify.pipe.stage import Stage
@@ -70,6 +70,7 @@ class RankPrograms:
         self.params = [p for p in runner.layers.parameters() if p.requires_grad]
         # the gradient sums as views of one flat tensor per dtype: added over data-parallel replicas in place
         self.acc = accumulators(self.params)
+        self.loans = Loans()  # the sums lent as .grad, taken back before they are zeroed or written
         self.sizes: list[int] = []
         self.stop = 0
         self.split = False
@@ -90,6 +91,7 @@ class RankPrograms:
         ``split`` or autocast) build new programs. ``order`` (this partition's ('F' | 'B' | 'W',
         micro-batch) actions as the schedule issues them) sizes the input and output-gradient buffers to
         what it keeps in flight (:mod:`~seqify.pipe.executors.buffers`); without it every micro-batch has its own."""
+        self.zero()
         if sizes != self.sizes or stop != self.stop or split != self.split or autocast != self.autocast:
             self.sizes, self.stop, self.split, self.autocast, self.captured = list(sizes), stop, split, autocast, False
             self.programs = [None] * len(sizes)
@@ -201,9 +203,14 @@ class RankPrograms:
             touched = [any(p.touched[k] for p in programs) for k in range(len(self.params))]
             params = [w for w, t in zip(self.params, touched) if t]
             acc = [a for a, t in zip(self.acc, touched) if t]
-            hand_over(params, acc, summed() if summed is not None else 1)
-            if self.acc:
-                torch._foreach_zero_(self.acc)
+            self.loans.hand(params, acc, summed() if summed is not None else 1)
+
+    def zero(self) -> None:
+        """The sums zeroed for a step (or a capture, which runs the programs), once what was lent of them as
+        ``.grad`` is taken back."""
+        self.loans.take_back()
+        if self.acc:
+            torch._foreach_zero_(self.acc)
 
     def ready(self) -> bool:
         """Whether these programs are built (a training step ran them all) and wait to be captured."""
@@ -225,6 +232,8 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
     for row in built.values():  # let the eager step's graphs go: their nodes belong to the default stream
         for p in row:
             p.outputs, p.kept = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs), None
+    for prog in programs.values():  # the step just handed its sums over: the warm-up writes them
+        prog.loans.take_back()
     try:
         for j, prog in programs.items():
             warm(built[j], device, prog.warmup, stream)

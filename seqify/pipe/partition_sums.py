@@ -27,10 +27,9 @@ class PartitionSums:
     replica order when the last replica gets there. The replicas may run in threads of their own (one lock orders
     the calls). The first replica's ``.grad`` is set by :meth:`finish`, once every replica's step has ended.
 
-    Where none of a partition's parameters has a ``.grad`` when the step begins (the optimizer's
-    ``zero_grad()`` leaves None), the sum goes into new flat tensors instead of the first replica's, and
-    ``.grad`` becomes views of them with the parameters' strides: what autograd leaves (a tensor of its own
-    each step), with no copy of the sums."""
+    Every sum is made in place, in the first replica's sums (a reduce) or, where every replica receives it, in
+    every replica's (an all-reduce); ``.grad`` is then lent those sums, not a copy of them
+    (:class:`~seqify.pipe.executors.loans.Loans`)."""
 
     def __init__(self, streams: SideStreams | None = None) -> None:
         self._lock = threading.Lock()
@@ -38,11 +37,7 @@ class PartitionSums:
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._replays: list[Replay] = []
         self._arrived: list[int] = []
-        # per partition, per replica receiving the sum, the new flat tensors it goes into (None: into the first
-        # replica's sums)
-        self._fresh: list[list[list[torch.Tensor]] | None] = []
         self._receivers = 1  # the replicas whose .grad gets the sums: the first, or every one
-        self._homes: dict[torch.device, torch.cuda.Stream] = {}
 
     @staticmethod
     def possible(replays: Sequence[Replay]) -> bool:
@@ -61,8 +56,8 @@ class PartitionSums:
 
     @staticmethod
     def everyone_possible(replays: Sequence[Replay]) -> bool:
-        """Whether every replica can receive this step's sums as new tensors: no parameter of the first replica's
-        partitions holds a ``.grad`` (one to add to would differ between replicas)."""
+        """Whether every replica can receive this step's sums: no parameter of the first replica's partitions holds
+        a ``.grad`` (one to add to would differ between replicas)."""
         return all(p.grad is None for params, _ in replays[0].handoff for p in params)
 
     def begin(self, replays: Sequence[Replay], everyone: bool = False) -> None:
@@ -71,18 +66,12 @@ class PartitionSums:
         what the others held."""
         self._replays = list(replays)
         self._arrived = [0] * len(replays[0].stages)
-        first = replays[0]
         self._receivers = len(replays) if everyone else 1
-        receivers = replays[:self._receivers]
         if everyone:
             for replay in replays[1:]:
                 for params, _ in replay.handoff:
                     for p in params:
                         p.grad = None
-        self._fresh = [[[] for _ in receivers] if all(p.grad is None for p in params) else None
-                       for params, _ in first.handoff]
-        # the caller's streams: a new sum is made on its GPU's, where the optimizer will read and free it
-        self._homes = {d: torch.cuda.current_stream(d) for r in receivers for d in set(r.devices) if d.type == "cuda"}
         for r, replay in enumerate(replays):
             replay.ready = functools.partial(self._ready, r)
 
@@ -95,11 +84,10 @@ class PartitionSums:
             replay.ready = None
         self._streams.join()
         done = bool(replays) and all(n == len(replays) for n in self._arrived)
-        fresh, self._fresh = self._fresh, []
         if hand and done:
             with torch.no_grad():
                 for r in range(self._receivers):
-                    replays[r].hand([None if f is None else f[r] for f in fresh])
+                    replays[r].hand()
         return hand and done
 
     def _ready(self, r: int, j: int) -> None:
@@ -116,48 +104,30 @@ class PartitionSums:
                 self._sum(j)
 
     def _sum(self, j: int) -> None:
-        """Add every replica's sums of partition ``j`` into the first's, or into new tensors of every receiver."""
+        """Add every replica's sums of partition ``j`` in place: into the first's, or into every receiver's."""
         replays = self._replays
         groups = list(zip(*(replay.sums[j] for replay in replays)))  # type: ignore[index]
         devices = [replay.devices[j] for replay in replays]
-        fresh = self._fresh[j]
         with torch.no_grad():
             if devices[0].type != "cuda":
-                self._add(groups, fresh)
+                self._add(groups, self._receivers)
                 return
             streams = [self._streams(d) for d in devices]
             for r, stream in enumerate(streams):
                 stream.wait_event(self._events[(r, j)])
             for group in groups:
-                if fresh is None:
+                if self._receivers == 1:
                     torch.cuda.nccl.reduce(list(group), root=0, streams=streams)
-                elif len(fresh) == 1:
-                    output = self._new_sum(group[0], streams[0])
-                    torch.cuda.nccl.reduce(list(group), output=output, root=0, streams=streams)
-                    fresh[0].append(output)
                 else:
-                    outputs = [self._new_sum(t, s) for t, s in zip(group, streams)]
-                    torch.cuda.nccl.all_reduce(list(group), outputs=outputs, streams=streams)
-                    for made, output in zip(fresh, outputs):
-                        made.append(output)
+                    torch.cuda.nccl.all_reduce(list(group), streams=streams)
 
     @staticmethod
-    def _add(groups: list[tuple[torch.Tensor, ...]], fresh: list[list[torch.Tensor]] | None) -> None:
-        """Off CUDA: each group's sum in replica order, into the first's tensor or a new one per receiver."""
+    def _add(groups: list[tuple[torch.Tensor, ...]], receivers: int) -> None:
+        """Off CUDA: each group's sum in replica order into the first's tensor, then copied into the other
+        receivers'."""
         for group in groups:
             first = group[0]
-            into = first if fresh is None else first + group[1].to(first.device)
-            for other in group[1 if fresh is None else 2:]:
-                into.add_(other.to(first.device))
-            if fresh is not None:
-                fresh[0].append(into)
-                for made, like in zip(fresh[1:], group[1:]):
-                    made.append(into.to(like.device, copy=True))
-
-    def _new_sum(self, like: torch.Tensor, collective: torch.cuda.Stream) -> torch.Tensor:
-        """A tensor for a sum like ``like``, made on the caller's stream of its GPU (the optimizer reads it there,
-        and its memory returns to that stream's pool) and marked as used by the collective stream that writes it."""
-        with torch.cuda.stream(self._homes[like.device]):
-            made = torch.empty_like(like)
-        made.record_stream(collective)
-        return made
+            for other in group[1:]:
+                first.add_(other.to(first.device))
+            for other in group[1:receivers]:
+                other.copy_(first)

@@ -173,3 +173,44 @@ def test_checkpointed_programs_update_batch_norm_statistics_once() -> None:
         torch.testing.assert_close(b, want, rtol=1e-12, atol=1e-14, msg=n)
     for (n, p), want in zip(piped.named_parameters(), source.parameters()):
         torch.testing.assert_close(p.grad, want.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_programs_lend_their_sums_as_grad_and_what_a_caller_keeps_holds_its_values() -> None:
+    """After a step of programs ``.grad`` is their gradient sums, not a copy. A tensor a caller keeps from one
+    step keeps its values through the next; a ``.grad`` left in place is added into, as autograd does."""
+    model, stage = one_rank("interleaved", "never", graphs=True)
+    source = worker.build("skippy").train()
+    loss_fn = worker.loss_fn("skippy")
+
+    def step(seed: int) -> None:
+        x, y = worker.data("skippy", 8, seed)
+        stage.step(x, y, loss_fn=loss_fn)
+
+    def expected(*seeds: int) -> list[torch.Tensor]:
+        source.zero_grad(set_to_none=True)
+        for seed in seeds:
+            x, y = worker.data("skippy", 8, seed)
+            sum(loss_fn(source(a), b) * (len(a) / len(x))
+                for a, b in zip(x.tensor_split(4), y.tensor_split(4))).backward()
+        return [p.grad.clone() for p in source.parameters()]  # type: ignore[union-attr]
+
+    def lent() -> bool:
+        own = {f.untyped_storage().data_ptr() for prog in stage._programs.values() for f in prog.sums()}
+        return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in own for p in model.parameters())
+
+    def grads_are(values: list[torch.Tensor]) -> None:
+        for p, e in zip(model.parameters(), values):
+            torch.testing.assert_close(p.grad, e, rtol=1e-10, atol=1e-12)
+
+    step(0)
+    assert lent()
+    grads_are(expected(0))
+    kept = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in kept if g is not None]
+    model.zero_grad(set_to_none=True)
+    step(1)
+    assert lent()
+    grads_are(expected(1))
+    assert all(torch.equal(g, v) for g, v in zip(kept, values))
+    step(2)  # no zero_grad: added into .grad
+    grads_are(expected(1, 2))

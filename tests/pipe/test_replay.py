@@ -178,3 +178,58 @@ def test_a_split_backward_recomputes_with_the_forward_random_draws() -> None:
     assert torch.equal(torch.get_rng_state(), after)
     other = recomputed(net, x, norms=norms_of(net))  # no state: other draws
     assert not torch.equal(other, first)
+
+
+@pytest.mark.parametrize("how", ["pipe(x) and backward()", "pipe.step"])
+def test_grad_is_lent_the_step_sums_and_what_a_caller_holds_keeps_its_values(how: str) -> None:
+    """``.grad`` after a replayed step is the programs' own gradient sums, not a copy (one copy of the
+    gradients where a copy holds two). Autograd's contract still holds: a tensor a caller keeps from one step
+    keeps its values through the next (it is given memory of its own first), nothing is copied where nothing
+    is kept, and a ``.grad`` left in place is added into."""
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(source)
+    pipe = replayed(source, parts=2, chunks=2)
+    xs = [torch.randn(4, 6, dtype=torch.float64) for _ in range(3)]
+
+    def step(x: torch.Tensor) -> None:
+        if how == "pipe.step":
+            pipe.step(x, None, lambda out, _: loss_of(out))
+        else:
+            loss_of(pipe(x)).backward()
+
+    def expected(*batches: torch.Tensor) -> list[torch.Tensor]:
+        reference.zero_grad(set_to_none=True)
+        for x in batches:
+            reference_step(reference, x, 2)
+        return [q.grad.clone() for q in reference.parameters()]  # type: ignore[union-attr]
+
+    def lent() -> bool:
+        graphed = pipe._graphed
+        assert graphed is not None and graphed[1].sums is not None
+        own = {flat.untyped_storage().data_ptr() for flats in graphed[1].sums for flat in flats}
+        return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in own for p in source.parameters())
+
+    def grads_are(values: list[torch.Tensor]) -> None:
+        for p, e in zip(source.parameters(), values):
+            torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-14)
+
+    step(xs[0])
+    assert lent()
+    grads_are(expected(xs[0]))
+    kept = [p.grad for p in source.parameters()]
+    values = [g.clone() for g in kept if g is not None]
+    pipe.zero_grad(set_to_none=True)
+    step(xs[1])
+    assert lent()
+    grads_are(expected(xs[1]))
+    assert all(torch.equal(g, v) for g, v in zip(kept, values))  # the caller's tensors kept their values
+    del kept, values
+    pipe.zero_grad(set_to_none=True)
+    graphed = pipe._graphed
+    assert graphed is not None and sum(len(loans) for loans in graphed[1].loans) == 0  # nothing left to copy
+    step(xs[1])
+    held = [p.grad for p in source.parameters()]
+    step(xs[2])  # no zero_grad: added into .grad, as autograd does
+    assert all(p.grad is g for p, g in zip(source.parameters(), held))
+    grads_are(expected(xs[1], xs[2]))

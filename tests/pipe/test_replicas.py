@@ -122,11 +122,11 @@ def test_replayed_replicas_sum_each_partition_as_its_backward_ends(schedule: str
     assert all(p.grad is None for r in pipe.replicas[1:] for p in r.parameters())  # only the model holds them
 
 
-def test_replayed_replicas_make_grad_from_new_sums_where_there_was_none() -> None:
-    """Where a step finds no ``.grad`` (``zero_grad()`` left None), the replicas' sums go into new tensors, one
-    per partition, whose views (with the parameters' strides) become ``.grad``: not a copy of the programs' own
-    sums, and not the tensors an earlier step handed over, which a caller may still hold. Where ``.grad`` is
-    there (zeroed in place, or accumulating), the sum is added into that very tensor, as autograd does."""
+def test_replayed_replicas_lend_their_sums_as_grad_and_take_back_what_a_caller_holds() -> None:
+    """Where a step finds no ``.grad`` (``zero_grad()`` left None), ``.grad`` is lent the first replica's sums,
+    summed in place (with the parameters' strides): no copy of them. A caller still holding an earlier step's
+    tensor keeps its values: the next step gives it memory of its own before the sums are zeroed. Where ``.grad``
+    is there (zeroed in place, or accumulating), the sum is added into that very tensor, as autograd does."""
     source, pipe = setup("interleaved", 2, 2, loops=2)
     for r in pipe.replicas:
         r._replay_eager = True
@@ -139,28 +139,34 @@ def test_replayed_replicas_make_grad_from_new_sums_where_there_was_none() -> Non
         loss_fn(torch.cat([source(c) for c in micro_batches(x, 2, pipe.chunks)]), y).backward()
         return [p.grad.clone() for p in source.parameters()]  # type: ignore[union-attr]
 
+    def over_sums() -> bool:
+        graphed = pipe.replicas[0]._graphed
+        assert graphed is not None and graphed[1].sums is not None
+        own = {flat.untyped_storage().data_ptr() for flats in graphed[1].sums for flat in flats}
+        return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in own for p in params)
+
     expected = reference()
     pipe.step(x, y, loss_fn)
+    assert over_sums()
     kept = [p.grad for p in params]
-    graphed = pipe.replicas[0]._graphed
-    assert graphed is not None and graphed[1].sums is not None
-    own = {id(flat) for flats in graphed[1].sums for flat in flats}
-    bases = {id(g._base) for g in kept if g is not None and g._base is not None}
-    assert len(bases) == 4 and not bases & own  # one new tensor per partition, none of them the programs' sums
     for p, g, e in zip(params, kept, expected):
         assert g is not None and g.stride() == p.stride()
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
     values = [g.clone() for g in kept if g is not None]
     pipe.zero_grad(set_to_none=True)
     pipe.step(x, y, loss_fn)
-    assert all(p.grad is not g for p, g in zip(params, kept))
+    assert all(p.grad is not g for p, g in zip(params, kept)) and over_sums()
     assert all(torch.equal(g, v) for g, v in zip(kept, values))  # the earlier step's tensors are untouched
+    assert all(  # ... and now hold memory of their own
+        g.untyped_storage().data_ptr() != p.grad.untyped_storage().data_ptr() for p, g in zip(params, kept))
+    del kept
     pipe.zero_grad(set_to_none=False)
     held = [p.grad for p in params]
     pipe.step(x, y, loss_fn)
     assert all(p.grad is g for p, g in zip(params, held))  # added into the zeroed tensors
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-10, atol=1e-12)
+
 
 
 def test_replayed_replicas_of_tied_weights_sum_both_partitions_into_one_grad() -> None:

@@ -8,7 +8,7 @@ the CUDA graphs :mod:`.capture` records of it, with the same effect.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from seqify.pipe.split_backward import Later, input_grads, weight_values
 from seqify.pipe.stage import Stage
 from seqify.skip.namespace import SkipKey
 
-__all__ = ["Flat", "Program", "Unreplayable", "checkpointing", "hand_over"]
+__all__ = ["Flat", "Program", "Unreplayable", "accumulators", "checkpointing", "flat_sums"]
 
 
 class Unreplayable(Exception):
@@ -291,35 +291,3 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def hand_over(params: list[nn.Parameter], acc: list[torch.Tensor], divisor: int = 1) -> None:
-    """What autograd would leave in ``.grad``: a new tensor where there was none, else the sum (for the
-    parameters a backward reached; autograd leaves the others alone too); the sums divided by ``divisor``
-    first where it is not 1 (data-parallel replicas' summed sums, to their mean)."""
-    fresh = [(p, a) for p, a in zip(params, acc) if p.grad is None]
-    added = [(p, a) for p, a in zip(params, acc) if p.grad is not None]
-    if fresh:
-        sums = [a for _, a in fresh]
-        made = torch._foreach_mul(sums, 1.0) if divisor == 1 else torch._foreach_div(sums, float(divisor))
-        for (p, _), g in zip(fresh, made):
-            p.grad = g
-    if added:
-        sums = [a for _, a in added]
-        if divisor != 1:
-            sums = list(torch._foreach_div(sums, float(divisor)))
-        torch._foreach_add_([p.grad for p, _ in added], sums)  # type: ignore[misc, arg-type]
-
-
-def hand_views(params: Sequence[nn.Parameter], acc: Sequence[torch.Tensor], sums: Mapping[int, torch.Tensor]) -> None:
-    """``.grad`` as views of new sums: ``sums`` maps the id of each flat tensor behind ``acc`` to a tensor holding
-    its sums; each parameter's view has its accumulator's strides. Where ``.grad`` is already set (a parameter
-    two partitions share, handed over by the first), the view is added to it."""
-    for p, a in zip(params, acc):
-        base = a._base
-        assert base is not None
-        view = sums[id(base)].as_strided(a.shape, a.stride(), a.storage_offset() - base.storage_offset())
-        if p.grad is None:
-            p.grad = view
-        else:
-            p.grad.add_(view)

@@ -17,7 +17,8 @@ from torch import nn
 from seqify.errors import GraphError
 from seqify.pipe.executors.casts import Casts
 from seqify.pipe.executors.lanes import Lanes
-from seqify.pipe.executors.programs import Program, flat_sums, hand_over, hand_views
+from seqify.pipe.executors.loans import Loans
+from seqify.pipe.executors.programs import Program, flat_sums
 from seqify.pipe.executors.wiring import Wiring
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
@@ -65,6 +66,8 @@ class Replay:
         self.shared = shared
         self._freed: dict[int, torch.cuda.Event] = {}
         self.handoff = handoff
+        # per partition, its sums lent out as .grad (taken back before the sums are zeroed)
+        self.loans = [Loans() for _ in stages]
         # The step's node in the caller's autograd graph needs an input that requires grad, even when
         # the pipeline's inputs do not (the parameters reach .grad without autograd seeing them).
         self.anchor = torch.empty(0, device=self.devices[-1], requires_grad=True)
@@ -197,23 +200,19 @@ class Replay:
                 casts.refresh()
 
     def _zero(self) -> None:
+        """The sums zeroed for a new step, once what was lent of them as ``.grad`` is taken back."""
         for j, acc in enumerate(self.acc):
             if acc:
                 with _on(self.devices[j]):
+                    self.loans[j].take_back()
                     torch._foreach_zero_(acc)
 
-    def hand(self, made: Sequence[Sequence[torch.Tensor] | None] | None = None) -> None:
-        """Put the step's gradient sums into ``.grad`` (what autograd would leave there). ``made``: per
-        partition, new tensors holding its sums in place of :attr:`sums` (``.grad`` becomes views of them), or
-        None (a copy of the sums)."""
+    def hand(self) -> None:
+        """Put the step's gradient sums into ``.grad`` (what autograd would leave there): lent where ``.grad``
+        is None (:class:`~.loans.Loans`), added into it where it is not."""
         for j, (params, acc) in enumerate(self.handoff):
-            new = made[j] if made is not None else None
             with _on(self.devices[j]):
-                if new is None:
-                    hand_over(params, acc)
-                else:
-                    assert self.sums is not None
-                    hand_views(params, acc, dict(zip(map(id, self.sums[j]), new)))
+                self.loans[j].hand(params, acc)
 
     def _done(self, action: Action, backward: bool) -> None:
         """After ``action``: where it was its partition's last to add into the sums, tell ``ready``."""

@@ -72,13 +72,15 @@ def resnet(tiny: bool) -> Workload:
     return Workload("ResNet-101, fp32, SGD", build, data, F.cross_entropy, autocast=False)
 
 
-def llama(tiny: bool, size: str = "0.89b") -> Workload:
-    """The 0.89 B Llama with SGD, or (``size="8b"``) the ~7.2 B one with Adam, which no one GPU trains."""
+def llama(tiny: bool, size: str = "0.89b", layers: int | None = None) -> Workload:
+    """The 0.89 B Llama with SGD, or (``size="8b"``) the ~7.2 B one with Adam, which no one GPU trains; ``layers``
+    decoder layers instead of the config's (one pipeline stage's share, say)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     seq, vocab = (16, 128) if tiny else (2048, 32000)
     big = size == "8b"
-    hidden, inter, layers, heads = (4096, 14336, 32, 32) if big else (2048, 5632, 16, 16)
+    hidden, inter, deep, heads = (4096, 14336, 32, 32) if big else (2048, 5632, 16, 16)
+    layers = layers or deep
     config = (LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=seq, use_cache=False)
               if tiny else

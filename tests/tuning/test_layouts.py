@@ -406,3 +406,36 @@ def test_the_recompute_benchmark_changes_no_value(tmp_path: Path) -> None:
     assert all(r["samples_per_s"] > 0 for r in rows) and rows[0]["x_first"] == 1.0
     assert len({r["first_loss"] for r in rows}) == 1
     assert all(r["first_grad_norm"] == pytest.approx(rows[0]["first_grad_norm"], rel=1e-6) for r in rows)
+
+
+def test_the_pool_memory_benchmark_finds_each_pools_peak_and_what_held_it() -> None:
+    """benchmarks/layouts/pool_memory.py's history replay, on a history whose answer is known: the most bytes alive
+    at once in the default pool and in the graphs' pools (told apart by the segments' pools), and the allocating
+    lines alive then, a freed block no longer counted."""
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(benchmarks.path("layouts"))!r})
+import pool_memory as pm
+ours = lambda line: [{{"filename": "/x/seqify/pipe/a.py", "line": line, "name": "f"}}]
+trace = [
+    dict(action="alloc", addr=1000, size=100, frames=ours(1)),
+    dict(action="alloc", addr=5000, size=50, frames=[]),
+    dict(action="alloc", addr=1200, size=300, frames=ours(2)),
+    dict(action="free_completed", addr=1000, size=100),
+    dict(action="alloc", addr=5100, size=60, frames=ours(3)),
+    dict(action="alloc", addr=1000, size=40, frames=ours(4)),
+]
+segments = [dict(device=0, address=1000, total_size=1000, allocated_size=340, segment_pool_id=(0, 1)),
+            dict(device=0, address=5000, total_size=1000, allocated_size=110, segment_pool_id=(0, 0))]
+print(json.dumps(pm.at_peaks(dict(segments=segments, device_traces=[trace]), 0, 5)))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    private, default = got["private"], got["default"]
+    assert private["event"] == 2 and private["sites"] == [
+        {"gib": round(300 / 2**30, 3), "n": 1, "site": "a.py:2:f"},
+        {"gib": round(100 / 2**30, 3), "n": 1, "site": "a.py:1:f"}]
+    assert default["event"] == 4 and {s["site"] for s in default["sites"]} == {
+        "a.py:3:f", "no line of ours: autograd engine"}
+    assert (private["segments"], default["segments"]) == (1, 1)

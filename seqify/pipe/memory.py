@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from seqify.pipe.stage import Stage
 from seqify.schedule.actions import Schedule
 from seqify.skip.namespace import SkipKey
 
-__all__ = ["MemoryPlan", "PartitionMemory", "measure", "parse_bytes", "predict", "replayed", "weighted"]
+__all__ = ["MemoryPlan", "PartitionMemory", "measure", "parse_bytes", "predict", "weighted"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -53,12 +53,6 @@ class PartitionMemory:
     activations: int
     inputs: int
     kept: int = 0
-
-
-def replayed(parts: Sequence[PartitionMemory]) -> list[PartitionMemory]:
-    """``parts`` as a step that replays programs (CUDA graphs, or their eager stand-in) holds them: the programs add
-    into gradient sums of their own and copy them into ``.grad`` at the step's end, so the gradients twice."""
-    return [replace(p, grads=2 * p.grads) for p in parts]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from seqify.pipe.executors.replayed import GraphWarning, Replayer
 from seqify.pipe.executors.scheduled import ScheduledStep
 from seqify.pipe.inplace import INPUT, mutated_roots
 from seqify.pipe.losses import Count, Probes, Weigher, reduction_of, scale_of, scaled
-from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict, replayed
+from seqify.pipe.memory import MemoryPlan, PartitionMemory, measure, parse_bytes, predict
 from seqify.pipe.microbatch import gather, scatter, sizes_of, split_like
 from seqify.pipe.moves import Placed
 from seqify.pipe.placement import (
@@ -369,8 +369,8 @@ class Pipeline(Placed):
         """Predicted peak bytes per device (the schedule's device numbers) for training on the mini-batch
         ``sample`` with ``schedule`` and ``checkpoint`` (default: the pipeline's own), from the bytes
         one micro-batch keeps for backward in each partition (measured once, running statistics left as
-        they were) times what the schedule keeps in flight, with the gradients twice where the step replays
-        programs (their own sums, then ``.grad``). Optimizer state is not included."""
+        they were) times what the schedule keeps in flight, the gradients once (a replayed step lends ``.grad``
+        the sums its programs add into). Optimizer state is not included."""
         checkpoint = checkpoint or self.checkpoint
         if checkpoint not in CHECKPOINT:
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")
@@ -386,8 +386,7 @@ class Pipeline(Placed):
         built = make(schedule if schedule is not None else self.schedule, self.placement, len(batches))
         if self.overlap and self.graphs:  # two lanes issue each forward a run earlier (one more in flight)
             built = ahead(built)
-        parts = replayed(self._memory[1]) if self.graphs or self._replay_eager else self._memory[1]
-        return predict(parts, built, checkpoint)
+        return predict(self._memory[1], built, checkpoint)
 
     def fit_memory(self, cap: int | float | str, sample: Any) -> MemoryPlan:
         """Pick the fastest schedule and checkpointing whose predicted peak fits ``cap`` on every device

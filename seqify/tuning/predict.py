@@ -30,7 +30,7 @@ The model, per candidate (partitions on devices, ``m`` micro-batches of ``b`` sa
   micro-batch). Partitions on CPU devices share the host: nothing overlaps, so their step is the sum of
   their work;
 * peak memory per pipeline device is :func:`seqify.pipe.memory.predict` on the schedule: parameters
-  and gradients (twice with graphs: the programs' own sums and ``.grad``) plus the most activations (or,
+  and gradients (once with graphs too: ``.grad`` is lent the programs' own sums) plus the most activations (or,
   checkpointed, stage inputs) the schedule keeps in flight, and under a split backward what each B keeps
   for its W (``kept_per_sample``: each weighted layer's output bytes, the shape of the gradient W starts
   from).
@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from seqify.partition.cost import TRAINING_FACTOR
-from seqify.pipe.memory import PartitionMemory, replayed
+from seqify.pipe.memory import PartitionMemory
 from seqify.pipe.memory import predict as plan_memory
 from seqify.schedule.actions import Action, Schedule, ahead, clock_cycles, make, needs
 
@@ -268,7 +268,7 @@ def predict(c: Candidate, layers: LayerModel, cal: Calibration, batch: int, *,
                              kept=int(math.fsum(layers.kept_per_sample[a:z]) * b) if a > 0 else 0)
              for a, z in zip(starts, stops)]
     held = ahead(built) if c.overlap and c.graphs else built  # two lanes issue each forward a run earlier
-    per_device = plan_memory(replayed(parts) if c.graphs else parts, held, c.checkpoint).per_device
+    per_device = plan_memory(parts, held, c.checkpoint).per_device
     return Prediction(seconds, max(per_device), per_device)
 
 

@@ -127,9 +127,9 @@ def test_what_b_keeps_for_w_is_what_the_split_backward_keeps() -> None:
         x = y
 
 
-def test_a_replayed_step_is_predicted_to_hold_its_gradients_twice() -> None:
-    """Replayed programs (CUDA graphs, or their eager stand-in on the CPU) add into sums of their own and copy
-    them into .grad at the step's end: one more copy of each partition's parameters than an eager step."""
+def test_a_replayed_step_is_predicted_to_hold_its_gradients_once() -> None:
+    """Replayed programs (CUDA graphs, or their eager stand-in on the CPU) add into sums of their own, which .grad
+    is lent at the step's end: no more gradient bytes than an eager step."""
     torch.manual_seed(0)
     seq = seqify.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
     x = torch.randn(8, 8)
@@ -137,4 +137,4 @@ def test_a_replayed_step_is_predicted_to_hold_its_gradients_twice() -> None:
     eager = pipe.plan_memory(x).per_device
     pipe._replay_eager = True
     replayed = pipe.plan_memory(x).per_device
-    assert [r - e for r, e in zip(replayed, eager)] == [(8 * 16 + 16) * 4, (16 * 4 + 4) * 4]
+    assert replayed == eager and eager[0] > (8 * 16 + 16) * 4 * 2  # the parameters and their gradients, at least

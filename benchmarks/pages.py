@@ -934,8 +934,11 @@ def layouts_page() -> str:
         "captured `max_memory_allocated` leaves them out: the last column adds the pools' blocks not held by a "
         "live tensor to the allocated peak, the memory a graphed step keeps (a dash: a graphed row measured "
         "before the runs recorded it). Compare that column, not the allocated one, between graphed rows and DDP "
-        "or FSDP2. Ratios compare rows of one table only; H100 and H200 tables are separate runs on separate "
-        "machines.",
+        "or FSDP2. A seqify row after another seqify row of the same run can start with some of that row's memory "
+        "still allocated, which its peaks then include: on one H200, an interleaved Llama replica held 17.9 GiB "
+        "allocated as the second row of its run and 11.7 alone ([design note](../design/replicas.md), \"Where a "
+        "graphed step's memory goes\"); runs since record it per row. Ratios compare rows of one table only; "
+        "H100 and H200 tables are separate runs on separate machines.",
         "## ResNet-101, fp32, SGD, 128 samples per GPU",
         _layout_section("Two H200s", LAYOUTS_BOUNDED),
         _layout_section("Two H200s, again", LAYOUTS_BOUNDED_AGAIN, " The same choice as the run above, timed in a run "

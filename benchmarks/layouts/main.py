@@ -5,7 +5,9 @@ anchor), ``--per-gpu`` samples per GPU. Rows: one GPU on its share, DDP over eve
 under torchrun; FSDP2 too for the Llamas), seqify with each layout given by ``--layouts``
 (``STAGESxREPLICAS:schedule:chunks[:graphs][:loopsK]``, ``loopsK``: K partitions per GPU), and seqify's automatic
 choice (``--auto``, told the optimizer). Each row: samples/s,
-its ratio to one GPU, DDP and FSDP2, peak allocated and reserved GiB per GPU (from the first timed step's start).
+its ratio to one GPU, DDP and FSDP2, peak allocated and reserved GiB per GPU (from the first timed step's start),
+and what was still allocated when the row started (``alive_before_gib``: earlier rows' leftovers, which its peaks
+then include; a warning says so).
 Every row is timed as the DDP and FSDP2 scripts time theirs: steps run back to back, synchronized at the ends.
 seqify's rows step with ``pipe.optimizer`` (an optimizer per replica, as DDP's processes step); ``--optimizer first``
 adds (or, alone, makes) rows with one optimizer of ``pipe.parameters()`` whose update reaches the other replicas by
@@ -146,6 +148,16 @@ def in_use(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) + idle
 
 
+def alive(devices: list[torch.device], name: str) -> list[float]:
+    """GiB per GPU still allocated when a row starts, after :func:`reset`: what earlier rows of this process left
+    alive, which this row's peaks then include (warned about; run such a row alone to measure it clean)."""
+    held = [round(torch.cuda.memory_allocated(d) / GIB, 2) for d in dict.fromkeys(devices) if d.type == "cuda"]
+    if any(h > 0.1 for h in held):
+        print(f"{name}: starts with {held} GiB per GPU still allocated by earlier rows; its peaks include them",
+              file=sys.stderr, flush=True)
+    return held
+
+
 def sync(devices: list[torch.device]) -> None:
     for d in dict.fromkeys(devices):
         if d.type == "cuda":
@@ -186,6 +198,7 @@ def one_gpu(args: argparse.Namespace, work: Workload, devices: list[torch.device
     """One device on one GPU's share of the batch: the throughput every ratio is against."""
     dev = devices[0]
     reset(devices)
+    before = alive(devices, "one GPU")
     net = work.build().to(dev)
     x, y = (t.to(dev) for t in work.data(args.per_gpu))
     opt = work.optimizer(net.parameters())
@@ -201,7 +214,7 @@ def one_gpu(args: argparse.Namespace, work: Workload, devices: list[torch.device
     allocated, reserved, held = peaks([dev])
     del net, opt
     return dict(row="one GPU", batch=args.per_gpu, samples_per_s=args.per_gpu / sec, peak_gib=allocated,
-                reserved_gib=reserved, in_use_gib=held)
+                reserved_gib=reserved, in_use_gib=held, alive_before_gib=before)
 
 
 def data_parallel(args: argparse.Namespace, work: Workload) -> list[dict[str, Any]]:
@@ -233,6 +246,7 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
     layout has no replicas, for which both are one)."""
     batch = args.per_gpu * args.gpus
     reset(devices)
+    before = alive(devices, spec or "seqify automatic")
     x, y = work.data(batch)
     # the self-check runs the model on the CPU: minutes for 7.2 B parameters (tests/convert checks Llamas exactly)
     seq = seqify.convert(work.build(), (x[:2],) if work.example else None, verify=work.one_gpu)
@@ -273,7 +287,7 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
     layout = cfg.to_dict() if cfg is not None else None
     del pipe, opt, seq
     return dict(row=name, batch=batch, samples_per_s=batch / sec, peak_gib=allocated, reserved_gib=reserved,
-                in_use_gib=held, config=str(cfg) if cfg is not None else None, layout=layout,
+                in_use_gib=held, alive_before_gib=before, config=str(cfg) if cfg is not None else None, layout=layout,
                 optimizer="pipe.optimizer" if stepping == "replicas" else "pipe.parameters()")
 
 

@@ -3,7 +3,7 @@
 A replayed step adds every parameter's gradient into fixed sums (:func:`~.programs.accumulators`: a captured
 backward can only write fixed memory). Autograd would leave a tensor of its own in ``.grad`` each step; a copy
 of the sums would be that, at the price of a second copy of every gradient alive from the backward's end to the
-optimizer's step (3.3 GiB per GPU for a 0.89 B model in float32, 14 GiB for a pipeline stage of 3.6 B). A
+optimizer's step (3.3 GiB per GPU for a 0.89 B model in float32, 14 GiB for a pipeline stage of 3.75 B). A
 loan is no copy: ``.grad`` is a tensor over the sums' memory. What the caller sees is still a tensor of its
 own: before the sums are zeroed or written again, every lent tensor something still refers to (``.grad`` kept
 to accumulate into, a list of gradients kept for logging) is given memory of its own holding its values, so no

@@ -18,7 +18,7 @@ from seqify.errors import GraphError
 from seqify.pipe.executors.buffers import Buffers, partition_order, places
 from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
-from seqify.pipe.executors.loans import Loans
+from seqify.pipe.executors.grad_views import GradViews
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.executors.programs import (
     Flat,
@@ -70,7 +70,7 @@ class RankPrograms:
         self.params = [p for p in runner.layers.parameters() if p.requires_grad]
         # the gradient sums as views of one flat tensor per dtype: added over data-parallel replicas in place
         self.acc = accumulators(self.params)
-        self.loans = Loans()  # the sums lent as .grad, taken back before they are zeroed or written
+        self.views = GradViews()  # the views of the sums handed out as .grad, released before the sums are written
         self.sizes: list[int] = []
         self.stop = 0
         self.split = False
@@ -203,12 +203,12 @@ class RankPrograms:
             touched = [any(p.touched[k] for p in programs) for k in range(len(self.params))]
             params = [w for w, t in zip(self.params, touched) if t]
             acc = [a for a, t in zip(self.acc, touched) if t]
-            self.loans.hand(params, acc, summed() if summed is not None else 1)
+            self.views.hand(params, acc, summed() if summed is not None else 1)
 
     def zero(self) -> None:
-        """The sums zeroed for a step (or a capture, which runs the programs), once what was lent of them as
-        ``.grad`` is taken back."""
-        self.loans.take_back()
+        """The sums zeroed for a step (or a capture, which runs the programs), once the views of them handed out as
+        ``.grad`` are released."""
+        self.views.release()
         if self.acc:
             torch._foreach_zero_(self.acc)
 
@@ -233,7 +233,7 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
         for p in row:
             p.outputs, p.kept = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs), None
     for prog in programs.values():  # the step just handed its sums over: the warm-up writes them
-        prog.loans.take_back()
+        prog.views.release()
     try:
         for j, prog in programs.items():
             warm(built[j], device, prog.warmup, stream)

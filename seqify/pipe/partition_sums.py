@@ -28,8 +28,8 @@ class PartitionSums:
     the calls). The first replica's ``.grad`` is set by :meth:`finish`, once every replica's step has ended.
 
     Every sum is made in place, in the first replica's sums (a reduce) or, where every replica receives it, in
-    every replica's (an all-reduce); ``.grad`` is then lent those sums, not a copy of them
-    (:class:`~seqify.pipe.executors.loans.Loans`)."""
+    every replica's (an all-reduce); ``.grad`` is then views of those sums, not a copy of them
+    (:class:`~seqify.pipe.executors.grad_views.GradViews`)."""
 
     def __init__(self, streams: SideStreams | None = None) -> None:
         self._lock = threading.Lock()

@@ -369,8 +369,8 @@ class Pipeline(Placed):
         """Predicted peak bytes per device (the schedule's device numbers) for training on the mini-batch
         ``sample`` with ``schedule`` and ``checkpoint`` (default: the pipeline's own), from the bytes
         one micro-batch keeps for backward in each partition (measured once, running statistics left as
-        they were) times what the schedule keeps in flight, the gradients once (a replayed step lends ``.grad``
-        the sums its programs add into). Optimizer state is not included."""
+        they were) times what the schedule keeps in flight, and the gradients once (after a replayed step
+        ``.grad`` views the sums its programs add into). Optimizer state is not included."""
         checkpoint = checkpoint or self.checkpoint
         if checkpoint not in CHECKPOINT:
             raise BalanceError(f"checkpoint={checkpoint!r}: choose one of {CHECKPOINT}")

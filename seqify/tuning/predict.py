@@ -30,7 +30,7 @@ The model, per candidate (partitions on devices, ``m`` micro-batches of ``b`` sa
   micro-batch). Partitions on CPU devices share the host: nothing overlaps, so their step is the sum of
   their work;
 * peak memory per pipeline device is :func:`seqify.pipe.memory.predict` on the schedule: parameters
-  and gradients (once with graphs too: ``.grad`` is lent the programs' own sums) plus the most activations (or,
+  and gradients (once with graphs too: ``.grad`` views the programs' own sums) plus the most activations (or,
   checkpointed, stage inputs) the schedule keeps in flight, and under a split backward what each B keeps
   for its W (``kept_per_sample``: each weighted layer's output bytes, the shape of the gradient W starts
   from).

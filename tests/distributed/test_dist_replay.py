@@ -175,7 +175,7 @@ def test_checkpointed_programs_update_batch_norm_statistics_once() -> None:
         torch.testing.assert_close(p.grad, want.grad, rtol=1e-10, atol=1e-12, msg=n)
 
 
-def test_programs_lend_their_sums_as_grad_and_what_a_caller_keeps_holds_its_values() -> None:
+def test_programs_hand_views_of_their_sums_as_grad_and_what_a_caller_keeps_holds_its_values() -> None:
     """After a step of programs ``.grad`` is their gradient sums, not a copy. A tensor a caller keeps from one
     step keeps its values through the next; a ``.grad`` left in place is added into, as autograd does."""
     model, stage = one_rank("interleaved", "never", graphs=True)
@@ -194,7 +194,7 @@ def test_programs_lend_their_sums_as_grad_and_what_a_caller_keeps_holds_its_valu
                 for a, b in zip(x.tensor_split(4), y.tensor_split(4))).backward()
         return [p.grad.clone() for p in source.parameters()]  # type: ignore[union-attr]
 
-    def lent() -> bool:
+    def viewed() -> bool:
         own = {f.untyped_storage().data_ptr() for prog in stage._programs.values() for f in prog.sums()}
         return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in own for p in model.parameters())
 
@@ -203,13 +203,13 @@ def test_programs_lend_their_sums_as_grad_and_what_a_caller_keeps_holds_its_valu
             torch.testing.assert_close(p.grad, e, rtol=1e-10, atol=1e-12)
 
     step(0)
-    assert lent()
+    assert viewed()
     grads_are(expected(0))
     kept = [p.grad for p in model.parameters()]
     values = [g.clone() for g in kept if g is not None]
     model.zero_grad(set_to_none=True)
     step(1)
-    assert lent()
+    assert viewed()
     grads_are(expected(1))
     assert all(torch.equal(g, v) for g, v in zip(kept, values))
     step(2)  # no zero_grad: added into .grad

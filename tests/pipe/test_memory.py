@@ -129,7 +129,7 @@ def test_what_b_keeps_for_w_is_what_the_split_backward_keeps() -> None:
 
 def test_a_replayed_step_is_predicted_to_hold_its_gradients_once() -> None:
     """Replayed programs (CUDA graphs, or their eager stand-in on the CPU) add into sums of their own, which .grad
-    is lent at the step's end: no more gradient bytes than an eager step."""
+    views at the step's end: no more gradient bytes than an eager step."""
     torch.manual_seed(0)
     seq = seqify.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
     x = torch.randn(8, 8)

@@ -181,7 +181,7 @@ def test_a_split_backward_recomputes_with_the_forward_random_draws() -> None:
 
 
 @pytest.mark.parametrize("how", ["pipe(x) and backward()", "pipe.step"])
-def test_grad_is_lent_the_step_sums_and_what_a_caller_holds_keeps_its_values(how: str) -> None:
+def test_grad_views_the_step_sums_and_what_a_caller_holds_keeps_its_values(how: str) -> None:
     """``.grad`` after a replayed step is the programs' own gradient sums, not a copy (one copy of the
     gradients where a copy holds two). Autograd's contract still holds: a tensor a caller keeps from one step
     keeps its values through the next (it is given memory of its own first), nothing is copied where nothing
@@ -204,7 +204,7 @@ def test_grad_is_lent_the_step_sums_and_what_a_caller_holds_keeps_its_values(how
             reference_step(reference, x, 2)
         return [q.grad.clone() for q in reference.parameters()]  # type: ignore[union-attr]
 
-    def lent() -> bool:
+    def viewed() -> bool:
         graphed = pipe._graphed
         assert graphed is not None and graphed[1].sums is not None
         own = {flat.untyped_storage().data_ptr() for flats in graphed[1].sums for flat in flats}
@@ -215,19 +215,19 @@ def test_grad_is_lent_the_step_sums_and_what_a_caller_holds_keeps_its_values(how
             torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-14)
 
     step(xs[0])
-    assert lent()
+    assert viewed()
     grads_are(expected(xs[0]))
     kept = [p.grad for p in source.parameters()]
     values = [g.clone() for g in kept if g is not None]
     pipe.zero_grad(set_to_none=True)
     step(xs[1])
-    assert lent()
+    assert viewed()
     grads_are(expected(xs[1]))
     assert all(torch.equal(g, v) for g, v in zip(kept, values))  # the caller's tensors kept their values
     del kept, values
     pipe.zero_grad(set_to_none=True)
     graphed = pipe._graphed
-    assert graphed is not None and sum(len(loans) for loans in graphed[1].loans) == 0  # nothing left to copy
+    assert graphed is not None and sum(len(views) for views in graphed[1].views) == 0  # nothing left to copy
     step(xs[1])
     held = [p.grad for p in source.parameters()]
     step(xs[2])  # no zero_grad: added into .grad, as autograd does

@@ -122,8 +122,8 @@ def test_replayed_replicas_sum_each_partition_as_its_backward_ends(schedule: str
     assert all(p.grad is None for r in pipe.replicas[1:] for p in r.parameters())  # only the model holds them
 
 
-def test_replayed_replicas_lend_their_sums_as_grad_and_take_back_what_a_caller_holds() -> None:
-    """Where a step finds no ``.grad`` (``zero_grad()`` left None), ``.grad`` is lent the first replica's sums,
+def test_replayed_replicas_hand_views_of_their_sums_as_grad_and_what_a_caller_holds_keeps_its_values() -> None:
+    """Where a step finds no ``.grad`` (``zero_grad()`` left None), ``.grad`` is views of the first replica's sums,
     summed in place (with the parameters' strides): no copy of them. A caller still holding an earlier step's
     tensor keeps its values: the next step gives it memory of its own before the sums are zeroed. Where ``.grad``
     is there (zeroed in place, or accumulating), the sum is added into that very tensor, as autograd does."""

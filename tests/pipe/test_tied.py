@@ -232,7 +232,7 @@ def test_a_tied_weight_on_one_device_replays_as_fixed_programs(checkpoint: str) 
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     for (name, p), q in zip(source.named_parameters(), one.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
-    # no zero_grad: the next step adds into .grad (lent the first partition's sums), the tied weight's two sums too
+    # no zero_grad: the next step adds into .grad (views of the first partition's sums), the tied weight's two sums too
     pipe.step(idx, idx, loss_of)
     for (name, p), q in zip(source.named_parameters(), one.parameters()):
         torch.testing.assert_close(p.grad, 2 * q.grad, rtol=1e-12, atol=1e-12, msg=name)

@@ -114,7 +114,7 @@ def test_interleaved_buckets_are_predicted_to_hold_one_micro_batch_of_activation
 
 
 def test_replayed_candidates_hold_the_gradients_once() -> None:
-    """Replayed programs add into sums of their own, which .grad is lent at the step's end: a graphed candidate's
+    """Replayed programs add into sums of their own, which .grad views at the step's end: a graphed candidate's
     predicted peak is the eager one's."""
     layers = _layers()
     cal = Calibration(task_s=1e-5, launch_s=1e-5, copy_latency_s=1e-5, copy_bytes_per_s=1e11, host_serial=False)

@@ -16,8 +16,8 @@ from torch import nn
 
 from seqify.errors import GraphError
 from seqify.pipe.executors.casts import Casts
+from seqify.pipe.executors.grad_views import GradViews
 from seqify.pipe.executors.lanes import Lanes
-from seqify.pipe.executors.loans import Loans
 from seqify.pipe.executors.programs import Program, flat_sums
 from seqify.pipe.executors.wiring import Wiring
 from seqify.pipe.stage import Stage
@@ -66,8 +66,8 @@ class Replay:
         self.shared = shared
         self._freed: dict[int, torch.cuda.Event] = {}
         self.handoff = handoff
-        # per partition, its sums lent out as .grad (taken back before the sums are zeroed)
-        self.loans = [Loans() for _ in stages]
+        # per partition, the views of its sums handed out as .grad (released before the sums are zeroed)
+        self.views = [GradViews() for _ in stages]
         # The step's node in the caller's autograd graph needs an input that requires grad, even when
         # the pipeline's inputs do not (the parameters reach .grad without autograd seeing them).
         self.anchor = torch.empty(0, device=self.devices[-1], requires_grad=True)
@@ -200,19 +200,19 @@ class Replay:
                 casts.refresh()
 
     def _zero(self) -> None:
-        """The sums zeroed for a new step, once what was lent of them as ``.grad`` is taken back."""
+        """The sums zeroed for a new step, once the views of them handed out as ``.grad`` are released."""
         for j, acc in enumerate(self.acc):
             if acc:
                 with _on(self.devices[j]):
-                    self.loans[j].take_back()
+                    self.views[j].release()
                     torch._foreach_zero_(acc)
 
     def hand(self) -> None:
-        """Put the step's gradient sums into ``.grad`` (what autograd would leave there): lent where ``.grad``
-        is None (:class:`~.loans.Loans`), added into it where it is not."""
+        """Put the step's gradient sums into ``.grad`` (what autograd would leave there): views of them where
+        ``.grad`` is None (:class:`~.grad_views.GradViews`), added into it where it is not."""
         for j, (params, acc) in enumerate(self.handoff):
             with _on(self.devices[j]):
-                self.loans[j].hand(params, acc)
+                self.views[j].hand(params, acc)
 
     def _done(self, action: Action, backward: bool) -> None:
         """After ``action``: where it was its partition's last to add into the sums, tell ``ready``."""

@@ -52,31 +52,32 @@ def at_peaks(snapshot: dict[str, Any], device: int, top: int) -> dict[str, Any]:
     the sites holding them then."""
     ranges = pools(snapshot, device)
     trace = snapshot["device_traces"][device]
-    live: dict[int, tuple[int, str, str]] = {}
+    made: dict[int, tuple[int, str, str]] = {}  # event index of each allocation -> (bytes, pool, site)
+    live: dict[int, int] = {}  # address -> the event index that allocated it
     totals = collections.Counter[str]()
     best: dict[str, tuple[int, int]] = {}
     for k, e in enumerate(trace):
-        kind = "private" if private(ranges, e["addr"]) else "default"
         if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], kind, site(e.get("frames", [])))
+            kind = "private" if private(ranges, e["addr"]) else "default"
+            made[k] = (e["size"], kind, site(e.get("frames", [])))
+            live[e["addr"]] = k
             totals[kind] += e["size"]
             if totals[kind] > best.get(kind, (0, -1))[0]:
                 best[kind] = (totals[kind], k)
         elif e["action"] == "free_completed" and e["addr"] in live:
-            size, was, _ = live.pop(e["addr"])
+            size, was, _ = made[live.pop(e["addr"])]
             totals[was] -= size
     out: dict[str, Any] = {}
     for kind, (peak, index) in best.items():
-        live = {}
-        for e in trace[: index + 1]:
+        alive: dict[int, int] = {}  # the allocations alive just after event ``index``, by address
+        for k, e in enumerate(trace[: index + 1]):
             if e["action"] == "alloc":
-                live[e["addr"]] = (e["size"], "private" if private(ranges, e["addr"]) else "default",
-                                   site(e.get("frames", [])))
+                alive[e["addr"]] = k
             elif e["action"] == "free_completed":
-                live.pop(e["addr"], None)
+                alive.pop(e["addr"], None)
         by = collections.Counter[str]()
         count = collections.Counter[str]()
-        for size, was, where in live.values():
+        for size, was, where in (made[k] for k in alive.values()):
             if was == kind:
                 by[where] += size
                 count[where] += 1
@@ -115,10 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     seq = seqify.convert(work.build(), (x[:2],), verify=False)
     x, y = x.to(dev), y.to(dev)
     torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
+    even = [len(seq) // args.loops + (k < len(seq) % args.loops) for k in range(args.loops)]
     with cast(work, dev):
         pipe = seqify.pipeline(seq, devices=[dev], replicas=1, chunks=args.chunks, schedule=args.schedule,
-                               loops=args.loops, graphs=args.graphs, checkpoint="never",
-                               balance=[len(seq) // args.loops + (k < len(seq) % args.loops) for k in range(args.loops)],
+                               loops=args.loops, graphs=args.graphs, checkpoint="never", balance=even,
                                replay_options=ReplayOptions(cast_once=not args.no_cast_once))
     opt = work.optimizer(pipe.parameters())
     for k in range(args.steps):

@@ -247,8 +247,7 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
             for b, copy in saved:
                 b.copy_(copy)
         for prog in programs.values():
-            if prog.acc:
-                torch._foreach_zero_(prog.acc)
+            prog.zero()
     for prog in programs.values():
         prog.captured = True
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd import grad_mode
 
 from seqify._paths import PACKAGE_DIR
+from seqify.frontend.torch_tables import settle_torch_tables
 
 __all__ = ["Use", "Watcher", "watching", "REGION", "HOOK", "FLAG", "GRAD", "FUNCTION", "CHECKPOINT", "LEAK",
            "custom_function", "applied", "holds_proxy", "owner", "RUN"]
@@ -232,6 +233,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
 @contextmanager
 def watching(watcher: Watcher) -> Iterator[None]:
     """Report to ``watcher`` the autograd context the model's code sets or uses on this thread until exit."""
+    settle_torch_tables()
     saved: list[tuple[Any, str, bool, Any]] = []
     if not _WATCHERS:
         for owner, name, replacement in _patches():

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from seqify._paths import PACKAGE_DIR
+from seqify.frontend.torch_tables import settle_torch_tables
 
 __all__ = ["Reseed", "reseeds"]
 
@@ -80,6 +81,7 @@ def _module(frame: FrameType | None, paths: dict[int, str]) -> str | None:
 def reseeds(model: nn.Module, on_call: Callable[[Reseed], None] | None = None) -> Iterator[list[Reseed]]:
     """Record every call that reseeds torch's generators made by user code while the block runs, into the
     list it yields; ``on_call`` sees each first (it may raise, to stop the forward there)."""
+    settle_torch_tables()
     found: list[Reseed] = []
     paths = {id(m): p for p, m in model.named_modules()}
     saved: list[tuple[Any, str, Any]] = []

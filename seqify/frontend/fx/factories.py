@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from seqify.frontend.fx.root_values import INTERNAL
+from seqify.frontend.torch_tables import settle_torch_tables
 
 __all__ = ["recording_shape_ops", "FACTORIES", "TENSOR_METHODS"]
 
@@ -135,6 +136,7 @@ def _isinstance_in(modules: list[types.ModuleType]) -> Iterator[None]:
 def recording_shape_ops(model: nn.Module) -> Iterator[None]:
     """While tracing ``model``, record size-taking torch calls whose sizes are proxies as graph nodes (so they
     stay dynamic: ``torch.ones(x.shape[1], x.shape[1])`` follows the input's shape at run time)."""
+    settle_torch_tables()
     saved: list[tuple[Any, str, Any]] = [(torch, "is_tensor", torch.is_tensor)]
     try:
         torch.is_tensor = _is_tensor(torch.is_tensor)

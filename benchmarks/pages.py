@@ -934,10 +934,12 @@ def layouts_page() -> str:
         "captured `max_memory_allocated` leaves them out: the last column adds the pools' blocks not held by a "
         "live tensor to the allocated peak, the memory a graphed step keeps (a dash: a graphed row measured "
         "before the runs recorded it). Compare that column, not the allocated one, between graphed rows and DDP "
-        "or FSDP2. A seqify row after another seqify row of the same run can start with some of that row's memory "
-        "still allocated, which its peaks then include: on one H200, an interleaved Llama replica held 17.9 GiB "
-        "allocated as the second row of its run and 11.7 alone ([design note](../design/replicas.md), \"Where a "
-        "graphed step's memory goes\"); runs since record it per row. Ratios compare rows of one table only; "
+        "or FSDP2. Every run on this page predates a fix: a seqify row after another seqify row of the same run "
+        "includes the first seqify row's parameters and gradients, which the conversion of that row's model kept "
+        "alive, so such rows overstate seqify's memory (and an automatic row among them was tuned with it held). "
+        "On one H200, an interleaved Llama replica held 17.9 GiB allocated as the second row of its run, and "
+        "11.3 with the fix ([design note](../design/replicas.md), \"Where a graphed step's memory goes\"); runs "
+        "since record what each row starts with. Ratios compare rows of one table only; "
         "H100 and H200 tables are separate runs on separate machines.",
         "## ResNet-101, fp32, SGD, 128 samples per GPU",
         _layout_section("Two H200s", LAYOUTS_BOUNDED),

@@ -123,6 +123,7 @@ def reset(devices: list[torch.device]) -> None:
     gc.collect()
     for d in dict.fromkeys(devices):
         if d.type == "cuda":
+            torch.empty(0, device=d)  # the device's allocator exists before its peaks are reset
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(d)
 

@@ -233,3 +233,53 @@ def test_grad_views_the_step_sums_and_what_a_caller_holds_keeps_its_values(how: 
     step(xs[2])  # no zero_grad: added into .grad, as autograd does
     assert all(p.grad is g for p, g in zip(source.parameters(), held))
     grads_are(expected(xs[1], xs[2]))
+
+
+@pytest.mark.parametrize("schedule, loops, parts", [("gpipe", 1, 2), ("1f1b", 1, 2), ("zb-h1", 1, 2),
+                                                    ("interleaved", 2, 4)])
+def test_each_partitions_first_backward_writes_its_sums(monkeypatch: pytest.MonkeyPatch, schedule: str, loops: int,
+                                                        parts: int) -> None:
+    """A replayed step does not zero its gradient sums first: each partition's first backward writes them (its
+    gradients copied in, every sum it yields nothing for zeroed), the later ones add. The gradients stay the
+    source's over steps whose sums held garbage before they ran."""
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                           nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(source)
+    seq = seqify.convert(source)
+    pipe = seqify.pipeline(seq, devices=["cpu"] * (parts // loops), loops=loops, balance=even(len(seq), parts),
+                           chunks=3, checkpoint="never", schedule=schedule)
+    pipe._replay_eager = True
+    pipe.step(torch.randn(6, 6, dtype=torch.float64), None, lambda out, _: loss_of(out))  # builds the programs
+    graphed = pipe._graphed
+    assert graphed is not None and graphed[1].sums is not None
+    sums = [flat for flats in graphed[1].sums for flat in flats]
+    trained = sum(1 for part in pipe.partitions if any(True for _ in part.parameters()))  # partitions with sums
+    writers = [[p.writes_sums for p in row if p.writes_sums] for row in graphed[1].programs]
+    assert sum(len(w) for w in writers) == trained and all(len(w) <= 1 for w in writers), writers
+    if schedule == "zb-h1":  # the first partition's inputs need no gradient: its B adds nothing, its W writes
+        assert writers[0] == ["W"], writers
+    calls = {"zero": 0, "copy": 0, "add": 0}
+
+    def counted(name: str, op: object) -> object:
+        def run(tensors: list[torch.Tensor], *args: object) -> object:
+            if any(t._base is not None and any(t._base is s for s in sums) for t in tensors):
+                calls[name] += 1
+            return op(tensors, *args)  # type: ignore[operator]
+        return run
+
+    for name in calls:
+        monkeypatch.setattr(torch, f"_foreach_{name}_", counted(name, getattr(torch, f"_foreach_{name}_")))
+    for _ in range(3):
+        pipe.zero_grad(set_to_none=True)
+        for flat in sums:
+            flat.fill_(float("nan"))  # what a step must never read
+        calls.update(zero=0, copy=0, add=0)
+        x = torch.randn(6, 6, dtype=torch.float64)
+        pipe.step(x, None, lambda out, _: loss_of(out))
+        reference.zero_grad(set_to_none=True)
+        reference_step(reference, x, 3)
+        for p, q in zip(source.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+        if schedule != "zb-h1":  # a split B yields only some gradients: the counts are W's and B's
+            assert calls == {"zero": 0, "copy": trained, "add": trained * 2}, calls

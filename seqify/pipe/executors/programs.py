@@ -100,6 +100,27 @@ def _with_casts(method: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
+def _writing_sums(part: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Run program part ``part`` (B or W), which adds into the sums; where it is its partition's first to in a
+    step (:attr:`Program.writes_sums`), it writes them instead: its gradients copied in, every other sum zeroed,
+    also where it yields none (so no sum keeps the last step's value, and nothing zeroes them beforehand)."""
+    return functools.partial(_writing, part=part)
+
+
+def _writing(method: Callable[..., None], part: str) -> Callable[..., None]:
+    @functools.wraps(method)
+    def run(self: Program) -> None:
+        self._first = self.writes_sums == part
+        try:
+            method(self)
+        finally:
+            if self._first:
+                self._first = False
+                torch._foreach_zero_(self.acc)
+
+    return run
+
+
 class Program:
     """One partition on one micro-batch, on fixed tensors: ``forward()`` reads ``inputs`` and writes
     ``outputs``; ``backward()`` reads ``out_grads`` and writes ``in_grads``, adding the parameters'
@@ -132,6 +153,11 @@ class Program:
         # never on a replay.
         self.kept: tuple[list[torch.Tensor], list[torch.Tensor], Later | None] | None = None
         self.touched = [False] * len(params)  # which parameters some backward reached (the others keep .grad)
+        # The part (B or W) of this program that is its partition's first to add into the sums in a step
+        # (:func:`~.build.mark_first_writers`; None: none is): it writes them, the first gradients copied
+        # (widened) rather than added to zeros, which saves zeroing the sums and reading them once.
+        self.writes_sums: str | None = None
+        self._first = False  # inside that part, until it has written the sums
         self.grad = bool(params) or any(t.requires_grad for t in inputs)  # False: an inference program
 
     def _wrt_inputs(self) -> list[int]:
@@ -144,9 +170,17 @@ class Program:
         for k, g in enumerate(grads):
             self.touched[k] = self.touched[k] or g is not None
         used = [(a, g) for a, g in zip(self.acc, grads) if g is not None]
-        if used:
+        if self._first:  # the step's first gradients: written, and every sum they leave out zeroed
+            self._first = False
+            unused = [a for a, g in zip(self.acc, grads) if g is None]
+            if used:
+                torch._foreach_copy_([a for a, _ in used], [g for _, g in used])
+            if unused:
+                torch._foreach_zero_(unused)
+        elif used:
             torch._foreach_add_([a for a, _ in used], [g for _, g in used])
 
+    @_writing_sums("B")
     @_with_casts
     def _grads(self) -> None:
         """Differentiate outputs by inputs and parameters; add the parameters' part into ``acc``."""
@@ -169,6 +203,7 @@ class Program:
         outs = [(o, g) for o, g in zip(outputs, self.out_grads) if g is not None]
         return [o for o, _ in outs], [g for _, g in outs]
 
+    @_writing_sums("B")
     @_with_casts
     def _grads_input(self) -> None:
         """B of a split backward: the inputs' gradients only (:func:`~seqify.pipe.split_backward.input_grads`),
@@ -186,6 +221,7 @@ class Program:
         self._add(now)  # the normalisations' weights, whose gradients B yields anyway
         self.kept = (outs, grads, later)
 
+    @_writing_sums("W")
     @_with_casts
     def _grads_weight(self) -> None:
         """W of a split backward: the parameters' gradients from what B kept, added into ``acc`` (never

@@ -200,12 +200,14 @@ class Replay:
                 casts.refresh()
 
     def _zero(self) -> None:
-        """The sums zeroed for a new step, once the views of them handed out as ``.grad`` are released."""
+        """The views of the sums handed out as ``.grad`` released, for a new step to write the sums: its first
+        backward of each partition writes them (:attr:`Program.writes_sums`); the others' are zeroed."""
         for j, acc in enumerate(self.acc):
             if acc:
                 with _on(self.devices[j]):
                     self.views[j].release()
-                    torch._foreach_zero_(acc)
+                    if not any(p.writes_sums for p in self.programs[j]):
+                        torch._foreach_zero_(acc)
 
     def hand(self) -> None:
         """Put the step's gradient sums into ``.grad`` (what autograd would leave there): views of them where

@@ -27,6 +27,7 @@ from seqify.pipe.executors.programs import (
     accumulators,
     checkpointing,
     flat_sums,
+    mark_writer,
 )
 from seqify.pipe.executors.replayed import GraphWarning
 from seqify.pipe.stage import Stage
@@ -91,7 +92,7 @@ class RankPrograms:
         ``split`` or autocast) build new programs. ``order`` (this partition's ('F' | 'B' | 'W',
         micro-batch) actions as the schedule issues them) sizes the input and output-gradient buffers to
         what it keeps in flight (:mod:`~seqify.pipe.executors.buffers`); without it every micro-batch has its own."""
-        self.zero()
+        self.views.release()
         if sizes != self.sizes or stop != self.stop or split != self.split or autocast != self.autocast:
             self.sizes, self.stop, self.split, self.autocast, self.captured = list(sizes), stop, split, autocast, False
             self.programs = [None] * len(sizes)
@@ -100,6 +101,11 @@ class RankPrograms:
             self.casts, self.watched = None, False
         elif self.casts is not None:  # the weights as the optimizer left them
             self.casts.refresh()
+        built = [p for p in self.programs if p is not None]
+        if order is not None and built and len(built) == len(self.programs):
+            mark_writer(built, order)
+        if self.acc and not any(p.writes_sums for p in built):  # else the step's first backward writes them
+            torch._foreach_zero_(self.acc)
 
     def _recompute(self, i: int) -> Callable[..., Any] | None:
         """How micro-batch ``i`` is checkpointed (None: it is not). A partition drawing random numbers
@@ -229,6 +235,8 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
     saved = saved_buffers([prog.runner.layers for prog in programs.values()])  # warm-up runs the partitions
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    for j, row in built.items():  # the part writing each partition's sums, captured so
+        mark_writer(row, [(kind, i) for kind, p, i in order if p == j])
     for row in built.values():  # let the eager step's graphs go: their nodes belong to the default stream
         for p in row:
             p.outputs, p.kept = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs), None

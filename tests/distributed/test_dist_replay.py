@@ -214,3 +214,95 @@ def test_programs_hand_views_of_their_sums_as_grad_and_what_a_caller_keeps_holds
     assert all(torch.equal(g, v) for g, v in zip(kept, values))
     step(2)  # no zero_grad: added into .grad
     grads_are(expected(1, 2))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "gpipe", "zb"])
+def test_each_partitions_first_backward_writes_its_sums(schedule: str) -> None:
+    """Once a step has built the programs, nothing zeroes a partition's sums before a step: its first backward
+    (a zero-bubble first partition's first W) writes them. Steps whose sums held NaN before they ran give the
+    source's gradients."""
+    model, stage = one_rank(worker.one_rank_zb(4, 4) if schedule == "zb" else schedule, "never", graphs=True)
+    source = worker.build("skippy").train()
+    loss_fn = worker.loss_fn("skippy")
+    for seed in range(3):
+        model.zero_grad(set_to_none=True)
+        source.zero_grad(set_to_none=True)
+        for prog in stage._programs.values():
+            for flat in prog.sums():
+                flat.fill_(float("nan"))  # what a step must never read (the first step zeroes them: it builds)
+        x, y = worker.data("skippy", 8, seed)
+        stage.step(x, y, loss_fn=loss_fn)
+        sum(loss_fn(source(a), b) * (len(a) / len(x)) for a, b in zip(x.tensor_split(4), y.tensor_split(4))).backward()
+        for p, q in zip(model.parameters(), source.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    writers = {j: [p.writes_sums for p in prog.programs if p is not None and p.writes_sums]
+               for j, prog in stage._programs.items() if prog.acc}
+    assert writers and all(len(w) == 1 for w in writers.values()), writers
+    if schedule == "zb":
+        assert writers[0] == ["W"], writers
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: remembers the program parts run while capturing and runs
+    them again on replay."""
+
+    capturing: _FakeGraph | None = None
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+
+    def replay(self) -> None:
+        for part in self.parts:
+            part()
+
+
+class _FakeStream:
+    def __init__(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def wait_stream(self, _: Any) -> None:
+        pass
+
+
+def test_a_captured_rank_captures_each_partitions_writer_as_the_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capture (CUDA faked on the CPU) marks, before it captures, the part that writes each partition's sums,
+    so the graph captured for it writes them; replayed steps then train like the source with nothing zeroing
+    the sums before them."""
+    from contextlib import contextmanager, nullcontext
+
+    captured: list[tuple[str, str | None]] = []  # (part, the program's writer part when it was captured)
+
+    @contextmanager
+    def graph(g: _FakeGraph, **_: Any) -> Any:
+        _FakeGraph.capturing = g
+        try:
+            yield
+        finally:
+            _FakeGraph.capturing = None
+
+    def spy(name: str, part: str) -> Any:
+        real = getattr(Program, name)
+
+        def run(self: Program) -> None:
+            if _FakeGraph.capturing is not None:
+                _FakeGraph.capturing.parts.append(lambda: real(self))
+                captured.append((part, self.writes_sums))
+            real(self)
+        return run
+
+    for name, part in (("_outputs", "F"), ("_grads", "B"), ("_grads_input", "B"), ("_grads_weight", "W")):
+        monkeypatch.setattr(Program, name, spy(name, part))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda _: nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda _: nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: _FakeStream())
+    model, stage = one_rank("interleaved", "never", graphs=True)
+    for prog in stage._programs.values():
+        prog.graphs = True  # as on CUDA
+    trains_like_the_source(model, stage)
+    assert all(prog.captured for prog in stage._programs.values())
+    writers = [w for part, w in captured if part == "B" and w == "B"]
+    assert len(writers) == len([prog for prog in stage._programs.values() if prog.acc]), captured

@@ -21,7 +21,7 @@ from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
 from seqify.pipe.executors.lanes import Lanes
 from seqify.pipe.executors.options import ReplayOptions
-from seqify.pipe.executors.programs import Flat, Program, Unreplayable, accumulators, checkpointing
+from seqify.pipe.executors.programs import Flat, Program, Unreplayable, accumulators, checkpointing, mark_writer
 from seqify.pipe.executors.replay import Handoff, Replay
 from seqify.pipe.executors.wiring import Route, Wiring
 from seqify.pipe.recompute import draws_random
@@ -36,30 +36,10 @@ Streams = dict[torch.device, torch.cuda.Stream]
 
 
 def mark_first_writers(programs: list[list[Program]], schedule: Schedule) -> None:
-    """Per partition, mark the program part (B or W) that the schedule runs first of those that add into the
-    partition's sums: in a step it writes them (:attr:`Program.writes_sums`), so they are not zeroed before.
-    Called once gradients are known to reach (``out_grads``), before capture: a part that adds nothing (no
-    gradient flows in; a split B whose inputs need none) is not captured, so it cannot be the writer. A backward
-    call after ``pipe(x)`` runs the same backwards in the same order; a W follows its B, and lanes order a
-    partition's backwards on their streams as the schedule does."""
+    """Per partition, the part that writes the sums in a step (:func:`~.programs.mark_writer`), in the schedule's
+    order; a backward call after ``pipe(x)`` runs the same backwards in the same order."""
     for j, row in enumerate(programs):
-        for p in row:
-            p.writes_sums = None
-        if not row or not row[0].acc:
-            continue
-        first = next((a for a in schedule.actions if a.partition == j and a.kind in ("B", "W")
-                      and _adds(row[a.microbatch], a.kind)), None)
-        if first is not None:
-            row[first.microbatch].writes_sums = first.kind
-
-
-def _adds(p: Program, kind: str) -> bool:
-    """Whether part ``kind`` (B or W) of ``p`` adds into the sums (and is captured)."""
-    if not any(g is not None for g in p.out_grads):
-        return False
-    if not p.split:
-        return kind == "B"
-    return bool(p._wrt_inputs()) if kind == "B" else bool(p.params)
+        mark_writer(row, [(a.kind, a.microbatch) for a in schedule.actions if a.partition == j])
 
 
 def reach(programs: list[list[Program]], wiring: Wiring, shared: frozenset[int], streams: Streams | None,

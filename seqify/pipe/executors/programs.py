@@ -8,7 +8,7 @@ the CUDA graphs :mod:`.capture` records of it, with the same effect.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -160,6 +160,15 @@ class Program:
         self._first = False  # inside that part, until it has written the sums
         self.grad = bool(params) or any(t.requires_grad for t in inputs)  # False: an inference program
 
+    def adds(self, part: str) -> bool:
+        """Whether part ``part`` (B or W) of this program adds into the sums (and so is captured): some gradient
+        flows in, and, split, B has inputs to differentiate (it adds its norms' weights') or W has weights."""
+        if not any(g is not None for g in self.out_grads):
+            return False
+        if not self.split:
+            return part == "B"
+        return bool(self._wrt_inputs()) if part == "B" else bool(self.params)
+
     def _wrt_inputs(self) -> list[int]:
         """The input slots to differentiate by: those needing a gradient, once per tensor."""
         first = {id(t): k for k, t in reversed(list(enumerate(self.inputs)))}
@@ -278,6 +287,21 @@ class Program:
             self._grads_weight()
         else:
             self._grads()
+
+
+def mark_writer(row: Sequence[Program], order: Iterable[tuple[str, int]]) -> None:
+    """Mark the part of one partition's programs (``row``, by micro-batch) that ``order`` (its ('F' | 'B' | 'W',
+    micro-batch) actions as a step issues them) runs first of those that add into the sums: in a step it writes
+    them (:attr:`Program.writes_sums`), so they need no zeroing before. Call it once gradients are known to reach
+    (``out_grads``) and before capture: a part that adds nothing is not captured, so it cannot be the writer. A
+    W follows its B; two lanes order a partition's backwards on their streams as the step issues them."""
+    for p in row:
+        p.writes_sums = None
+    if not row or not row[0].acc:
+        return
+    first = next(((kind, i) for kind, i in order if kind in ("B", "W") and row[i].adds(kind)), None)
+    if first is not None:
+        row[first[1]].writes_sums = first[0]
 
 
 def checkpointing(stage: Stage, j: int, capturing: bool) -> Callable[..., Any]:

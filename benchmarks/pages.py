@@ -718,7 +718,10 @@ def families_page() -> str:
         "GPU in the same run, the speed-up the tuner reached when it weighed pipelines only (an earlier run, same "
         "batch), and the peak memory allocated and reserved per GPU (GiB) against one GPU's. fp32, SGD. A data-parallel choice "
         "with buckets is a replica cut in parts on its GPU whose gradients are summed part by part during the "
-        "backward.",
+        "backward. Every family of a run is converted and trained in one process; in the runs on this page one "
+        "family's model (the first whose conversion had torch build its tables of functions) stayed allocated, "
+        "parameters and gradients, through the later families' rows (fixed since), so their peaks are overstated "
+        "by that model and the tuner weighed their candidates with it held.",
         table(header, body, "llllrrrrrll"),
         FAMILIES.line(),
         FAMILIES_PIPELINES.line(),

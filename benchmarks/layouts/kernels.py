@@ -2,7 +2,7 @@
 and as each seqify layout ``--layouts`` names (``1x1:schedule:chunks[:graphs][:loopsK]``), a few steps profiled
 back to back. Per layout and per step: wall time, the GPU's busy time, and kernel time by kind (matrix
 multiplies, attention, elementwise, reductions, copies, other), each with its kernel count, so two layouts that
-differ in speed show what differs.
+differ in speed show what differs; beside them the peak allocated, reserved and in-use GiB of the profiled steps.
 
     python benchmarks/layouts/kernels.py --layouts 1x1:gpipe:1:graphs 1x1:interleaved:2:graphs:loops4
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import re
 import sys
@@ -20,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from main import cast, llama, workload
+from main import cast, llama, peaks, plain_step, reset, workload
 from torch.profiler import ProfilerActivity, profile
 
 import seqify
@@ -67,18 +66,7 @@ def profiled(step: Callable[[], None], sync: Callable[[], None], steps: int, top
 
 
 def plain(args: argparse.Namespace, work: Any, dev: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
-    net = work.build().to(dev)
-    x, y = (t.to(dev) for t in work.data(args.per_gpu))
-    opt = work.optimizer(net.parameters())
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with cast(work, dev):
-            out = net(x)
-        work.loss(out, y).backward()
-        opt.step()
-
-    return step, torch.cuda.synchronize
+    return plain_step(work, dev, args.per_gpu), torch.cuda.synchronize
 
 
 def layout(args: argparse.Namespace, work: Any, dev: torch.device, spec: str) -> tuple[Callable[[], None], Any]:
@@ -119,15 +107,17 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.warm):
             step()
         sync()
+        torch.cuda.reset_peak_memory_stats(dev)
+        timing = profiled(step, sync, args.steps, args.top)
+        allocated, reserved, held = peaks([dev])
         row = dict(row=spec, device=torch.cuda.get_device_name(0), torch=torch.__version__, per_gpu=args.per_gpu,
-                   **profiled(step, sync, args.steps, args.top))
+                   peak_gib=allocated, reserved_gib=reserved, in_use_gib=held, **timing)
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
         del step, sync
-        gc.collect()
-        torch.cuda.empty_cache()
+        reset([dev])
 
 
 if __name__ == "__main__":

@@ -39,20 +39,8 @@ def pools(device: int) -> dict[str, float]:
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def reachable_cuda() -> dict[str, Any]:
-    """The CUDA tensors the garbage collector tracks, counted once per storage."""
-    seen: dict[int, int] = {}
-    for o in gc.get_objects():
-        try:
-            if isinstance(o, torch.Tensor) and o.is_cuda:
-                seen[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
-        except Exception:  # noqa: BLE001 - tensors without storage (meta, fake)
-            continue
-    return dict(tensors=len(seen), gib=round(sum(seen.values()) / GIB, 3))
-
-
-def largest(n: int) -> list[torch.Tensor]:
-    """The ``n`` largest CUDA tensors the garbage collector tracks, one per storage, a parameter first."""
+def cuda_storages() -> dict[int, torch.Tensor]:
+    """The CUDA tensors the garbage collector tracks, one per storage (a parameter where one has it)."""
     by: dict[int, torch.Tensor] = {}
     for o in gc.get_objects():
         try:
@@ -60,9 +48,20 @@ def largest(n: int) -> list[torch.Tensor]:
                 ptr = o.untyped_storage().data_ptr()
                 if ptr not in by or isinstance(o, torch.nn.Parameter):
                     by[ptr] = o
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - tensors without storage (meta, fake)
             continue
-    ranked = sorted(by.values(), key=lambda t: -t.untyped_storage().nbytes())
+    return by
+
+
+def reachable_cuda() -> dict[str, Any]:
+    """How many CUDA storages Python reaches, and their GiB."""
+    sizes = [t.untyped_storage().nbytes() for t in cuda_storages().values()]
+    return dict(tensors=len(sizes), gib=round(sum(sizes) / GIB, 3))
+
+
+def largest(n: int) -> list[torch.Tensor]:
+    """The ``n`` largest CUDA tensors the garbage collector tracks, one per storage, a parameter first."""
+    ranked = sorted(cuda_storages().values(), key=lambda t: -t.untyped_storage().nbytes())
     params = [t for t in ranked if isinstance(t, torch.nn.Parameter)][:1]
     return params + [t for t in ranked if not isinstance(t, torch.nn.Parameter)][: n - len(params)]
 

@@ -195,13 +195,10 @@ def cast(work: Workload, device: torch.device) -> Any:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=work.autocast)
 
 
-def one_gpu(args: argparse.Namespace, work: Workload, devices: list[torch.device]) -> dict[str, Any]:
-    """One device on one GPU's share of the batch: the throughput every ratio is against."""
-    dev = devices[0]
-    reset(devices)
-    before = alive(devices, "one GPU")
+def plain_step(work: Workload, dev: torch.device, per_gpu: int) -> Callable[[], None]:
+    """A training step of the model itself on ``dev``, ``per_gpu`` samples (forward, backward, optimizer)."""
     net = work.build().to(dev)
-    x, y = (t.to(dev) for t in work.data(args.per_gpu))
+    x, y = (t.to(dev) for t in work.data(per_gpu))
     opt = work.optimizer(net.parameters())
 
     def step() -> None:
@@ -211,9 +208,18 @@ def one_gpu(args: argparse.Namespace, work: Workload, devices: list[torch.device
         work.loss(out, y).backward()
         opt.step()
 
+    return step
+
+
+def one_gpu(args: argparse.Namespace, work: Workload, devices: list[torch.device]) -> dict[str, Any]:
+    """One device on one GPU's share of the batch: the throughput every ratio is against."""
+    dev = devices[0]
+    reset(devices)
+    before = alive(devices, "one GPU")
+    step = plain_step(work, dev, args.per_gpu)
     sec = timed(step, [dev], args.steps, args.warm)
     allocated, reserved, held = peaks([dev])
-    del net, opt
+    del step
     return dict(row="one GPU", batch=args.per_gpu, samples_per_s=args.per_gpu / sec, peak_gib=allocated,
                 reserved_gib=reserved, in_use_gib=held, alive_before_gib=before)
 

@@ -84,6 +84,7 @@ class RankPrograms:
         # which ones is watched on the first program's forward after (re)building
         self.casts: Casts | None = None
         self.watched = False
+        self.marked = False  # the part writing the sums is marked (:func:`mark_writer`), once the programs are built
 
     def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
               order: Sequence[tuple[str, int]] | None = None, autocast: torch.dtype | None = None) -> None:
@@ -98,12 +99,13 @@ class RankPrograms:
             self.programs = [None] * len(sizes)
             self.place = places(order) if order is not None and self.options.share_buffers else list(range(len(sizes)))
             self.ins, self.outs = Buffers(self.device), Buffers(self.device)
-            self.casts, self.watched = None, False
+            self.casts, self.watched, self.marked = None, False, False
         elif self.casts is not None:  # the weights as the optimizer left them
             self.casts.refresh()
         built = [p for p in self.programs if p is not None]
-        if order is not None and built and len(built) == len(self.programs):
+        if order is not None and built and len(built) == len(self.programs) and not self.marked:
             mark_writer(built, order)
+            self.marked = True
         if self.acc and not any(p.writes_sums for p in built):  # else the step's first backward writes them
             torch._foreach_zero_(self.acc)
 
@@ -237,6 +239,7 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
     stream.wait_stream(torch.cuda.current_stream(device))
     for j, row in built.items():  # the part writing each partition's sums, captured so
         mark_writer(row, [(kind, i) for kind, p, i in order if p == j])
+        programs[j].marked = True
     for row in built.values():  # let the eager step's graphs go: their nodes belong to the default stream
         for p in row:
             p.outputs, p.kept = tuple(o.detach().requires_grad_(o.requires_grad) for o in p.outputs), None

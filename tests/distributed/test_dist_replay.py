@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import dist_worker as worker
+from helpers.fake_cuda import FakeGraph, fake_cuda
 import seqify
 import seqify.distributed as sd
 from seqify.distributed import replay as dist_replay
@@ -242,63 +243,25 @@ def test_each_partitions_first_backward_writes_its_sums(schedule: str) -> None:
         assert writers[0] == ["W"], writers
 
 
-class _FakeGraph:
-    """Stands in for torch.cuda.CUDAGraph on the CPU: remembers the program parts run while capturing and runs
-    them again on replay."""
-
-    capturing: _FakeGraph | None = None
-
-    def __init__(self) -> None:
-        self.parts: list[Any] = []
-
-    def replay(self) -> None:
-        for part in self.parts:
-            part()
-
-
-class _FakeStream:
-    def __init__(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def wait_stream(self, _: Any) -> None:
-        pass
-
-
 def test_a_captured_rank_captures_each_partitions_writer_as_the_writer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Capture (CUDA faked on the CPU) marks, before it captures, the part that writes each partition's sums,
     so the graph captured for it writes them; replayed steps then train like the source with nothing zeroing
     the sums before them."""
-    from contextlib import contextmanager, nullcontext
-
     captured: list[tuple[str, str | None]] = []  # (part, the program's writer part when it was captured)
-
-    @contextmanager
-    def graph(g: _FakeGraph, **_: Any) -> Any:
-        _FakeGraph.capturing = g
-        try:
-            yield
-        finally:
-            _FakeGraph.capturing = None
 
     def spy(name: str, part: str) -> Any:
         real = getattr(Program, name)
 
         def run(self: Program) -> None:
-            if _FakeGraph.capturing is not None:
-                _FakeGraph.capturing.parts.append(lambda: real(self))
+            if FakeGraph.capturing is not None:
+                FakeGraph.capturing.parts.append(lambda: real(self))
                 captured.append((part, self.writes_sums))
             real(self)
         return run
 
     for name, part in (("_outputs", "F"), ("_grads", "B"), ("_grads_input", "B"), ("_grads_weight", "W")):
         monkeypatch.setattr(Program, name, spy(name, part))
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda _: nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda _: nullcontext())
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: _FakeStream())
+    fake_cuda(monkeypatch)
     model, stage = one_rank("interleaved", "never", graphs=True)
     for prog in stage._programs.values():
         prog.graphs = True  # as on CUDA

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
+from helpers.fake_cuda import FakeGraph, fake_cuda
 from seqify.errors import BoundaryError, ScheduleError
 from seqify.pipe import memory
 from seqify.schedule.actions import Schedule, ahead, make
@@ -297,26 +298,10 @@ def test_replayed_zero_bubble_recomputes_a_checkpointed_program_once(monkeypatch
     assert count[0] == sum(len(row) for row in replay.programs)
 
 
-class FakeGraph:
-    """Stands in for torch.cuda.CUDAGraph on the CPU: remembers the program parts run while "capturing"
-    and runs them again on replay, so the captured bookkeeping (which graph is F, B, W) is what runs."""
-
-    capturing: FakeGraph | None = None
-
-    def __init__(self) -> None:
-        self.parts: list[Any] = []
-
-    def replay(self) -> None:
-        for part in self.parts:
-            part()
-
-
 def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """Capture, with CUDA graphs faked on the CPU: each split program gets a forward, a B and a W graph,
     captured in one pool per device in the order the device runs them (its partitions interleaved, as
     graphs=True captures), and replaying them trains like one device."""
-    from contextlib import contextmanager, nullcontext
-
     from seqify.pipe.executors import capture
     from seqify.pipe.executors import programs as rp
 
@@ -329,14 +314,6 @@ def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(mo
     replay = pipe._graphed[1]
     captured: list[tuple[str, int, int]] = []
     names = {"_outputs": "F", "_grads_input": "B", "_grads_weight": "W", "_grads": "BW"}
-
-    @contextmanager
-    def graph(g: FakeGraph, **_: Any) -> Any:
-        FakeGraph.capturing = g
-        try:
-            yield
-        finally:
-            FakeGraph.capturing = None
 
     def spy(name: str) -> Any:
         real = getattr(rp.Program, name)
@@ -352,11 +329,7 @@ def test_captured_zero_bubble_programs_are_f_b_w_graphs_in_the_schedule_order(mo
     where = {id(p): (j, i) for j, row in enumerate(replay.programs) for i, p in enumerate(row)}
     for name in names:
         monkeypatch.setattr(rp.Program, name, spy(name))
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda _: nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda _: nullcontext())
+    fake_cuda(monkeypatch)
     cpu = torch.device("cpu")
     for row in replay.programs:
         capture.warm(row, cpu, 1, None)  # type: ignore[arg-type]

@@ -68,6 +68,8 @@ class Replay:
         self.handoff = handoff
         # per partition, the views of its sums handed out as .grad (released before the sums are zeroed)
         self.views = [GradViews() for _ in stages]
+        # per partition, whether a step's first backward writes its sums (else they are zeroed before the step)
+        self._written = [any(p.writes_sums for p in row) for row in programs]
         # The step's node in the caller's autograd graph needs an input that requires grad, even when
         # the pipeline's inputs do not (the parameters reach .grad without autograd seeing them).
         self.anchor = torch.empty(0, device=self.devices[-1], requires_grad=True)
@@ -206,7 +208,7 @@ class Replay:
             if acc:
                 with _on(self.devices[j]):
                     self.views[j].release()
-                    if not any(p.writes_sums for p in self.programs[j]):
+                    if not self._written[j]:
                         torch._foreach_zero_(acc)
 
     def hand(self) -> None:

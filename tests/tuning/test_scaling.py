@@ -7,6 +7,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,15 +93,26 @@ def test_tuned_eight_partitions_are_exact(tmp_path, monkeypatch) -> None:
     check(source, model, seqify.pipeline(seq, config=cfg).eval(), x)
 
 
-def test_scaling_benchmark_smoke(tmp_path) -> None:
-    out = tmp_path / "scaling.json"
+@pytest.fixture(scope="module")
+def scaling_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """benchmarks/scaling/main.py's CPU smoke run over 1 and 2 devices, once for the tests that read its rows
+    (the smoke test and torch pipelining's anchor, which takes the 2-device rows): its file and its stdout."""
+    import os
+
+    where = tmp_path_factory.mktemp("scaling")
+    out = where / "scaling.json"
     run = subprocess.run(
         [sys.executable, str(benchmarks.path("scaling/main.py")), "--tiny", "--device", "cpu", "--gpus", "1", "2",
          "--models", "unet", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**__import__("os").environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")},
+        capture_output=True, text=True, timeout=300, cwd=where,
+        env={**os.environ, "SEQIFY_CACHE_DIR": str(where / "cache")},
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    return out, run.stdout
+
+
+def test_scaling_benchmark_smoke(scaling_rows: tuple[Path, str]) -> None:
+    out, stdout = scaling_rows
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert {r["model"] for r in rows} == {"unet"}
@@ -110,7 +122,7 @@ def test_scaling_benchmark_smoke(tmp_path) -> None:
             assert set(mine) == {1, 2}
             assert all(r["samples_per_s"] > 0 and len(r["peak_allocated"]) == r["gpus"] for r in mine.values())
             assert mine[2]["config"]["chunks"] >= 1
-    assert "speed-up" in run.stdout and "peak" in run.stdout
+    assert "speed-up" in stdout and "peak" in stdout
 
 
 def test_families_benchmark_smoke(tmp_path) -> None:
@@ -267,7 +279,7 @@ def test_torchpp_anchor_stages_are_exact(name: str) -> None:
         torch.testing.assert_close(mine[key].grad, p.grad, msg=f"gradient of {key}")
 
 
-def test_torchpp_anchor_runs_under_torchrun(tmp_path) -> None:
+def test_torchpp_anchor_runs_under_torchrun(tmp_path, scaling_rows: tuple[Path, str]) -> None:
     """The anchor itself on 2 gloo ranks over scaling.py's CPU smoke rows: torch pipelining's schedules for each
     row's placement (GPipe and 1F1B for one partition per rank, the looped ones for several) run the U-Net's cuts
     (skips cross them) and each writes a row with its speed; a schedule that cannot build
@@ -275,11 +287,7 @@ def test_torchpp_anchor_runs_under_torchrun(tmp_path) -> None:
     import os
 
     env = {**os.environ, "SEQIFY_CACHE_DIR": str(tmp_path / "cache")}
-    rows = tmp_path / "scaling.json"
-    made = subprocess.run([sys.executable, str(benchmarks.path("scaling/main.py")), "--tiny", "--device", "cpu",
-                           "--gpus", "2", "--models", "unet", "--out", str(rows)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert made.returncode == 0, made.stderr[-3000:]
+    rows = scaling_rows[0]
     out = tmp_path / "torchpp.jsonl"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(benchmarks.path("scaling/torchpp.py")), "--rows", str(rows), "--out", str(out),

@@ -3,7 +3,8 @@
 or ``--model llama8b``, its ~7.2 B config with fp32 Adam (no one GPU trains it: no one-GPU or DDP row, FSDP2 is the
 anchor), ``--per-gpu`` samples per GPU. Rows: one GPU on its share, DDP over every GPU (benchmarks/data_parallel/
 under torchrun; FSDP2 too for the Llamas), seqify with each layout given by ``--layouts``
-(``STAGESxREPLICAS:schedule:chunks[:graphs][:loopsK]``, ``loopsK``: K partitions per GPU), and seqify's automatic
+(``STAGESxREPLICAS:schedule:chunks[:graphs][:loopsK][:unfused]``, ``loopsK``: K partitions per GPU, ``unfused``:
+cast weights' gradients widened into their sums after the backward, not written by it), and seqify's automatic
 choice (``--auto``, told the optimizer). Each row: samples/s,
 its ratio to one GPU, DDP and FSDP2, peak allocated and reserved GiB per GPU (from the first timed step's start),
 and what was still allocated when the row started (``alive_before_gib``: earlier rows' leftovers, which its peaks
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
+from seqify.pipe.executors.options import ReplayOptions
 
 GIB = 2**30
 
@@ -267,13 +269,16 @@ def layout_row(args: argparse.Namespace, work: Workload, devices: list[torch.dev
             stages, replicas = (int(v) for v in shape.split("x"))
             loops = next((int(r[len("loops"):]) for r in rest if r.startswith("loops")), 1)
             assert stages * replicas == args.gpus, f"{spec}: stages x replicas must be --gpus ({args.gpus})"
+            options = ReplayOptions(fuse_grads="unfused" not in rest)
             pipe = seqify.pipeline(seq, devices=devices, replicas=replicas, chunks=int(chunks), schedule=schedule,
-                                   loops=loops, graphs="graphs" in rest, checkpoint="never", balance="time", sample=x)
+                                   loops=loops, graphs="graphs" in rest, checkpoint="never", balance="time", sample=x,
+                                   replay_options=options)
             pipe.config = pipe.config or seqify.PipeConfig(
                 chunks=int(chunks), loops=loops, balance=tuple(pipe.balance), by="time", checkpoint="never",
                 graphs="graphs" in rest, devices=tuple(str(d) for d in devices), schedule=schedule, replicas=replicas)
             name = (f"seqify {stages} x {replicas} {schedule} chunks {chunks}"
-                    + (f" loops {loops}" if loops > 1 else "") + (" graphs" if "graphs" in rest else ""))
+                    + (f" loops {loops}" if loops > 1 else "") + (" graphs" if "graphs" in rest else "")
+                    + (" unfused" if "unfused" in rest else ""))
     replicated = isinstance(pipe, seqify.ReplicatedPipeline)
     if stepping == "first" and not replicated:
         return None

@@ -144,7 +144,8 @@ class RankPrograms:
                 if low is not None:  # one more forward, watched: random draws as if it had not run
                     with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                         self.casts = find(self.runner.layers, functools.partial(flat, *inputs), low)
-            p = self.programs[i] = Program(flat, inputs, self.params, self.acc, self.split, self.casts)
+            p = self.programs[i] = Program(flat, inputs, self.params, self.acc, self.split, self.casts,
+                                               fuse=self.options.fuse_grads)
         else:
             if given != p.flat.given:
                 raise GraphError(

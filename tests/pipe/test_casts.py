@@ -81,14 +81,16 @@ def net() -> nn.Sequential:
 
 
 def step(schedule: str, enabled: bool, checkpoint: str, steps: int = 2, devices: tuple[str, str] = ("cpu", "cpu"),
-         cut: int = 5) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[list[str]]]:
+         cut: int = 5, fuse: bool = True) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[list[str]]]:
     """``steps`` SGD steps of a 2-partition pipeline (the first ``cut`` layers, then the rest) under bfloat16
-    autocast, driven as fixed programs (on the CPU eagerly, on GPUs as captured CUDA graphs)."""
+    autocast, driven as fixed programs (on the CPU eagerly, on GPUs as captured CUDA graphs); ``fuse``: cast
+    linear weights' gradients written into their sums by the backward (:mod:`~seqify.pipe.executors.fused_grads`)."""
     model = net()
     seq = seqify.convert(model)
     cuda = devices[0].startswith("cuda")
     pipe = seqify.pipeline(seq, devices=list(devices), balance=[cut, len(seq) - cut], chunks=4, checkpoint=checkpoint,
-                           schedule=schedule, graphs=cuda, replay_options=ReplayOptions(cast_once=enabled))
+                           schedule=schedule, graphs=cuda,
+                           replay_options=ReplayOptions(cast_once=enabled, fuse_grads=fuse))
     pipe._replay_eager = not cuda
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     torch.manual_seed(1)
@@ -134,17 +136,21 @@ def test_a_step_with_weights_cast_once_equals_casting_per_micro_batch(schedule: 
 def test_captured_graphs_cast_once_like_per_micro_batch(schedule: str) -> None:
     """The same on GPUs, replayed from captured CUDA graphs (cuda:0 and cuda:1, or cuda:0 twice). Over two GPUs
     the cut keeps the first Block whole: graphs refuse a module called on both sides of a cut between devices,
-    and `twice`, called twice in one partition, keeps autocast's casts."""
+    and `twice`, called twice in one partition, keeps autocast's casts. Bit-equal with the sums filled the usual
+    way; with fused sums (a float32 product on CUDA, not a bfloat16 one widened) equal within bfloat16's rounding."""
     two = torch.cuda.device_count() > 1
     devices = ("cuda:0", "cuda:1") if two else ("cuda:0", "cuda:0")
     cut = 11 if two else 5
-    losses, grads, cast = step(schedule, True, "never", steps=3, devices=devices, cut=cut)
+    losses, grads, cast = step(schedule, True, "never", steps=3, devices=devices, cut=cut, fuse=False)
     want, want_grads, none = step(schedule, False, "never", steps=3, devices=devices, cut=cut)
+    fused_losses, fused_grads, _ = step(schedule, True, "never", steps=3, devices=devices, cut=cut)
     assert sum(map(len, cast)) == (12 if two else 14) and none == [[], []]
-    for a, b in zip(losses, want):
+    for a, b, c in zip(losses, want, fused_losses):
         assert torch.equal(a, b)
+        torch.testing.assert_close(c, b, rtol=2e-2, atol=1e-3)
     for name, g in want_grads.items():
         assert torch.equal(grads[name], g), name
+        torch.testing.assert_close(fused_grads[name], g, rtol=2e-2, atol=2e-3, msg=name)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zero bubble"])

@@ -136,9 +136,9 @@ class _Builder:
 
     def __init__(self, stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], carried: int | None,
                  capturing: bool, schedule: Schedule | None, stop: int, share_buffers: bool,
-                 cast_once: bool) -> None:
+                 cast_once: bool, fuse_grads: bool = True) -> None:
         self.stages, self.batches, self.capturing, self.schedule, self.stop = stages, batches, capturing, schedule, stop
-        self.cast_once = cast_once
+        self.cast_once, self.fuse_grads = cast_once, fuse_grads
         # Where some partition changes what it receives in place, a value must reach it as the one tensor
         # (or view of one tensor) it is in the source; fixed buffers are copies, so such steps run eagerly.
         self.mutating = any(st.mutates_input or st.mutated_skips for st in stages[1:])
@@ -199,7 +199,7 @@ class _Builder:
             if low is not None:  # which weights autocast only casts: watched on one more forward
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     cast = find(stage.layers, functools.partial(flat, *inputs), low)
-            p = Program(flat, inputs, params, acc, self.split, cast)
+            p = Program(flat, inputs, params, acc, self.split, cast, fuse=self.fuse_grads)
             p._outputs()  # real values for the next partition (and the output structure)
             if self.capturing:
                 # Capturing runs every program again: keep only the values, so building holds one
@@ -253,7 +253,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
         schedule = ahead(schedule)
     try:
         made = _Builder(stages, batches, carried, streams is not None, schedule, stop, options.share_buffers,
-                        options.cast_once)
+                        options.cast_once, options.fuse_grads)
         programs = made.all()
         wiring = Wiring.of(stages, programs, made.routes, schedule)
         shared = frozenset(made.shared)

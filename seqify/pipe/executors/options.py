@@ -16,7 +16,11 @@ class ReplayOptions:
     """``share_buffers``: micro-batches share boundary buffers where the schedule lets them
     (:mod:`.buffers`); False gives every micro-batch its own (for measuring what sharing saves).
     ``cast_once``: under autocast, a partition's weights read only through autocast's cast are cast once
-    per step (:mod:`.casts`); False lets every program cast its own (for comparing the two)."""
+    per step (:mod:`.casts`); False lets every program cast its own (for comparing the two).
+    ``fuse_grads``: the backward writes those cast linear weights' gradients into their float32 sums itself
+    (:mod:`.fused_grads`: on CUDA a float32 product, not a rounded low-precision one widened after); False
+    returns them for the sums as other gradients are (for comparing the two)."""
 
     share_buffers: bool = True
     cast_once: bool = True
+    fuse_grads: bool = True

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from seqify.pipe.executors.casts import Casts
+from seqify.pipe.executors.fused_grads import Fused, accumulating, fusable
 from seqify.pipe.microbatch import is_tensors
 from seqify.pipe.recompute import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
 from seqify.pipe.split_backward import Later, input_grads, weight_values
@@ -133,7 +134,8 @@ class Program:
     which the graph is released. Each is its own CUDA graph when captured."""
 
     def __init__(self, flat: Flat, inputs: tuple[torch.Tensor, ...], params: list[nn.Parameter],
-                 acc: list[torch.Tensor], split: bool = False, casts: Casts | None = None) -> None:
+                 acc: list[torch.Tensor], split: bool = False, casts: Casts | None = None,
+                 fuse: bool = True) -> None:
         self.flat = flat
         self.split = flat.split = split
         self.inputs = inputs
@@ -143,6 +145,9 @@ class Program:
         # (:mod:`.casts`); the gradients are taken for those casts and added into the float32 sums.
         self.casts = casts
         self.wrt: list[torch.Tensor] = casts.wrt(params) if casts is not None else list(params)
+        # An unsplit backward writes the cast linear weights' gradients into their sums as it runs
+        # (:mod:`.fused_grads`) rather than returning them for :meth:`_add`.
+        self.fuse = fuse
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.out_grads: list[torch.Tensor | None] = []
         self.in_grads: list[torch.Tensor | None] = [None] * len(inputs)
@@ -174,14 +179,15 @@ class Program:
         first = {id(t): k for k, t in reversed(list(enumerate(self.inputs)))}
         return [k for k, t in enumerate(self.inputs) if t.requires_grad and first[id(t)] == k]
 
-    def _add(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Add the parameters' gradients into ``acc`` (None: none reached that parameter)."""
+    def _add(self, grads: Sequence[torch.Tensor | None], done: frozenset[int] = frozenset()) -> None:
+        """Add the parameters' gradients into ``acc`` (None: none reached that parameter; ``done``: the backward
+        itself already put theirs in, :mod:`.fused_grads`)."""
         for k, g in enumerate(grads):
-            self.touched[k] = self.touched[k] or g is not None
+            self.touched[k] = self.touched[k] or g is not None or k in done
         used = [(a, g) for a, g in zip(self.acc, grads) if g is not None]
         if self._first:  # the step's first gradients: written, and every sum they leave out zeroed
             self._first = False
-            unused = [a for a, g in zip(self.acc, grads) if g is None]
+            unused = [a for k, (a, g) in enumerate(zip(self.acc, grads)) if g is None and k not in done]
             if used:
                 torch._foreach_copy_([a for a, _ in used], [g for _, g in used])
             if unused:
@@ -197,13 +203,25 @@ class Program:
         outs = [(o, g) for o, g in zip(self.outputs, self.out_grads) if g is not None]
         if not outs or not (wrt_inputs or self.params):
             return
-        grads = torch.autograd.grad(
-            [o for o, _ in outs], [self.inputs[k] for k in wrt_inputs] + self.wrt, [g for _, g in outs],
-            allow_unused=True,
-        )
+        inputs = [self.inputs[k] for k in wrt_inputs]
+        fused = self._fusable([o for o, _ in outs], inputs)
+        skipped = {f.index for f in fused}
+        wrt = [w for k, w in enumerate(self.wrt) if k not in skipped]
+        with accumulating(fused, self.acc, write=self._first):
+            grads = torch.autograd.grad([o for o, _ in outs], inputs + wrt, [g for _, g in outs], allow_unused=True)
         for k, g in zip(wrt_inputs, grads):
             self.in_grads[k] = g
-        self._add(grads[len(wrt_inputs):])
+        found = iter(grads[len(wrt_inputs):])
+        self._add([None if k in skipped else next(found) for k in range(len(self.wrt))],
+                  frozenset(f.index for f in fused if f.reached))
+
+    def _fusable(self, outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[Fused]:
+        """The cast weights whose gradients the backward writes into their sums itself (:mod:`.fused_grads`):
+        where the weights are cast once per step and the forward is not recomputed inside the backward."""
+        if not self.fuse or self.casts is None or self.flat.checkpoint is not None:
+            return []
+        casts = {k for k, (w, p) in enumerate(zip(self.wrt, self.params)) if w is not p}
+        return fusable(outs, self.wrt, inputs, self.acc, casts)
 
     def _differentiated(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The outputs a gradient flows back to, and those gradients; a checkpointed program's outputs

@@ -155,3 +155,44 @@ def test_a_product_the_backward_would_not_run_keeps_its_weight_requested() -> No
     y = F.linear(F.linear(F.linear(x, w1), w2), w3, b3).float().sum()
     acc = [torch.zeros(4, 4), torch.zeros(4, 4), torch.zeros(2, 4), torch.zeros(2)]
     assert [f.index for f in fused_grads.fusable([y], [w1, w2, w3, b3], [], acc, {0, 1, 2, 3})] == [2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_captured_rank_under_autocast_fuses_like_in_process() -> None:
+    """seqify.distributed's programs (one rank holding four partitions, captured as CUDA graphs) under bfloat16
+    autocast: the fused products write the sums over three SGD steps whose sums held NaN before them, within
+    bfloat16's rounding of the same rank with the sums filled the usual way."""
+    from helpers import dist_worker as worker
+
+    import seqify.distributed as sd
+
+    device = torch.device("cuda:0")
+
+    def run(fuse: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = worker.build("skippy").float().train().to(device)
+        stage = sd.DistributedStage(seqify.convert(model), [3, 3, 4, 4], index=0, device=device, chunks=4,
+                                    schedule="interleaved", loops=4, checkpoint="never", graphs=True,
+                                    replay_options=ReplayOptions(fuse_grads=fuse))
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for k in range(3):
+            x, y = (t.to(device, torch.float32 if t.is_floating_point() else t.dtype)
+                    for t in worker.data("skippy", 8, k))
+            for prog in stage._programs.values() if k else ():
+                for flat in prog.sums():
+                    flat.fill_(float("nan"))
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                losses.append(stage.step(x, y, loss_fn=worker.loss_fn("skippy")).detach())
+            opt.step()
+        assert all(prog.captured for prog in stage._programs.values())
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    losses, params = run(True)
+    want, want_params = run(False)
+    for a, b in zip(losses, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
+    for name, p in want_params.items():
+        torch.testing.assert_close(params[name], p, rtol=2e-2, atol=2e-3, msg=name)

@@ -12,7 +12,6 @@ through their transpose are fused (a linear layer's weight read through its once
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -122,22 +121,32 @@ def fusable(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], inputs: S
     return [Fused(k, node, left) for k, (node, left) in found.items() if node in needed]
 
 
-@functools.cache
-def _float32_products(device: torch.device) -> bool:
-    """Whether this device multiplies low-precision matrices into a float32 output that it adds to."""
-    try:
-        a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
-        out = torch.ones(2, 2, device=device)
-        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
-    except (RuntimeError, NotImplementedError, TypeError):
+_FLOAT32_PRODUCTS: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def _float32_products(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this device multiplies ``dtype`` matrices into a float32 output that it adds to: tried once, on
+    tiny matrices, outside any CUDA-graph capture (a step's programs run eagerly before they are captured)."""
+    key = (device, dtype)
+    if device.type != "cuda":
         return False
-    return bool(out[0, 0] == 3)
+    if key not in _FLOAT32_PRODUCTS:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            a = torch.ones(2, 2, device=device, dtype=dtype)
+            out = torch.ones(2, 2, device=device)
+            torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+            _FLOAT32_PRODUCTS[key] = bool(out[0, 0] == 3)
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FLOAT32_PRODUCTS[key] = False
+    return _FLOAT32_PRODUCTS[key]
 
 
 def _accumulate(sum_: torch.Tensor, grad: torch.Tensor, left: torch.Tensor, write: bool) -> None:
     """``sum_`` (+)= ``grad^T @ left``: in float32 on devices that can, else the product autograd would
     compute (the same kernel, the same rounding), widened into the sum."""
-    if sum_.dtype != grad.dtype and sum_.device.type == "cuda" and _float32_products(sum_.device):
+    if sum_.dtype != grad.dtype and _float32_products(sum_.device, grad.dtype):
         torch.addmm(sum_, grad.t(), left, out_dtype=sum_.dtype, beta=0 if write else 1, out=sum_)
     elif write:
         sum_.copy_(grad.t().mm(left))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["NOW", "Later", "accumulate", "input_grads", "weight_grads", "weight_values"]
+__all__ = ["NOW", "Later", "accumulate", "autograd_node", "input_grads", "weight_grads", "weight_values"]
 
 
 @functools.cache
@@ -25,7 +25,7 @@ def _pipelining() -> Any:
     return _backward
 
 
-def _node(t: torch.Tensor) -> Any:
+def autograd_node(t: torch.Tensor) -> Any:
     """``t``'s autograd node (a leaf's gradient accumulator), also where gradients are off (a replayed
     step runs under ``torch.no_grad()``; finding a leaf's accumulator takes a view that records one)."""
     with torch.enable_grad():
@@ -65,14 +65,14 @@ def _plan(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
     helpers = _pipelining()
     if helpers is None or not inputs or not params:
         return [False] * len(params), None
-    roots = [n for n in map(_node, outs) if n is not None]
+    roots = [n for n in map(autograd_node, outs) if n is not None]
     reverse = helpers.construct_reverse_graph(roots)
-    nodes = [_node(p) for p in params]
+    nodes = [autograd_node(p) for p in params]
     now = [_now(n, reverse) for n in nodes]
     reached = [n for n, b in zip(nodes, now) if not b and (n in reverse or n in roots)]  # owed, reached
     if not reached:
         return now, []
-    groups = helpers.get_param_groups([n for n in map(_node, inputs) if n is not None], reached, reverse)
+    groups = helpers.get_param_groups([n for n in map(autograd_node, inputs) if n is not None], reached, reverse)
     covered = {n for g in groups for n in g["params"]}
     if covered != set(reached) or any(not g["intermediates"] for g in groups):
         return now, None
@@ -121,7 +121,7 @@ def input_grads(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | Non
 def _from_boundary(params: Sequence[torch.Tensor], groups: list[dict[str, Any]]) -> list[torch.Tensor | None]:
     """Each weight's gradient from the gradients B kept at its group's boundary nodes (the graph is
     retained: groups may share nodes)."""
-    index = {_node(p): k for k, p in enumerate(params)}
+    index = {autograd_node(p): k for k, p in enumerate(params)}
     got: list[torch.Tensor | None] = [None] * len(params)
     for group in groups:
         edges, seeds = [], []

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from seqify.pipe.split_backward import autograd_node
+
 __all__ = ["Fused", "accumulating", "fusable"]
 
 # Autograd nodes of a matrix product and the slot of their right operand (a linear layer's transposed
@@ -35,13 +37,6 @@ class Fused:
     node: Any
     left: str
     reached: bool = False
-
-
-def _leaf_node(t: torch.Tensor) -> Any:
-    """A leaf's gradient accumulator (a view records one)."""
-    with torch.enable_grad():
-        view = t.view_as(t).grad_fn
-    return view.next_functions[0][0] if view is not None else None
 
 
 def _consumers(roots: Sequence[Any]) -> dict[Any, list[tuple[Any, int]]]:
@@ -102,20 +97,20 @@ def fusable(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], inputs: S
     """The weights of ``wrt`` (positions ``casts``: read through a once-per-step cast) whose one use is a
     matrix product the backward of ``outs`` runs anyway, for the inputs or the other weights: their gradients
     can be written into ``acc`` by that product's backward. A product nothing else needs would not run."""
-    roots = [o.grad_fn for o in outs if o.grad_fn is not None]
+    roots = [n for n in map(autograd_node, outs) if n is not None]
     if not roots or not casts:
         return []
     users = _consumers(roots)
     found: dict[int, tuple[Any, str]] = {}
     for k in sorted(casts):
         if acc[k].is_contiguous() and wrt[k].dim() == 2:
-            product = _product_of(_leaf_node(wrt[k]), users)
+            product = _product_of(autograd_node(wrt[k]), users)
             if product is not None:
                 found[k] = product
     if not found:
         return []
     # Conservative: a product that runs only because another left unfused asks for its weight stays unfused too
-    wanted = {_leaf_node(t) for t in inputs} | {_leaf_node(w) for k, w in enumerate(wrt) if k not in found}
+    wanted = {autograd_node(t) for t in inputs} | {autograd_node(w) for k, w in enumerate(wrt) if k not in found}
     skip = {(node, _PRODUCTS[node.name()][0]) for node, _ in found.values()}
     needed = _needed(roots, wanted, skip)
     return [Fused(k, node, left) for k, (node, left) in found.items() if node in needed]

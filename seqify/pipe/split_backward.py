@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["NOW", "Later", "accumulate", "autograd_node", "input_grads", "weight_grads", "weight_values"]
+__all__ = ["NOW", "Later", "accumulate", "autograd_node", "input_grads", "owing", "weight_grads", "weight_values"]
 
 
 @functools.cache
@@ -118,19 +118,21 @@ def input_grads(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | Non
     return list(got[: len(inputs)]), weights, Later([not b for b in now], groups)
 
 
-def _from_boundary(params: Sequence[torch.Tensor], groups: list[dict[str, Any]]) -> list[torch.Tensor | None]:
+def _from_boundary(params: Sequence[torch.Tensor], groups: list[dict[str, Any]],
+                   skip: frozenset[int] = frozenset()) -> list[torch.Tensor | None]:
     """Each weight's gradient from the gradients B kept at its group's boundary nodes (the graph is
-    retained: groups may share nodes)."""
+    retained: groups may share nodes), but for the weights at ``skip``."""
     index = {autograd_node(p): k for k, p in enumerate(params)}
     got: list[torch.Tensor | None] = [None] * len(params)
     for group in groups:
+        nodes = [n for n in group["params"] if index.get(n) not in skip]
         edges, seeds = [], []
         for kept, node in zip(group["grads"], group["intermediates"]):
             for k, g in enumerate(kept):
                 if g is not None:
                     edges.append(GradientEdge(node, k))
                     seeds.append(g)
-        if not edges:
+        if not edges or not nodes:
             continue
         handles = []
         try:
@@ -138,7 +140,6 @@ def _from_boundary(params: Sequence[torch.Tensor], groups: list[dict[str, Any]])
                 # a boundary node below another gets what B saw there, not that plus what W sends it
                 for kept, node in zip(group["grads"], group["intermediates"]):
                     handles.append(node.register_prehook(functools.partial(_clamp, kept)))
-            nodes = list(group["params"])
             found = torch.autograd.grad(edges, [GradientEdge(n, 0) for n in nodes], seeds, retain_graph=True,
                                         allow_unused=True)
         finally:
@@ -157,20 +158,27 @@ def _clamp(kept: tuple[torch.Tensor | None, ...], _: Any) -> tuple[torch.Tensor 
 
 
 def weight_values(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor],
-                  later: Later | None, retain_graph: bool = True) -> list[torch.Tensor | None]:
+                  later: Later | None, retain_graph: bool = True,
+                  skip: frozenset[int] = frozenset()) -> list[torch.Tensor | None]:
     """W, returned rather than written: the gradient of each of ``params`` that B left owed (None where B
     took it or none arrives), from B's boundary or else from the outputs (``later`` None: B took nothing,
     W is the whole weights' backward). Touches no ``.grad`` (what a captured W graph needs: the caller
-    adds these into its own accumulators). The graph stays unless ``retain_graph`` is False and W walked
-    it from the outputs; dropping ``outs`` and ``later`` releases it."""
+    adds these into its own accumulators). ``skip``: weights the caller differentiates itself (None here,
+    and not asked of autograd). The graph stays unless ``retain_graph`` is False and W walked it from the
+    outputs; dropping ``outs`` and ``later`` releases it."""
     if later is not None and later.groups is not None:
-        return _from_boundary(params, later.groups)
-    owed = later.owed if later is not None else [True] * len(params)
+        return _from_boundary(params, later.groups, skip)
+    owed = [o and k not in skip for k, o in enumerate(owing(params, later))]
     wanted = [p for p, o in zip(params, owed) if o]
     if not outs or not wanted:
         return [None] * len(params)
     found = iter(torch.autograd.grad(list(outs), wanted, list(grads), retain_graph=retain_graph, allow_unused=True))
     return [next(found) if o else None for o in owed]
+
+
+def owing(params: Sequence[torch.Tensor], later: Later | None) -> list[bool]:
+    """Which of ``params`` W owes a gradient: those B did not take (all, where B took nothing)."""
+    return list(later.owed) if later is not None else [True] * len(params)
 
 
 def accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:

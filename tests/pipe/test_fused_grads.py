@@ -33,8 +33,8 @@ def net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), Block(), Block(), Block(), nn.Linear(8, 3))
 
 
-def train(schedule: str, fuse: bool, loops: int = 1, steps: int = 3,
-          device: str = "cpu") -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], int, int]:
+def train(schedule: str, fuse: bool, loops: int = 1, steps: int = 3, device: str = "cpu",
+          checkpoint: str = "never") -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], int, int]:
     """``steps`` SGD steps of a 2-partition pipeline under bfloat16 autocast, as fixed programs (on the CPU run
     eagerly over two devices, on a GPU captured as CUDA graphs); before every step after the first the sums hold
     NaN (what a step must never read). Returns the losses, each step's gradients, and how many fused products
@@ -43,7 +43,7 @@ def train(schedule: str, fuse: bool, loops: int = 1, steps: int = 3,
     parts = 2 * loops
     cuda = device.startswith("cuda")
     pipe = seqify.pipeline(seq, devices=[device, device], loops=loops, balance=even(len(seq), parts), chunks=4,
-                           checkpoint="never", schedule=schedule, graphs=cuda,
+                           checkpoint=checkpoint, schedule=schedule, graphs=cuda,
                            replay_options=ReplayOptions(fuse_grads=fuse))
     pipe._replay_eager = not cuda
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -76,16 +76,26 @@ def train(schedule: str, fuse: bool, loops: int = 1, steps: int = 3,
     return losses, grads, counts[True], counts[False]
 
 
-@pytest.mark.parametrize(("schedule", "loops"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
-def test_fused_sums_equal_the_usual_sums_bit_for_bit_on_the_cpu(schedule: str, loops: int) -> None:
-    losses, grads, writes, adds = train(schedule, True, loops)
-    want, want_grads, none_written, none_added = train(schedule, False, loops)
+@pytest.mark.parametrize(("schedule", "loops", "checkpoint"), [
+    ("gpipe", 1, "never"), ("1f1b", 1, "never"), ("interleaved", 2, "never"),
+    # split backwards: W multiplies the gradient B kept at the product, or (the first partition, whose input
+    # needs no gradient) the product's backward writes it while W walks from the outputs
+    ("zb-h1", 1, "never"), ("zb-h2", 1, "never"), ("zb-h1", 2, "never"),
+    # a checkpointed split program's W walks its recomputed graph, an ordinary one
+    ("zb-h1", 1, "always")])
+def test_fused_sums_equal_the_usual_sums_bit_for_bit_on_the_cpu(schedule: str, loops: int, checkpoint: str) -> None:
+    losses, grads, writes, adds = train(schedule, True, loops, checkpoint=checkpoint)
+    want, want_grads, none_written, none_added = train(schedule, False, loops, checkpoint=checkpoint)
     assert none_written == none_added == 0
     # 8 cast linear weights (the first and last layers', each Block's up and down) over 4 micro-batches a step;
     # each is written once a step (its partition's first backward), added to in the other three (and in the
     # first step's extra backwards that find where gradients reach, before the programs are fixed)
     linears, chunks, steps = 8, 4, 3
-    assert writes == linears * steps and adds >= linears * (chunks - 1) * steps, (writes, adds)
+    if schedule.startswith("zb"):
+        # a partition whose B writes the sums (it adds its LayerNorms' gradients) leaves W only adds
+        assert 0 < writes <= linears * steps and writes + adds >= linears * chunks * steps, (writes, adds)
+    else:
+        assert writes == linears * steps and adds >= linears * (chunks - 1) * steps, (writes, adds)
     for a, b in zip(losses, want):
         assert torch.equal(a, b)
     for got, exp in zip(grads, want_grads):
@@ -95,7 +105,7 @@ def test_fused_sums_equal_the_usual_sums_bit_for_bit_on_the_cpu(schedule: str, l
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1"])
 def test_captured_fused_sums_are_float32_products_close_to_the_usual_sums(schedule: str) -> None:
     """On a GPU the fused product keeps its float32 result (bfloat16 inputs, a float32 output added to the sum):
     captured into the step's graphs, gradients equal the usual bfloat16 products widened, within their rounding."""
@@ -196,3 +206,64 @@ def test_a_captured_rank_under_autocast_fuses_like_in_process() -> None:
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
     for name, p in want_params.items():
         torch.testing.assert_close(params[name], p, rtol=2e-2, atol=2e-3, msg=name)
+
+
+def test_a_split_weights_part_fuses_only_products_it_runs() -> None:
+    """W of a split backward that walks from the outputs (B could not cover every weight from its boundary: the
+    weights reach an output the input does not) asks only for the weights B left owed. A product
+    that only a weight B already took (the LayerNorm's) would make run is not fused: W never runs it, so its
+    weight is asked of autograd, and every weight's gradient equals the plain backward's."""
+    from seqify.pipe import split_backward
+
+    torch.manual_seed(0)
+    x0 = torch.randn(5, 4).bfloat16()
+    x = torch.randn(5, 3, requires_grad=True)
+    norm = torch.randn(4).bfloat16().requires_grad_()
+    w = torch.randn(2, 4).bfloat16().requires_grad_()
+    e = torch.randn(2).requires_grad_()
+
+    def outputs() -> list[torch.Tensor]:
+        return [(F.linear(F.layer_norm(x0, (4,), norm), w).float() + e).sum(), (2 * x).sum()]
+
+    wrt = [norm, w, e]
+    want = torch.autograd.grad(sum(outputs()), wrt)
+    ys, seeds = outputs(), [torch.ones(()), torch.ones(())]
+    _, now, later = split_backward.input_grads(ys, seeds, [x], wrt)
+    assert later.groups is None and now[0] is not None and later.owed == [False, True, True]
+    acc = [torch.zeros(4), torch.zeros(2, 4), torch.zeros(2)]
+    fused = fused_grads.fusable(ys, wrt, [], acc, {1}, asked=split_backward.owing(wrt, later))
+    assert fused == []
+    unguarded = fused_grads.fusable(ys, wrt, [], acc, {1})
+    assert [f.index for f in unguarded] == [1]  # counted on the LayerNorm's weight, which W does not ask for
+    got = split_backward.weight_values(ys, seeds, wrt, later, retain_graph=False)
+    assert torch.equal(now[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_a_split_weights_part_multiplies_the_gradient_kept_at_the_product() -> None:
+    """W of a split backward from B's boundary: each linear weight's gradient is the gradient B kept at its
+    product times the product's saved input, written into its sum; autograd is asked only for the others."""
+    from seqify.pipe import split_backward
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, requires_grad=True)
+    w1, w2 = torch.randn(6, 4).bfloat16().requires_grad_(), torch.randn(3, 6).bfloat16().requires_grad_()
+    b1 = torch.randn(6).bfloat16().requires_grad_()
+
+    def loss() -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x.bfloat16(), w1, b1)), w2).float().square().sum()
+
+    wrt = [w1, b1, w2]
+    want = torch.autograd.grad(loss(), wrt)
+    y, seed = loss(), torch.ones(())
+    _, _, later = split_backward.input_grads([y], [seed], [x], wrt)
+    assert later.groups
+    acc = [torch.full((6, 4), float("nan")), torch.zeros(6), torch.zeros(3, 6)]
+    fused = fused_grads.from_kept([y], wrt, acc, {0, 1, 2}, later.groups)
+    assert sorted(f.index for f in fused) == [0, 2]
+    seen = _Products()
+    with seen:
+        got = split_backward.weight_values([y], [seed], wrt, later, retain_graph=False, skip=frozenset({0, 2}))
+        fused_grads.write_kept(fused, acc, write=True)
+    assert got[0] is None and got[2] is None and torch.equal(got[1], want[1])
+    assert seen.shapes == [(6, 4), (3, 6)]  # the two fused products, nothing else
+    assert torch.equal(acc[0], want[0].float()) and torch.equal(acc[2], want[2].float())

@@ -21,7 +21,7 @@ import torch
 
 from seqify.pipe.split_backward import autograd_node
 
-__all__ = ["Fused", "accumulating", "fusable"]
+__all__ = ["Fused", "accumulating", "from_kept", "fusable", "write_kept"]
 
 # Autograd nodes of a matrix product and the slot of their right operand (a linear layer's transposed
 # weight); the left operand (the layer's 2-D input) is saved under ``left``.
@@ -31,12 +31,14 @@ _PRODUCTS = {"MmBackward0": (1, "_saved_self"), "AddmmBackward0": (2, "_saved_ma
 @dataclass
 class Fused:
     """One weight whose gradient its product's backward writes into ``acc``: the product's autograd ``node``,
-    the attribute its saved left operand is read from, and whether a gradient reached it this backward."""
+    the attribute its saved left operand is read from, and whether a gradient reached it this backward. A
+    split backward's W writes it from the gradient B ``kept`` at the product instead (:func:`from_kept`)."""
 
     index: int
     node: Any
     left: str
     reached: bool = False
+    kept: torch.Tensor | None = None
 
 
 def _consumers(roots: Sequence[Any]) -> dict[Any, list[tuple[Any, int]]]:
@@ -92,14 +94,9 @@ def _needed(roots: Sequence[Any], wanted: set[Any], skip: set[tuple[Any, int]]) 
     return needed
 
 
-def fusable(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-            acc: Sequence[torch.Tensor], casts: set[int]) -> list[Fused]:
-    """The weights of ``wrt`` (positions ``casts``: read through a once-per-step cast) whose one use is a
-    matrix product the backward of ``outs`` runs anyway, for the inputs or the other weights: their gradients
-    can be written into ``acc`` by that product's backward. A product nothing else needs would not run."""
-    roots = [n for n in map(autograd_node, outs) if n is not None]
-    if not roots or not casts:
-        return []
+def _products(roots: Sequence[Any], wrt: Sequence[torch.Tensor], acc: Sequence[torch.Tensor],
+              casts: set[int]) -> dict[int, tuple[Any, str]]:
+    """Each weight of ``wrt`` at ``casts`` whose one use below ``roots`` is a product through its transpose."""
     users = _consumers(roots)
     found: dict[int, tuple[Any, str]] = {}
     for k in sorted(casts):
@@ -107,13 +104,53 @@ def fusable(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], inputs: S
             product = _product_of(autograd_node(wrt[k]), users)
             if product is not None:
                 found[k] = product
+    return found
+
+
+def fusable(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+            acc: Sequence[torch.Tensor], casts: set[int], asked: Sequence[bool] | None = None) -> list[Fused]:
+    """The weights of ``wrt`` (positions ``casts``: read through a once-per-step cast) whose one use is a
+    matrix product the backward of ``outs`` runs anyway, for the inputs or the other weights: their gradients
+    can be written into ``acc`` by that product's backward. A product nothing else needs would not run.
+    ``asked``: the weights the backward differentiates by (default all); the others are neither fused nor
+    counted on to make a product run."""
+    roots = [n for n in map(autograd_node, outs) if n is not None]
+    asked = list(asked) if asked is not None else [True] * len(wrt)
+    casts = {k for k in casts if asked[k]}
+    if not roots or not casts:
+        return []
+    found = _products(roots, wrt, acc, casts)
     if not found:
         return []
     # Conservative: a product that runs only because another left unfused asks for its weight stays unfused too
-    wanted = {autograd_node(t) for t in inputs} | {autograd_node(w) for k, w in enumerate(wrt) if k not in found}
+    wanted = {autograd_node(t) for t in inputs} | {autograd_node(w) for k, w in enumerate(wrt)
+                                                    if k not in found and asked[k]}
     skip = {(node, _PRODUCTS[node.name()][0]) for node, _ in found.values()}
     needed = _needed(roots, wanted, skip)
     return [Fused(k, node, left) for k, (node, left) in found.items() if node in needed]
+
+
+def from_kept(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], acc: Sequence[torch.Tensor],
+              casts: set[int], groups: Sequence[dict[str, Any]]) -> list[Fused]:
+    """A split backward's fusable weights: those whose product is a node where B kept the gradient arriving
+    (a boundary node of :func:`~seqify.pipe.split_backward.input_grads`' parameter groups). B ran every use of
+    such a product's output, so that gradient is whole, and W multiplies it by the saved input itself."""
+    roots = [n for n in map(autograd_node, outs) if n is not None]
+    if not roots or not casts:
+        return []
+    kept = {node: grads[0] for group in groups for node, grads in zip(group["intermediates"], group["grads"])
+            if grads and grads[0] is not None}
+    return [Fused(k, node, left, kept=kept[node])
+            for k, (node, left) in _products(roots, wrt, acc, casts).items() if node in kept]
+
+
+def write_kept(fused: Sequence[Fused], acc: Sequence[torch.Tensor], write: bool) -> None:
+    """Write (``write``) or add each of ``fused``'s gradient from the product's kept gradient into its sum."""
+    with torch.no_grad():  # as inside the backward: the saved input is part of the graph
+        for f in fused:
+            if f.kept is not None:
+                _accumulate(acc[f.index], f.kept, getattr(f.node, f.left), write)
+                f.reached = True
 
 
 _FLOAT32_PRODUCTS: dict[tuple[torch.device, torch.dtype], bool] = {}

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from seqify.pipe.executors.casts import Casts
-from seqify.pipe.executors.fused_grads import Fused, accumulating, fusable
+from seqify.pipe.executors.fused_grads import Fused, accumulating, from_kept, fusable, write_kept
 from seqify.pipe.microbatch import is_tensors
 from seqify.pipe.recompute import RngState, checkpointed, draws_random, norms_of, recomputed, rng_state
-from seqify.pipe.split_backward import Later, input_grads, weight_values
+from seqify.pipe.split_backward import Later, input_grads, owing, weight_values
 from seqify.pipe.stage import Stage
 from seqify.skip.namespace import SkipKey
 
@@ -145,7 +145,7 @@ class Program:
         # (:mod:`.casts`); the gradients are taken for those casts and added into the float32 sums.
         self.casts = casts
         self.wrt: list[torch.Tensor] = casts.wrt(params) if casts is not None else list(params)
-        # An unsplit backward writes the cast linear weights' gradients into their sums as it runs
+        # The backward (W, when split) writes the cast linear weights' gradients into their sums as it runs
         # (:mod:`.fused_grads`) rather than returning them for :meth:`_add`.
         self.fuse = fuse
         self.outputs: tuple[torch.Tensor, ...] = ()
@@ -215,13 +215,29 @@ class Program:
         self._add([None if k in skipped else next(found) for k in range(len(self.wrt))],
                   frozenset(f.index for f in fused if f.reached))
 
+    def _casts(self) -> set[int]:
+        """The weights read through their once-per-step cast (none unless fusing)."""
+        if not self.fuse or self.casts is None:
+            return set()
+        return {k for k, (w, p) in enumerate(zip(self.wrt, self.params)) if w is not p}
+
     def _fusable(self, outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[Fused]:
         """The cast weights whose gradients the backward writes into their sums itself (:mod:`.fused_grads`):
-        where the weights are cast once per step and the forward is not recomputed inside the backward."""
-        if not self.fuse or self.casts is None or self.flat.checkpoint is not None:
+        where the weights are cast once per step and the forward is not recomputed inside the backward (whose
+        saved inputs a hook cannot read)."""
+        if self.flat.checkpoint is not None:
             return []
-        casts = {k for k, (w, p) in enumerate(zip(self.wrt, self.params)) if w is not p}
-        return fusable(outs, self.wrt, inputs, self.acc, casts)
+        return fusable(outs, self.wrt, inputs, self.acc, self._casts())
+
+    def _fused_weights(self, outs: list[torch.Tensor], later: Later | None) -> list[Fused]:
+        """W's cast weights whose gradients it writes into their sums itself: multiplied from the gradient B kept
+        at their product, or, where W walks from the outputs, by the product's backward. A checkpointed
+        program's recomputed graph is an ordinary one (:meth:`Flat.recompute`): fused as well."""
+        owed = owing(self.wrt, later)
+        casts = {k for k in self._casts() if owed[k]}
+        if later is not None and later.groups is not None:
+            return from_kept(outs, self.wrt, self.acc, casts, later.groups)
+        return fusable(outs, self.wrt, [], self.acc, casts, asked=owed)
 
     def _differentiated(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The outputs a gradient flows back to, and those gradients; a checkpointed program's outputs
@@ -262,7 +278,13 @@ class Program:
             return
         outs, grads, later = kept
         if self.params:
-            self._add(weight_values(outs, grads, self.wrt, later, retain_graph=False))
+            fused = self._fused_weights(outs, later)
+            with accumulating([f for f in fused if f.kept is None], self.acc, write=self._first):
+                values = weight_values(outs, grads, self.wrt, later, retain_graph=False,
+                                       skip=frozenset(f.index for f in fused))
+            write_kept(fused, self.acc, write=self._first)
+            self._add(values, frozenset(f.index for f in fused if f.reached))
+            del fused, values
         del outs, grads, later, kept
         # The graph's last owner goes (same memory); requires_grad stays: a replayed step's loss and the
         # next partition's inputs read it to know what gets a gradient.

@@ -69,14 +69,20 @@ def _quiet() -> Iterator[None]:
     names = [n for n in logging.root.manager.loggerDict if n == "torch" or n.startswith("torch.")]
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
+    _set_levels(loggers, [logging.ERROR] * len(loggers))
     try:
         with redirect_stderr(io.StringIO()):  # a failed export also prints its partial graph to stderr
             yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        _set_levels(loggers, levels)
+
+
+def _set_levels(loggers: list[logging.Logger], levels: list[int]) -> None:
+    """``Logger.setLevel`` for many loggers, clearing the loggers' level caches once: ``setLevel`` clears every
+    logger's cache at each call, quadratic in the few hundred loggers torch registers."""
+    for lg, level in zip(loggers, levels):
+        lg.level = level
+    logging.root.manager._clear_cache()  # type: ignore[attr-defined]
 
 
 def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -> torch.export.ExportedProgram:
@@ -87,8 +93,24 @@ def _export(model: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any]) -
 def _capture(model: nn.Module, kwargs: dict[str, Any], shapes: Any) -> torch.export.ExportedProgram:
     # captured with gradients on, as the source trains: export records the regions that turn them off (and the
     # layers run them so), whatever the mode convert is called in
-    with _quiet(), neutral_autocast(model, kwargs), causal_skip(kwargs), torch.enable_grad():
+    with _quiet(), _no_stack_traces(), neutral_autocast(model, kwargs), causal_skip(kwargs), torch.enable_grad():
         return torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
+
+
+@contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Export without a Python stack trace per graph node: layers run operators and never read them, and
+    collecting them is a few percent of an export (torch >= 2.10; older versions collect them)."""
+    config = torch.fx.config
+    before = getattr(config, "do_not_emit_stack_traces", None)
+    if before is None:
+        yield
+        return
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 def _again(model: nn.Module, kwargs: dict[str, Any], shapes: Any) -> torch.export.ExportedProgram:

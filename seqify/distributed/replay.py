@@ -20,6 +20,7 @@ from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
 from seqify.pipe.executors.grad_views import GradViews
 from seqify.pipe.executors.options import ReplayOptions
+from seqify.pipe.executors.param_hooks import refusal, signature
 from seqify.pipe.executors.programs import (
     Flat,
     Program,
@@ -85,6 +86,7 @@ class RankPrograms:
         self.casts: Casts | None = None
         self.watched = False
         self.marked = False  # the part writing the sums is marked (:func:`mark_writer`), once the programs are built
+        self.hooks: tuple[tuple[int, bool, bool], ...] = ()  # the parameters' hooks the programs were built for
 
     def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
               order: Sequence[tuple[str, int]] | None = None, autocast: torch.dtype | None = None) -> None:
@@ -94,6 +96,10 @@ class RankPrograms:
         micro-batch) actions as the schedule issues them) sizes the input and output-gradient buffers to
         what it keeps in flight (:mod:`~seqify.pipe.executors.buffers`); without it every micro-batch has its own."""
         self.views.release()
+        hooks = signature(self.params)
+        if hooks != self.hooks:  # a hook added or removed: built again (a hooked weight is not cast once)
+            self.hooks, self.sizes = hooks, []
+            self._check_hooks()
         if sizes != self.sizes or stop != self.stop or split != self.split or autocast != self.autocast:
             self.sizes, self.stop, self.split, self.autocast, self.captured = list(sizes), stop, split, autocast, False
             self.programs = [None] * len(sizes)
@@ -108,6 +114,24 @@ class RankPrograms:
             self.marked = True
         if self.acc and not any(p.writes_sums for p in built):  # else the step's first backward writes them
             torch._foreach_zero_(self.acc)
+
+    def _check_hooks(self) -> None:
+        """Refuse a parameter hook the programs would not run (a post-accumulate-grad hook), and run the programs
+        eagerly where only capturing would miss one (a gradient hook), as for a checkpointed partition that
+        draws random numbers."""
+        if not self.params:
+            return
+        refused = refusal(self.runner.layers, self.runner.index, self.graphs)
+        if refused is None:
+            return
+        why, eager_runs_it = refused
+        if not eager_runs_it:
+            raise GraphError(f"{why}: seqify.distributed(graphs=True) cannot run it; use graphs=False, where "
+                             "autograd runs it after each micro-batch's backward, or remove the hook")
+        self.graphs = False
+        log.warning("%s; its programs run eagerly instead", why)
+        warnings.warn(f"seqify.distributed(graphs=True): {why}; its programs run eagerly instead", GraphWarning,
+                      stacklevel=3)
 
     def _recompute(self, i: int) -> Callable[..., Any] | None:
         """How micro-batch ``i`` is checkpointed (None: it is not). A partition drawing random numbers

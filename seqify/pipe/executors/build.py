@@ -21,6 +21,7 @@ from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
 from seqify.pipe.executors.lanes import Lanes
 from seqify.pipe.executors.options import ReplayOptions
+from seqify.pipe.executors.param_hooks import refusal, suspended
 from seqify.pipe.executors.programs import Flat, Program, Unreplayable, accumulators, checkpointing, mark_writer
 from seqify.pipe.executors.replay import Handoff, Replay
 from seqify.pipe.executors.wiring import Route, Wiring
@@ -58,7 +59,8 @@ def reach(programs: list[list[Program]], wiring: Wiring, shared: frozenset[int],
             for p in row:
                 if any(id(t) in shared for t in p.inputs):  # a later micro-batch took its inputs
                     p._outputs()
-                p.backward_whole()
+                with suspended(p.params):  # its gradients are thrown away: the step runs the hooks
+                    p.backward_whole()
                 p.outputs = tuple(o.detach() for o in p.outputs)  # the build pass's graph is done with
         else:
             device = wiring.devices[j]
@@ -184,6 +186,9 @@ class _Builder:
         device = stage.device
         # Under torch.no_grad() the programs are inference ones: forwards only, no gradient sums.
         params = [p for p in stage.layers.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+        refused = refusal(stage.layers, j, self.capturing) if params else None
+        if refused is not None:  # eager steps run the hook as autograd does
+            raise Unreplayable(f"{refused[0]}; the step runs eagerly, where autograd runs the hook")
         acc = accumulators(params)
         sources = self._sources(j, stage)
         # Input and output-gradient buffers: one set per micro-batch the schedule keeps in flight on

@@ -10,7 +10,7 @@ instead: the same values reach the same kernels (autocast leaves a tensor alread
 and a cast commutes with views), each program's gradient for the buffer is the gradient autocast's cast
 would have widened, and adding a low-precision gradient into a float32 sum widens it exactly as that cast's
 backward would. A weight with any other use (a norm's scale read in float32, a weight read twice, a tied
-weight) keeps autocast's own cast.
+weight), or with a gradient hook, keeps autocast's own cast.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from seqify.pipe.executors.param_hooks import hooked
 
 __all__ = ["Casts", "find", "lowered"]
 
@@ -126,7 +128,8 @@ def find(layers: nn.Module, run: Callable[[], Any], dtype: torch.dtype) -> Casts
     params: dict[int, nn.Parameter] = {}
     for m in layers.modules():
         for name, p in m._parameters.items():
-            if p is not None and p.dtype == torch.float32:
+            # a weight with a gradient hook keeps autocast's cast: the hook runs on its float32 gradient
+            if p is not None and p.dtype == torch.float32 and not any(hooked(p)):
                 slots.setdefault(id(p), []).append((m, name))
                 params[id(p)] = p
     if not params:

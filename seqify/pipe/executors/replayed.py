@@ -14,6 +14,7 @@ from seqify.errors import SeqifyError
 from seqify.pipe import tied
 from seqify.pipe.executors.build import build
 from seqify.pipe.executors.options import ReplayOptions
+from seqify.pipe.executors.param_hooks import signature
 from seqify.pipe.executors.programs import Unreplayable
 from seqify.pipe.executors.replay import Replay
 from seqify.pipe.executors.wiring import slots
@@ -71,6 +72,8 @@ class Replayer:
             dtype,
             # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them
             tuple(p.data_ptr() for p in self.parameters()),
+            # a hook added to a parameter rebuilds them too (and refuses those that would not run it)
+            signature(self.parameters()),
             # which inputs are one tensor (one buffer behind two slots)
             tuple(tuple(map(id, v)).index(id(t)) for v in batches if not isinstance(v, torch.Tensor) for t in v),
         )

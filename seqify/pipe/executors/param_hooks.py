@@ -1,0 +1,65 @@
+"""Parameter hooks: the ones replayed programs cannot run as autograd does, and why.
+
+A replayed backward adds each micro-batch's gradients into sums of its own and fills ``.grad`` at the end of the
+step, so autograd never accumulates into ``.grad`` and a post-accumulate-grad hook would never run. A gradient
+hook runs in an eager program (its weight is then read through autocast's own cast, so the hook sees the float32
+gradient, see :mod:`.casts`), but a captured CUDA graph replays only the kernels the hook launched while it was
+captured: its Python would run once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+__all__ = ["hooked", "refusal", "signature", "suspended"]
+
+#: Hooks run on a parameter's gradient as autograd computes it (``Tensor.register_hook``).
+GRADIENT = "_backward_hooks"
+#: Hooks run after autograd accumulated a gradient into ``.grad`` (``Tensor.register_post_accumulate_grad_hook``).
+ACCUMULATED = "_post_accumulate_grad_hooks"
+
+
+def hooked(t: torch.Tensor) -> tuple[bool, bool]:
+    """Whether ``t`` has gradient hooks, and post-accumulate-grad hooks."""
+    return bool(getattr(t, GRADIENT, None)), bool(getattr(t, ACCUMULATED, None))
+
+
+def signature(params: Iterable[torch.Tensor]) -> tuple[tuple[int, bool, bool], ...]:
+    """Which parameters have which hooks now: programs built without a hook are built again once one is added."""
+    return tuple((k, *h) for k, h in enumerate(map(hooked, params)) if any(h))
+
+
+def refusal(layers: nn.Module, partition: int, capturing: bool) -> tuple[str, bool] | None:
+    """Why partition ``partition``'s programs would not run a hook of its trainable parameters as autograd does,
+    and whether eager programs would (a gradient hook that only capturing misses); None where they would."""
+    for name, p in layers.named_parameters():
+        if not p.requires_grad:
+            continue
+        gradient, accumulated = hooked(p)
+        if accumulated:
+            return (f"parameter {name!r} of partition {partition} has a post-accumulate-grad hook "
+                    "(Tensor.register_post_accumulate_grad_hook), which a replayed step never runs: it sums "
+                    "gradients apart from .grad", False)
+        if gradient and capturing:
+            return (f"parameter {name!r} of partition {partition} has a gradient hook (Tensor.register_hook), "
+                    "whose Python a captured CUDA graph would run only once, at capture", True)
+    return None
+
+
+@contextmanager
+def suspended(params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Hold back ``params``' gradient hooks while a backward whose gradients are thrown away runs (the pass that
+    learns where gradients reach before a step's programs are fixed): they run on the step's own backwards only.
+    The hook dicts are emptied and refilled in place, since autograd calls the dict a hook was registered in."""
+    saved = [(d, dict(d)) for d in (getattr(p, GRADIENT, None) for p in params) if d]
+    for d, _ in saved:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, items in saved:
+            d.update(items)

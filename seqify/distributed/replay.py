@@ -20,7 +20,6 @@ from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
 from seqify.pipe.executors.grad_views import GradViews
 from seqify.pipe.executors.options import ReplayOptions
-from seqify.pipe.executors.param_hooks import refusal, signature
 from seqify.pipe.executors.programs import (
     Flat,
     Program,
@@ -31,6 +30,7 @@ from seqify.pipe.executors.programs import (
     mark_writer,
 )
 from seqify.pipe.executors.replayed import GraphWarning
+from seqify.pipe.executors.user_hooks import refusal, signature
 from seqify.pipe.stage import Stage
 from seqify.schedule.actions import Action, last_gradients
 from seqify.schedule.interpreter import Hooks
@@ -86,7 +86,7 @@ class RankPrograms:
         self.casts: Casts | None = None
         self.watched = False
         self.marked = False  # the part writing the sums is marked (:func:`mark_writer`), once the programs are built
-        self.hooks: tuple[tuple[int, bool, bool], ...] = ()  # the parameters' hooks the programs were built for
+        self.hooks: tuple[object, ...] = ()  # the parameters' and layers' hooks the programs were built for
 
     def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
               order: Sequence[tuple[str, int]] | None = None, autocast: torch.dtype | None = None) -> None:
@@ -96,7 +96,7 @@ class RankPrograms:
         micro-batch) actions as the schedule issues them) sizes the input and output-gradient buffers to
         what it keeps in flight (:mod:`~seqify.pipe.executors.buffers`); without it every micro-batch has its own."""
         self.views.release()
-        hooks = signature(self.params)
+        hooks = signature(self.params, self.runner.layers.modules())
         if hooks != self.hooks:  # a hook added or removed: built again (a hooked weight is not cast once)
             self.hooks, self.sizes = hooks, []
             self._check_hooks()
@@ -116,18 +116,16 @@ class RankPrograms:
             torch._foreach_zero_(self.acc)
 
     def _check_hooks(self) -> None:
-        """Refuse a parameter hook the programs would not run (a post-accumulate-grad hook), and run the programs
-        eagerly where only capturing would miss one (a gradient hook), as for a checkpointed partition that
-        draws random numbers."""
-        if not self.params:
-            return
-        refused = refusal(self.runner.layers, self.runner.index, self.graphs)
+        """Refuse a hook the programs would not run as an eager step does (a layer's, a parameter's
+        post-accumulate-grad hook), and run the programs eagerly where only capturing would miss one (a
+        parameter's gradient hook), as for a checkpointed partition that draws random numbers."""
+        refused = refusal(self.runner.layers, self.runner.index, self.graphs, training=bool(self.params))
         if refused is None:
             return
         why, eager_runs_it = refused
         if not eager_runs_it:
-            raise GraphError(f"{why}: seqify.distributed(graphs=True) cannot run it; use graphs=False, where "
-                             "autograd runs it after each micro-batch's backward, or remove the hook")
+            raise GraphError(f"{why}: seqify.distributed(graphs=True) cannot run it as an eager step does; use "
+                             "graphs=False, where it runs once per micro-batch, or remove the hook")
         self.graphs = False
         log.warning("%s; its programs run eagerly instead", why)
         warnings.warn(f"seqify.distributed(graphs=True): {why}; its programs run eagerly instead", GraphWarning,

@@ -21,9 +21,9 @@ from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
 from seqify.pipe.executors.lanes import Lanes
 from seqify.pipe.executors.options import ReplayOptions
-from seqify.pipe.executors.param_hooks import refusal, suspended
 from seqify.pipe.executors.programs import Flat, Program, Unreplayable, accumulators, checkpointing, mark_writer
 from seqify.pipe.executors.replay import Handoff, Replay
+from seqify.pipe.executors.user_hooks import refusal, suspended
 from seqify.pipe.executors.wiring import Route, Wiring
 from seqify.pipe.recompute import draws_random
 from seqify.pipe.stage import Stage
@@ -186,9 +186,9 @@ class _Builder:
         device = stage.device
         # Under torch.no_grad() the programs are inference ones: forwards only, no gradient sums.
         params = [p for p in stage.layers.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-        refused = refusal(stage.layers, j, self.capturing) if params else None
+        refused = refusal(stage.layers, j, self.capturing, training=bool(params))
         if refused is not None:  # eager steps run the hook as autograd does
-            raise Unreplayable(f"{refused[0]}; the step runs eagerly, where autograd runs the hook")
+            raise Unreplayable(f"{refused[0]}; the step runs eagerly, where it runs once per micro-batch")
         acc = accumulators(params)
         sources = self._sources(j, stage)
         # Input and output-gradient buffers: one set per micro-batch the schedule keeps in flight on

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from seqify.pipe.executors.param_hooks import hooked
+from seqify.pipe.executors.user_hooks import hooked
 
 __all__ = ["Casts", "find", "lowered"]
 

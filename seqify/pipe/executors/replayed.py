@@ -14,9 +14,9 @@ from seqify.errors import SeqifyError
 from seqify.pipe import tied
 from seqify.pipe.executors.build import build
 from seqify.pipe.executors.options import ReplayOptions
-from seqify.pipe.executors.param_hooks import signature
 from seqify.pipe.executors.programs import Unreplayable
 from seqify.pipe.executors.replay import Replay
+from seqify.pipe.executors.user_hooks import signature
 from seqify.pipe.executors.wiring import slots
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
@@ -73,7 +73,7 @@ class Replayer:
             # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them
             tuple(p.data_ptr() for p in self.parameters()),
             # a hook added to a parameter rebuilds them too (and refuses those that would not run it)
-            signature(self.parameters()),
+            signature(self.parameters(), (m for s in self.stages for m in s.layers.modules())),
             # which inputs are one tensor (one buffer behind two slots)
             tuple(tuple(map(id, v)).index(id(t)) for v in batches if not isinstance(v, torch.Tensor) for t in v),
         )

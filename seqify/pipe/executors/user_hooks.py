@@ -1,10 +1,11 @@
-"""Parameter hooks: the ones replayed programs cannot run as autograd does, and why.
+"""User hooks on a partition's parameters and layers: the ones replayed programs cannot run as an eager step does.
 
 A replayed backward adds each micro-batch's gradients into sums of its own and fills ``.grad`` at the end of the
 step, so autograd never accumulates into ``.grad`` and a post-accumulate-grad hook would never run. A gradient
 hook runs in an eager program (its weight is then read through autocast's own cast, so the hook sees the float32
-gradient, see :mod:`.casts`), but a captured CUDA graph replays only the kernels the hook launched while it was
-captured: its Python would run once.
+gradient, see :mod:`.casts`), but a captured CUDA graph replays only the kernels a hook launched while it was
+captured: its Python would run once. A layer's hooks (forward, backward) are called by every forward that
+building the programs runs besides the step's own, and a captured graph would run them once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from seqify.model.hooks import user_hooks
 
 __all__ = ["hooked", "refusal", "signature", "suspended"]
 
@@ -28,15 +31,26 @@ def hooked(t: torch.Tensor) -> tuple[bool, bool]:
     return bool(getattr(t, GRADIENT, None)), bool(getattr(t, ACCUMULATED, None))
 
 
-def signature(params: Iterable[torch.Tensor]) -> tuple[tuple[int, bool, bool], ...]:
-    """Which parameters have which hooks now: programs built without a hook are built again once one is added."""
-    return tuple((k, *h) for k, h in enumerate(map(hooked, params)) if any(h))
+def signature(params: Iterable[torch.Tensor], layers: Iterable[nn.Module] = ()) -> tuple[object, ...]:
+    """Which parameters and layers have which hooks now: programs built without a hook are built again once one
+    is added."""
+    found: list[object] = [(k, *h) for k, h in enumerate(map(hooked, params)) if any(h)]
+    found += [(k, *kinds) for k, kinds in enumerate(user_hooks(m) for m in layers) if kinds]
+    return tuple(found)
 
 
-def refusal(layers: nn.Module, partition: int, capturing: bool) -> tuple[str, bool] | None:
-    """Why partition ``partition``'s programs would not run a hook of its trainable parameters as autograd does,
-    and whether eager programs would (a gradient hook that only capturing misses); None where they would."""
-    for name, p in layers.named_parameters():
+def refusal(layers: nn.Module, partition: int, capturing: bool, training: bool = True) -> tuple[str, bool] | None:
+    """Why partition ``partition``'s programs would not run a hook of its layers (or, ``training``, of its
+    trainable parameters) as an eager step does, and whether eager programs would (a gradient hook that only
+    capturing misses); None where they would."""
+    for name, m in layers.named_modules():
+        kinds = user_hooks(m)
+        if kinds:
+            what = ", ".join(k.strip("_").removesuffix("_hooks").replace("_", "-") for k in kinds)
+            return (f"layer {name or type(m).__name__!r} of partition {partition} has {what} hooks, which "
+                    "replayed programs would not call once per micro-batch: building them runs more forwards, and "
+                    "a captured graph runs their Python once", False)
+    for name, p in layers.named_parameters() if training else ():
         if not p.requires_grad:
             continue
         gradient, accumulated = hooked(p)

@@ -1,7 +1,8 @@
-"""Parameter hooks under a replayed step: a gradient hook runs on each micro-batch's float32 gradient as it does
-in an eager step (its weight keeps autocast's own cast), a hook added between steps rebuilds the programs, and a
-hook the programs cannot run (post-accumulate-grad; a gradient hook a CUDA graph would capture) sends the step
-back to eager execution with the reason, never ignored."""
+"""User hooks under a replayed step: a parameter's gradient hook runs on each micro-batch's float32 gradient as it
+does in an eager step (its weight keeps autocast's own cast), a hook added between steps rebuilds the programs,
+and a hook the programs cannot run as an eager step does (a parameter's post-accumulate-grad hook, a layer's
+hooks, a gradient hook a CUDA graph would capture) sends the step back to eager execution with the reason, never
+ignored or run a different number of times."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 
 import seqify
 from seqify.errors import GraphError
-from seqify.pipe.executors.param_hooks import refusal
+from seqify.pipe.executors.user_hooks import refusal
 
 
 def net() -> nn.Sequential:
@@ -99,6 +100,40 @@ def test_a_post_accumulate_grad_hook_sends_the_step_back_to_eager_execution() ->
     assert error is not None and "post-accumulate-grad hook" in error and "partition 1" in error
 
 
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_a_layer_hook_sends_the_step_back_to_eager_execution(kind: str) -> None:
+    """A converted layer's forward or full backward hook: called once per micro-batch, as in the eager step, not
+    also by the forwards that building programs runs (nor once, at capture, on a GPU)."""
+    def run(replay: bool) -> tuple[int, object, list[torch.Tensor]]:
+        seq = seqify.convert(net())
+        calls = [0]
+
+        def count(*_: object) -> None:
+            calls[0] += 1
+
+        hook = seq[2].register_forward_hook if kind == "forward" else seq[2].register_full_backward_hook
+        hook(count)
+        pipe = seqify.pipeline(seq, devices=["cpu", "cpu"], balance=[2, 3], chunks=2, checkpoint="never",
+                               schedule="1f1b")
+        pipe._replay_eager = replay
+        torch.manual_seed(1)
+        x, target = torch.randn(4, 6), torch.randn(4, 3)
+        grads = []
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                pipe.step(x, target, lambda y, t: F.mse_loss(y.float(), t))
+            grads += [p.grad.clone() for p in pipe.parameters()]
+        with torch.no_grad():  # inference programs too
+            pipe(x)
+        return calls[0], pipe, grads
+
+    calls, pipe, grads = run(True)
+    want, _, want_grads = run(False)
+    assert calls == want == 2 * 3 + (2 if kind == "forward" else 0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert pipe.graph_error is not None and f"{kind} hooks" in pipe.graph_error and "partition 1" in pipe.graph_error
+
+
 def test_the_refusal_names_the_parameter_and_what_capturing_would_miss() -> None:
     layers = net()
     assert refusal(layers, 3, capturing=True) is None
@@ -112,6 +147,9 @@ def test_the_refusal_names_the_parameter_and_what_capturing_would_miss() -> None
     assert "'0.bias' of partition 3" in why and "post-accumulate-grad" in why and not eager_runs_it
     layers[0].bias.requires_grad_(False)  # a frozen parameter gets no gradient: nothing to run
     assert refusal(layers, 3, capturing=True) is None
+    layers[4].register_forward_pre_hook(lambda m, i: None)
+    why, eager_runs_it = refusal(layers, 3, capturing=False, training=False)
+    assert "layer '4' of partition 3 has forward-pre hooks" in why and not eager_runs_it
 
 
 def distributed(hook: str | None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], int]:
@@ -138,6 +176,8 @@ def distributed(hook: str | None) -> tuple[list[torch.Tensor], dict[str, torch.T
         if k == 1:
             if hook == "accumulated":
                 weight.register_post_accumulate_grad_hook(lambda t: None)
+            elif hook == "layer":
+                next(m for m in model.modules() if isinstance(m, nn.Linear)).register_forward_hook(lambda *a: None)
             else:
                 weight.register_hook(doubled)
         x, y = (t.float() if t.is_floating_point() else t for t in worker.data("skippy", 8, k))
@@ -157,9 +197,11 @@ def test_distributed_programs_run_a_gradient_hook_added_between_steps() -> None:
         assert torch.equal(params[name], value), name
 
 
-def test_distributed_programs_refuse_a_post_accumulate_grad_hook() -> None:
-    with pytest.raises(GraphError, match="post-accumulate-grad hook.*graphs=False"):
-        distributed("accumulated")
+@pytest.mark.parametrize("hook", ["accumulated", "layer"])
+def test_distributed_programs_refuse_a_hook_they_would_not_run_as_an_eager_step_does(hook: str) -> None:
+    with pytest.raises(GraphError, match=("post-accumulate-grad hook" if hook == "accumulated" else "forward hooks")
+                       + ".*graphs=False"):
+        distributed(hook)
 
 
 @pytest.mark.gpu

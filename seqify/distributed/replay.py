@@ -96,6 +96,7 @@ class RankPrograms:
         micro-batch) actions as the schedule issues them) sizes the input and output-gradient buffers to
         what it keeps in flight (:mod:`~seqify.pipe.executors.buffers`); without it every micro-batch has its own."""
         self.views.release()
+        self._check_trainable()
         hooks = signature(self.params, self.runner.layers.modules())
         if hooks != self.hooks:  # a hook added or removed: built again (a hooked weight is not cast once)
             self.hooks, self.sizes = hooks, []
@@ -114,6 +115,19 @@ class RankPrograms:
             self.marked = True
         if self.acc and not any(p.writes_sums for p in built):  # else the step's first backward writes them
             torch._foreach_zero_(self.acc)
+
+    def _check_trainable(self) -> None:
+        """Refuse a step after a parameter was frozen or unfrozen: the programs and their gradient sums (which
+        replicas add together in place) are made for the parameters that wanted a gradient at the first step."""
+        trainable = {id(p) for p in self.params}
+        for name, p in self.runner.layers.named_parameters():
+            if p.requires_grad != (id(p) in trainable):
+                now = "wants a gradient" if p.requires_grad else "no longer wants a gradient"
+                raise GraphError(
+                    f"parameter {name!r} of partition {self.runner.index} {now} (requires_grad changed after the "
+                    "first step): seqify.distributed(graphs=True) differentiates by the parameters that wanted one "
+                    "when it was built. Set requires_grad before the first step and build the stage again to "
+                    "change it, or use graphs=False")
 
     def _check_hooks(self) -> None:
         """Refuse a hook the programs would not run as an eager step does (a layer's, a parameter's

@@ -70,8 +70,9 @@ class Replayer:
             ),
             autocast,
             dtype,
-            # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them
-            tuple(p.data_ptr() for p in self.parameters()),
+            # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them; and
+            # differentiate by those that want a gradient: freezing or unfreezing one rebuilds them too
+            tuple((p.data_ptr(), p.requires_grad) for p in self.parameters()),
             # a hook added to a parameter rebuilds them too (and refuses those that would not run it)
             signature(self.parameters(), (m for s in self.stages for m in s.layers.modules())),
             # which inputs are one tensor (one buffer behind two slots)

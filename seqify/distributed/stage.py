@@ -19,7 +19,7 @@ from seqify.distributed.link import Books, Link, directions, leaves, peer
 from seqify.distributed.materialize import BufferInit, converted, materialize
 from seqify.distributed.rank import Route, crossing_routes
 from seqify.distributed.replay import RankPrograms, program_step
-from seqify.errors import BalanceError, BoundaryError, DeviceError
+from seqify.errors import BalanceError, BoundaryError, DeviceError, ScheduleError
 from seqify.model.sequential import Sequential
 from seqify.model.stash_sizes import size_skips
 from seqify.pipe import tied
@@ -294,6 +294,8 @@ class DistributedStage(Placed):
         how = reduction_of(loss_fn, reduction, denominator) if self.is_last and loss_fn is not None else None
         if self.is_last and target is not None:
             refuse_meta(target, "target", self.device)
+        if self.is_first and torch.is_grad_enabled():
+            _refuse_input_grads(inputs)
         micro = self._micro_inputs(inputs) if self.is_first else []
         sizes = self._sizes(micro)
         m = len(sizes)
@@ -493,3 +495,14 @@ def stage(
             if s == rank % ranks:
                 result._dp_group = group
     return result
+
+
+def _refuse_input_grads(inputs: Any) -> None:
+    """A rank's step receives its micro-batches as tensors of its own, so no gradient reaches the caller's
+    inputs: an input that wants one (adversarial training) is refused rather than left without it."""
+    import torch.utils._pytree as pytree
+
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(inputs)):
+        raise ScheduleError("stage.step(inputs) does not give the inputs a gradient: each rank's micro-batches are "
+                         "tensors of its own. Pass inputs that do not require grad (x.detach()); for input "
+                         "gradients train in one process, where seqify.pipeline's step gives them")

@@ -342,6 +342,8 @@ class Pipeline(Placed):
         """Build now, and capture where graphs are on, the programs a step (``step``) or a forward of these
         micro-batches replays (a capture must not run beside another thread's CUDA work); None where it runs
         eagerly."""
+        if step and _input_grads(batches):
+            return None
         schedule = self.schedule_for(len(batches)) if step else None
         return self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
 
@@ -353,7 +355,8 @@ class Pipeline(Placed):
         schedule = self.schedule_for(len(batches))
         saved = self._save_statistics() if self._statistics else None
         try:
-            replay = self._replayer.programs(batches, self.training, schedule, self._checkpoint_stop(len(batches)))
+            replay = None if _input_grads(batches) else self._replayer.programs(
+                batches, self.training, schedule, self._checkpoint_stop(len(batches)))
             if replay is not None:
                 flat = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in batches]
                 return replay.train(flat, targets, loss_of)
@@ -449,6 +452,13 @@ class Pipeline(Placed):
 
     def _run(self, values: list[Any]) -> list[Any]:
         return self._eager.forward(values, self._checkpoint_stop(len(values)), self.on_transfer)
+
+
+def _input_grads(batches: list[Any]) -> bool:
+    """Whether an input of a step wants its gradient (adversarial training, input attributions): a step's fixed
+    programs copy their inputs into buffers of their own, so such a step runs eagerly, where it reaches them."""
+    values = (v for b in batches for v in ((b,) if isinstance(b, torch.Tensor) else b))
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
 
 
 def _placement(placement: Sequence[int] | None, devices: Sequence[torch.device]) -> tuple[int, ...]:

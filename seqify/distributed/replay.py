@@ -87,6 +87,7 @@ class RankPrograms:
         self.watched = False
         self.marked = False  # the part writing the sums is marked (:func:`mark_writer`), once the programs are built
         self.hooks: tuple[object, ...] = ()  # the parameters' and layers' hooks the programs were built for
+        self.modes: tuple[bool, ...] = ()  # the layers' modes (training or not) they were built in
 
     def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
               order: Sequence[tuple[str, int]] | None = None, autocast: torch.dtype | None = None) -> None:
@@ -101,6 +102,9 @@ class RankPrograms:
         if hooks != self.hooks:  # a hook added or removed: built again (a hooked weight is not cast once)
             self.hooks, self.sizes = hooks, []
             self._check_hooks()
+        modes = tuple(m.training for m in self.runner.layers.modules())
+        if modes != self.modes:  # a layer put in another mode: captured graphs keep the one they were captured in
+            self.modes, self.sizes = modes, []
         if sizes != self.sizes or stop != self.stop or split != self.split or autocast != self.autocast:
             self.sizes, self.stop, self.split, self.autocast, self.captured = list(sizes), stop, split, autocast, False
             self.programs = [None] * len(sizes)

@@ -73,11 +73,17 @@ class Replayer:
             # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them; and
             # differentiate by those that want a gradient: freezing or unfreezing one rebuilds them too
             tuple((p.data_ptr(), p.requires_grad) for p in self.parameters()),
-            # a hook added to a parameter rebuilds them too (and refuses those that would not run it)
-            signature(self.parameters(), (m for s in self.stages for m in s.layers.modules())),
+            # a hook added to a parameter or layer rebuilds them too (and refuses those that would not run it),
+            # and so does a layer put in another mode (a BatchNorm frozen with .eval() while the rest trains):
+            # captured graphs keep the mode they were captured in
+            signature(self.parameters(), self._layers()),
+            tuple(m.training for m in self._layers()),
             # which inputs are one tensor (one buffer behind two slots)
             tuple(tuple(map(id, v)).index(id(t)) for v in batches if not isinstance(v, torch.Tensor) for t in v),
         )
+
+    def _layers(self) -> list[torch.nn.Module]:
+        return [m for s in self.stages for m in s.layers.modules()]
 
     def programs(self, batches: list[Any], training: bool, schedule: Schedule | None = None,
                  stop: int = 0) -> Replay | None:

@@ -216,3 +216,32 @@ def test_a_gradient_hook_is_not_captured_the_step_runs_eagerly() -> None:
     assert any("gradient hook" in str(w.message) for w in caught)
     assert not replayed[3].graphs and replayed[2] == eager[2] == 6
     assert_same(replayed, eager)
+
+
+def test_a_global_module_hook_sends_the_step_back_to_eager_execution() -> None:
+    """torch's global module hooks run around every layer's call: as many calls as the eager step makes."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    def run(replay: bool) -> tuple[int, object]:
+        pipe = seqify.pipeline(seqify.convert(net()), devices=["cpu", "cpu"], balance=[2, 3], chunks=2,
+                               checkpoint="never", schedule="1f1b")
+        pipe._replay_eager = replay
+        calls = [0]
+
+        def count(*_: object) -> None:
+            calls[0] += 1
+
+        handle = register_module_forward_hook(count)
+        try:
+            torch.manual_seed(1)
+            x, target = torch.randn(4, 6), torch.randn(4, 3)
+            for _ in range(2):
+                pipe.step(x, target, lambda y, t: F.mse_loss(y, t))
+        finally:
+            handle.remove()
+        return calls[0], pipe
+
+    calls, pipe = run(True)
+    want, _ = run(False)
+    assert calls == want > 0
+    assert pipe.graph_error is not None and "global module forward hooks" in pipe.graph_error

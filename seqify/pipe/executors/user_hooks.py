@@ -4,8 +4,9 @@ A replayed backward adds each micro-batch's gradients into sums of its own and f
 step, so autograd never accumulates into ``.grad`` and a post-accumulate-grad hook would never run. A gradient
 hook runs in an eager program (its weight is then read through autocast's own cast, so the hook sees the float32
 gradient, see :mod:`.casts`), but a captured CUDA graph replays only the kernels a hook launched while it was
-captured: its Python would run once. A layer's hooks (forward, backward) are called by every forward that
-building the programs runs besides the step's own, and a captured graph would run them once.
+captured: its Python would run once. A layer's hooks (forward, backward), and torch's global module hooks, are
+called by every forward that building the programs runs besides the step's own, and a captured graph would run
+them once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from seqify.model.hooks import user_hooks
 
-__all__ = ["hooked", "refusal", "signature", "suspended"]
+__all__ = ["global_hooks", "hooked", "refusal", "signature", "suspended"]
 
 #: Hooks run on a parameter's gradient as autograd computes it (``Tensor.register_hook``).
 GRADIENT = "_backward_hooks"
@@ -31,18 +32,37 @@ def hooked(t: torch.Tensor) -> tuple[bool, bool]:
     return bool(getattr(t, GRADIENT, None)), bool(getattr(t, ACCUMULATED, None))
 
 
+#: torch's hooks run around every module's call (``torch.nn.modules.module.register_module_forward_hook`` and
+#: the like), by the name of their dict in ``torch.nn.modules.module``.
+GLOBAL = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def global_hooks() -> list[str]:
+    """The kinds of global module hook registered now (``forward-pre``, ``forward``, ...)."""
+    from torch.nn.modules import module
+
+    return [name.removeprefix("_global_").removesuffix("_hooks").replace("_", "-")
+            for name in GLOBAL if getattr(module, name, None)]
+
+
 def signature(params: Iterable[torch.Tensor], layers: Iterable[nn.Module] = ()) -> tuple[object, ...]:
-    """Which parameters and layers have which hooks now: programs built without a hook are built again once one
-    is added."""
+    """Which parameters, layers and global module hooks there are now: programs built without a hook are built
+    again once one is added."""
     found: list[object] = [(k, *h) for k, h in enumerate(map(hooked, params)) if any(h)]
     found += [(k, *kinds) for k, kinds in enumerate(user_hooks(m) for m in layers) if kinds]
-    return tuple(found)
+    return tuple(found + global_hooks())
 
 
 def refusal(layers: nn.Module, partition: int, capturing: bool, training: bool = True) -> tuple[str, bool] | None:
     """Why partition ``partition``'s programs would not run a hook of its layers (or, ``training``, of its
     trainable parameters) as an eager step does, and whether eager programs would (a gradient hook that only
     capturing misses); None where they would."""
+    kinds_all = global_hooks()
+    if kinds_all:
+        return (f"global module {', '.join(kinds_all)} hooks are registered (torch.nn.modules.module."
+                "register_module_forward_hook and the like), which replayed programs would not call once per layer "
+                f"and micro-batch in partition {partition}: building them runs more forwards, and a captured graph "
+                "runs their Python once", False)
     for name, m in layers.named_modules():
         kinds = user_hooks(m)
         if kinds:

@@ -229,10 +229,13 @@ class DistributedStage(Placed):
             carried = inputs
         refuse_meta(carried, "the pipeline's input", self.device,
                     model.input_names() if isinstance(model, Sequential) else None)
-        if isinstance(carried, torch.Tensor):
-            carried = carried.to(self.device)
-        else:
-            carried = tuple(t.to(self.device) for t in carried)
+        values = (carried,) if isinstance(carried, torch.Tensor) else tuple(carried)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in values):  # each rank's micro-batches are its own
+            raise ScheduleError("stage.step(inputs) does not give the inputs a gradient: each rank's micro-batches "
+                                "are tensors of its own. Pass inputs that do not require grad (x.detach()); for "
+                                "input gradients train in one process, where seqify.pipeline's step gives them")
+        moved = tuple(t.to(self.device) for t in values)
+        carried = moved[0] if isinstance(carried, torch.Tensor) else moved
         return scatter(carried, self.chunks, model.input_names if isinstance(model, Sequential) else None)
 
     def _sizes(self, micro: list[Any]) -> list[int]:
@@ -294,8 +297,6 @@ class DistributedStage(Placed):
         how = reduction_of(loss_fn, reduction, denominator) if self.is_last and loss_fn is not None else None
         if self.is_last and target is not None:
             refuse_meta(target, "target", self.device)
-        if self.is_first and torch.is_grad_enabled():
-            _refuse_input_grads(inputs)
         micro = self._micro_inputs(inputs) if self.is_first else []
         sizes = self._sizes(micro)
         m = len(sizes)
@@ -495,14 +496,3 @@ def stage(
             if s == rank % ranks:
                 result._dp_group = group
     return result
-
-
-def _refuse_input_grads(inputs: Any) -> None:
-    """A rank's step receives its micro-batches as tensors of its own, so no gradient reaches the caller's
-    inputs: an input that wants one (adversarial training) is refused rather than left without it."""
-    import torch.utils._pytree as pytree
-
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(inputs)):
-        raise ScheduleError("stage.step(inputs) does not give the inputs a gradient: each rank's micro-batches are "
-                         "tensors of its own. Pass inputs that do not require grad (x.detach()); for input "
-                         "gradients train in one process, where seqify.pipeline's step gives them")

@@ -30,7 +30,7 @@ from seqify.pipe.executors.programs import (
     mark_writer,
 )
 from seqify.pipe.executors.replayed import GraphWarning
-from seqify.pipe.executors.user_hooks import refusal, signature
+from seqify.pipe.executors.user_hooks import built_for, refusal
 from seqify.pipe.stage import Stage
 from seqify.schedule.actions import Action, last_gradients
 from seqify.schedule.interpreter import Hooks
@@ -86,8 +86,8 @@ class RankPrograms:
         self.casts: Casts | None = None
         self.watched = False
         self.marked = False  # the part writing the sums is marked (:func:`mark_writer`), once the programs are built
-        self.hooks: tuple[object, ...] = ()  # the parameters' and layers' hooks the programs were built for
-        self.modes: tuple[bool, ...] = ()  # the layers' modes (training or not) they were built in
+        self.layers = list(runner.layers.modules())
+        self.state: tuple[object, ...] = ()  # what the user may change that the programs were built for (built_for)
 
     def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
               order: Sequence[tuple[str, int]] | None = None, autocast: torch.dtype | None = None) -> None:
@@ -97,14 +97,11 @@ class RankPrograms:
         micro-batch) actions as the schedule issues them) sizes the input and output-gradient buffers to
         what it keeps in flight (:mod:`~seqify.pipe.executors.buffers`); without it every micro-batch has its own."""
         self.views.release()
-        self._check_trainable()
-        hooks = signature(self.params, self.runner.layers.modules())
-        if hooks != self.hooks:  # a hook added or removed: built again (a hooked weight is not cast once)
-            self.hooks, self.sizes = hooks, []
+        state = built_for(self.runner.layers.parameters(), self.layers)
+        if state != self.state:  # a parameter frozen, a layer's mode or a hook changed: refused or built again
+            self._check_trainable()
             self._check_hooks()
-        modes = tuple(m.training for m in self.runner.layers.modules())
-        if modes != self.modes:  # a layer put in another mode: captured graphs keep the one they were captured in
-            self.modes, self.sizes = modes, []
+            self.state, self.sizes = state, []
         if sizes != self.sizes or stop != self.stop or split != self.split or autocast != self.autocast:
             self.sizes, self.stop, self.split, self.autocast, self.captured = list(sizes), stop, split, autocast, False
             self.programs = [None] * len(sizes)

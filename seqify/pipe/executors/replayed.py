@@ -16,7 +16,7 @@ from seqify.pipe.executors.build import build
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.executors.programs import Unreplayable
 from seqify.pipe.executors.replay import Replay
-from seqify.pipe.executors.user_hooks import signature
+from seqify.pipe.executors.user_hooks import built_for
 from seqify.pipe.executors.wiring import slots
 from seqify.pipe.stage import Stage
 from seqify.pipe.transfer import Transfer
@@ -48,6 +48,7 @@ class Replayer:
         self.overlap = overlap  # pipe.step's graphs on two lanes per GPU (see .lanes)
         self.options = options or ReplayOptions()  # buffer sharing, casting once (see .options)
         self.placement = tuple(placement) if placement is not None else slots(devices)
+        self.layers = [m for s in stages for m in s.layers.modules()]  # every module the programs call
         self.eager = False
         self.built: tuple[Any, Replay] | None = None
         self.error: str | None = None
@@ -70,20 +71,14 @@ class Replayer:
             ),
             autocast,
             dtype,
-            # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them; and
-            # differentiate by those that want a gradient: freezing or unfreezing one rebuilds them too
-            tuple((p.data_ptr(), p.requires_grad) for p in self.parameters()),
-            # a hook added to a parameter or layer rebuilds them too (and refuses those that would not run it),
-            # and so does a layer put in another mode (a BatchNorm frozen with .eval() while the rest trains):
-            # captured graphs keep the mode they were captured in
-            signature(self.parameters(), self._layers()),
-            tuple(m.training for m in self._layers()),
+            # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them
+            tuple(p.data_ptr() for p in self.parameters()),
+            # so does a parameter frozen or unfrozen, a layer put in another mode (a BatchNorm frozen with .eval()
+            # while the rest trains) or a hook added (refused where programs would not run it)
+            built_for(self.parameters(), self.layers),
             # which inputs are one tensor (one buffer behind two slots)
             tuple(tuple(map(id, v)).index(id(t)) for v in batches if not isinstance(v, torch.Tensor) for t in v),
         )
-
-    def _layers(self) -> list[torch.nn.Module]:
-        return [m for s in self.stages for m in s.layers.modules()]
 
     def programs(self, batches: list[Any], training: bool, schedule: Schedule | None = None,
                  stop: int = 0) -> Replay | None:

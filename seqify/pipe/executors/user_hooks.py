@@ -19,7 +19,7 @@ from torch import nn
 
 from seqify.model.hooks import user_hooks
 
-__all__ = ["global_hooks", "hooked", "refusal", "signature", "suspended"]
+__all__ = ["built_for", "global_hooks", "hooked", "refusal", "suspended"]
 
 #: Hooks run on a parameter's gradient as autograd computes it (``Tensor.register_hook``).
 GRADIENT = "_backward_hooks"
@@ -45,12 +45,12 @@ def global_hooks() -> list[str]:
             for name in GLOBAL if getattr(module, name, None)]
 
 
-def signature(params: Iterable[torch.Tensor], layers: Iterable[nn.Module] = ()) -> tuple[object, ...]:
-    """Which parameters, layers and global module hooks there are now: programs built without a hook are built
-    again once one is added."""
-    found: list[object] = [(k, *h) for k, h in enumerate(map(hooked, params)) if any(h)]
-    found += [(k, *kinds) for k, kinds in enumerate(user_hooks(m) for m in layers) if kinds]
-    return tuple(found + global_hooks())
+def built_for(params: Iterable[torch.Tensor], layers: Iterable[nn.Module]) -> tuple[object, ...]:
+    """What a user may change between steps that programs are built for, in one pass: each parameter's
+    ``requires_grad`` and hooks, each layer's mode and hooks, and torch's global module hooks. Programs are built
+    again (or refused, :func:`refusal`) when it changes: captured graphs keep what they were captured with."""
+    return (tuple((p.requires_grad, *hooked(p)) for p in params),
+            tuple((m.training, *user_hooks(m)) for m in layers), tuple(global_hooks()))
 
 
 def refusal(layers: nn.Module, partition: int, capturing: bool, training: bool = True) -> tuple[str, bool] | None:

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--graphs", action="store_true", help="fixed programs per micro-batch (CUDA graphs on GPUs)")
     p.add_argument("--config", default="", help="a saved PipeConfig giving the layout (the options above unused)")
     p.add_argument("--bf16", action="store_true", help="train() steps under bf16 autocast")
+    p.add_argument("--lr", type=float, default=0.1, help="train()'s SGD learning rate")
     args = p.parse_args(argv)
     if args.backend == "nccl":
         torch.backends.cudnn.allow_tf32 = False
@@ -195,7 +196,7 @@ def train(args: argparse.Namespace, model: nn.Module, stage: sd.DistributedStage
 
     With ``--steps`` far above what the test waits for, the job runs until the test kills a node; each
     rank touches ``started{rank}`` after its first step so the test knows training is under way."""
-    opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
     first = checkpoint.load(stage, args.ckpt, opt).step if args.resume else 0
     losses: dict[int, float] = {}
     rank = torch.distributed.get_rank()

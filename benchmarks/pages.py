@@ -217,6 +217,14 @@ LAYOUTS_LLAMA_FUSED = _layouts("h200-llama-two-gpus-fused.jsonl", H200x2,
 LAYOUTS_LLAMA_FUSED_ANCHORS = _layouts("h200-llama-two-gpus-fused-anchors.jsonl", H200x2,
                                        "--model llama --gpus 2 --per-gpu 4 --steps 6 --warm 2", date="2026-11-29",
                                        llama=True)
+LAYOUTS_RESNET_ONE_RUN = _layouts("h200-resnet-two-gpus-auto.jsonl", H200x2,
+                                  "--gpus 2 --per-gpu 128 --steps 6 --warm 2 --auto", date="2026-11-29")
+LAYOUTS_LLAMA_ONE_RUN = _layouts("h200-llama-two-gpus-fused-one-run.jsonl", H200x2,
+                                 "--model llama --gpus 2 --per-gpu 4 --steps 6 --warm 2 --auto "
+                                 "--layouts 1x2:interleaved:2:graphs:loops4", date="2026-11-29", llama=True)
+LAYOUTS_LLAMA8B_FUSED = _layouts("h200-llama8b-two-gpus-fused.jsonl", H200x2,
+                                 "--model llama8b --gpus 2 --per-gpu 2 --steps 4 --warm 2 --auto", date="2026-11-29",
+                                 llama=True)
 #: The rows of LAYOUTS_LLAMA_BUCKETS' replicas by hand: parts interleaved, and in GPipe's order.
 LLAMA_PARTS, LLAMA_PARTS_GPIPE = ("seqify 1 x 2 interleaved chunks 2 loops 4 graphs",
                                   "seqify 1 x 2 gpipe chunks 1 loops 4 graphs")
@@ -259,7 +267,8 @@ SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, FAMILIE
            LAYOUTS_LLAMA8B, LAYOUTS_LLAMA8B_HAND, LAYOUTS_EAGER, LAYOUTS_MICRO, LAYOUTS4_MEMORY, LAYOUTS_LLAMA_MICRO,
            LAYOUTS4_LLAMA8B_HAND, LAYOUTS_BOUNDED, LAYOUTS_LLAMA_BOUNDED, FAMILIES_BOUNDED, FAMILIES_BUCKETS,
            LAYOUTS_BOUNDED_AGAIN, LAYOUTS_LLAMA_BUCKETS, LAYOUTS_LLAMA_AUTO, LAYOUTS_LLAMA_BUCKETS_TORCHRUN,
-           LAYOUTS_LLAMA_FUSED, LAYOUTS_LLAMA_FUSED_ANCHORS)
+           LAYOUTS_LLAMA_FUSED, LAYOUTS_LLAMA_FUSED_ANCHORS, LAYOUTS_RESNET_ONE_RUN, LAYOUTS_LLAMA_ONE_RUN,
+           LAYOUTS_LLAMA8B_FUSED)
 
 
 # -- the numbers the pages share ---------------------------------------------------------------------------------
@@ -360,11 +369,21 @@ def _llama_buckets_note() -> str:
             "released one, in a run of its own, chose 2.")
 
 
+def _llama_one_run_note() -> str:
+    """What the Llama's two-GPU automatic row counts, and the same layout's step alone in that run."""
+    found = {r["row"]: r for r in rows(LAYOUTS_LLAMA_ONE_RUN.files[0])}
+    hand, fsdp = found[LLAMA_PARTS], found["FSDP2"]
+    return (f"The Llama's automatic row on two GPUs counts its tuning in its peaks; in the same run the same layout "
+            f"by hand held {_held(hand):.1f} GiB in use and {max(hand['reserved_gib']):.1f} reserved, at "
+            f"{hand['samples_per_s'] / found['DDP']['samples_per_s']:.3f}× DDP's throughput (FSDP2 "
+            f"{_held(fsdp):.1f} allocated and {max(fsdp['reserved_gib']):.1f} reserved).")
+
+
 def layouts_headline() -> str:
     """The README's second table: seqify's automatic choice among every layout beside DDP and FSDP2, per run."""
-    runs = [("ResNet-101, fp32, SGD, 128 per GPU", "2", LAYOUTS_BOUNDED),
+    runs = [("ResNet-101, fp32, SGD, 128 per GPU", "2", LAYOUTS_RESNET_ONE_RUN),
             ("ResNet-101, fp32, SGD, 128 per GPU", "4", LAYOUTS4),
-            ("Llama 0.89 B, bf16, SGD, 4 × 2048 tokens per GPU", "2", LAYOUTS_LLAMA_BUCKETS),
+            ("Llama 0.89 B, bf16, SGD, 4 × 2048 tokens per GPU", "2", LAYOUTS_LLAMA_ONE_RUN),
             ("Llama 0.89 B, bf16, SGD, 4 × 2048 tokens per GPU", "4", LAYOUTS4_LLAMA_AUTO)]
     body = []
     for workload, gpus, source in runs:
@@ -379,10 +398,10 @@ def layouts_headline() -> str:
         "the largest reserved. `stages x replicas`: the tuner's layout. Steps run back to back in every row. On two "
         "GPUs the tuner keeps the fastest layout that holds no more per GPU than DDP would; the four-GPU rows are an "
         "earlier run, whose tuner held a layout only to one GPU training the batch and to its own graphed data "
-        "parallelism, and hold more than DDP. " + _llama_buckets_note(),
+        "parallelism, and hold more than DDP. " + _llama_one_run_note(),
         "",
-        f"*NVIDIA H200 GPUs on NVLink; torch {TORCH}; seqify {SEQIFY}; {LAYOUTS4.date}.* The commands and raw files: "
-        "[layouts](docs/benchmarks/layouts.md).",
+        f"*NVIDIA H200 GPUs on NVLink; torch {TORCH}; seqify {SEQIFY}; two GPUs {LAYOUTS_LLAMA_ONE_RUN.date}, four "
+        f"{LAYOUTS4.date}.* The commands and raw files: [layouts](docs/benchmarks/layouts.md).",
     ])
 
 
@@ -927,6 +946,7 @@ def layouts_page() -> str:
         return f"{max(found[row]['reserved_gib']):.1f}"
 
     pipes4 = hand4["seqify 4 x 1 1f1b chunks 8 graphs"]
+    resnet1, llama1, big1 = named(LAYOUTS_RESNET_ONE_RUN), named(LAYOUTS_LLAMA_ONE_RUN), named(LAYOUTS_LLAMA8B_FUSED)
     return page(
         "Layouts: pipelines times replicas, beside DDP",
         "**Method.** One run per table on one machine, one row after another: one GPU on its share of the batch; "
@@ -954,6 +974,7 @@ def layouts_page() -> str:
         "since record what each row starts with. Ratios compare rows of one table only; "
         "H100 and H200 tables are separate runs on separate machines.",
         "## ResNet-101, fp32, SGD, 128 samples per GPU",
+        _layout_section("Two H200s, the tuner beside DDP", LAYOUTS_RESNET_ONE_RUN),
         _layout_section("Two H200s", LAYOUTS_BOUNDED),
         _layout_section("Two H200s, again", LAYOUTS_BOUNDED_AGAIN, " The same choice as the run above, timed in a run "
                         "of its own (that run's tuner also added graphs' idle pool blocks to its candidates' peaks)."),
@@ -965,6 +986,8 @@ def layouts_page() -> str:
         _layout_section("Four H100s", LAYOUTS_H100_4),
         _layout_section("Two H100s", LAYOUTS_H100_2),
         "## Llama 0.89 B, bf16 autocast, SGD, 4 × 2048 tokens per GPU",
+        _layout_section("Two H200s, the tuner and replicas in interleaved parts beside DDP and FSDP2",
+                        LAYOUTS_LLAMA_ONE_RUN, " The automatic row's peaks count its tuning."),
         _layout_section("Two H200s, replicas in interleaved parts, weight gradients written by the backward",
                         LAYOUTS_LLAMA_FUSED, " DDP and FSDP2 ran in the next process on the same machine (below)."),
         _layout_section("Two H200s, DDP and FSDP2 beside them", LAYOUTS_LLAMA_FUSED_ANCHORS),
@@ -980,12 +1003,22 @@ def layouts_page() -> str:
                         "partition)", LAYOUTS4_LLAMA),
         "## Llama 7.2 B, bf16 autocast, fp32 Adam, 2 × 2048 tokens per GPU",
         "No one GPU trains it (its weights, gradients and Adam's moments alone take 115 GB), so FSDP2 is the anchor.",
+        _layout_section("Two H200s, the tuner, weight gradients written by the backward", LAYOUTS_LLAMA8B_FUSED),
         _layout_section("Four H200s, layouts by hand", LAYOUTS4_LLAMA8B_HAND),
-        _layout_section("Two H200s", LAYOUTS_LLAMA8B),
+        _layout_section("Two H200s, before weight gradients were written by the backward", LAYOUTS_LLAMA8B),
         _layout_section("Two H200s, a layout by hand", LAYOUTS_LLAMA8B_HAND,
                         " Its second layout, GPipe at 4 micro-batches, ran out of memory at its first Adam step in "
                         "that run and has no row."),
-        f"**Result.** On two H200s the tuner, which keeps no layout that holds more per GPU than DDP would (it "
+        "**Result.** On two H200s, each beside its anchors in one run: for the 0.89 B Llama the tuner chose "
+        f"{chose(llama1)}, {vs(llama1, 'DDP')}× DDP's and {vs(llama1, 'FSDP2')}× FSDP2's throughput at "
+        f"{max(llama1[auto]['peak_gib']):.1f} GiB allocated and {held(llama1, auto)} in use on a GPU, its tuning "
+        f"counted (DDP {held(llama1, 'DDP')}, FSDP2 {held(llama1, 'FSDP2')} allocated and "
+        f"{reserved(llama1, 'FSDP2')} reserved); the same layout by hand ran {vs(llama1, 'DDP', parts)}× DDP at "
+        f"{held(llama1, parts)} GiB in use. For ResNet-101 it chose {chose(resnet1)}, {vs(resnet1, 'DDP')}× DDP's "
+        f"throughput at {held(resnet1, auto)} GiB in use against DDP's {held(resnet1, 'DDP')}. For the 7.2 B Llama, "
+        f"which no one GPU trains, it chose {chose(big1)}, {vs(big1, 'FSDP2')}× FSDP2's throughput at "
+        f"{max(big1[auto]['peak_gib']):.1f} GiB allocated against FSDP2's {max(big1['FSDP2']['peak_gib']):.1f}. "
+        "Earlier runs: the tuner, which keeps no layout that holds more per GPU than DDP would (it "
         "times data parallelism as DDP runs it, eager, as the reference), chose "
         f"{chose(bound2)} for ResNet-101: {vs(bound2, 'DDP')}× DDP's throughput, holding {held(bound2, auto)} GiB "
         f"in use on a GPU against DDP's {held(bound2, 'DDP')} allocated ({reserved(bound2, auto)} reserved against "
@@ -1010,23 +1043,28 @@ def layouts_page() -> str:
         f"against FSDP2's {held(big4, 'FSDP2')} allocated ({reserved(big4, zb8)} reserved against "
         f"{reserved(big4, 'FSDP2')}). Every GPU is busy through the whole step: `benchmarks/layouts/gaps.py` "
         "finds no idle gap of 0.2 ms or more on four H100s.",
-        f"**Where seqify loses.** Holding DDP's memory costs speed: graphed replicas at one micro-batch per GPU "
+        f"**Where seqify loses.** ResNet-101 on two GPUs: the tuner's choice runs at DDP's speed, not ahead of it "
+        f"({vs(resnet1, 'DDP')}×, {vs(bound2, 'DDP')}× and {vs(again2, 'DDP')}× in three runs), though in less memory. "
+        f"The 7.2 B Llama's graphed step keeps {held(big1, auto)} GiB in use on its fullest GPU, CUDA graphs' pools "
+        f"counted ({reserved(big1, auto)} reserved), more than FSDP2's {max(big1['FSDP2']['peak_gib']):.1f} "
+        f"allocated and {reserved(big1, 'FSDP2')} reserved: for a model one GPU cannot hold the tuner keeps the "
+        "fastest layout that fits a GPU, not one held to FSDP2's memory. "
+        "Holding DDP's memory costs speed: graphed replicas at one micro-batch per GPU "
         "keep a whole step's activations in CUDA graphs' pools, apart from the allocator's cache, and hold more than "
         f"DDP (the earlier choice for ResNet-101: {held(h200_2, auto)} GiB in use against {held(h200_2, 'DDP')}), so "
         "the tuner now passes over them. The four-GPU automatic rows are the earlier tuner's and hold more than DDP. "
         "Without graphs, replicas in one process run "
         f"at DDP's memory but can fall behind it ({vs(eager2, 'DDP', 'seqify 1 x 2 gpipe chunks 1')}× on ResNet-101 "
         "by hand; the host issues every GPU's kernels). "
-        f"On the 0.89 B Llama, replicas in interleaved parts whose backward writes the weight gradients into "
-        f"their sums ran {fused_ddp:.3f}× DDP's throughput at {held(fused2, parts)} GiB in use, under FSDP2's "
-        f"{max(anchors2['FSDP2']['peak_gib']):.1f} allocated, but DDP and FSDP2 ran in the next process, not "
-        "beside them in one run: a margin that thin is not a win until one run shows it. Before that change no "
+        f"On the 0.89 B Llama the margin over DDP is thin: {vs(llama1, 'DDP')}× in one run, and "
+        f"{fused_ddp:.3f}× for the same replicas by hand against DDP in the next process. Before their backward "
+        "wrote the weight gradients into their sums, no "
         f"layout measured was at once as fast as DDP and as light as FSDP2: replicas in "
         f"interleaved parts held {held(buckets, parts)} GiB in use at {vs(buckets, 'DDP', parts)}× DDP's throughput "
         f"(in one part, {held(llama_micro, light)} GiB at {vs(llama_micro, 'DDP', light)}×), and GPipe's order over "
         f"the parts, one micro-batch per GPU, {vs(buckets, 'DDP', gpipe_parts)}× at {held(buckets, gpipe_parts)} GiB; "
-        f"on four H200s the earlier automatic run reached {vs(llama4, 'DDP')} of DDP. The 7.2 B Llama "
-        f"on two H200s ran {vs(big, 'FSDP2')}× FSDP2's throughput at {max(big[auto]['peak_gib']):.1f} GiB "
+        f"on four H200s the earlier automatic run reached {vs(llama4, 'DDP')} of DDP. Before its backward wrote "
+        f"weight gradients into their sums, the 7.2 B Llama on two H200s ran {vs(big, 'FSDP2')}× FSDP2's throughput at {max(big[auto]['peak_gib']):.1f} GiB "
         f"allocated against {max(big['FSDP2']['peak_gib']):.1f} and {reserved(big, auto)} reserved against "
         f"{reserved(big, 'FSDP2')} (FSDP2 shards the weights, gradients and Adam's moments; a pipeline holds its "
         "half of each whole). A pure pipeline over four GPUs is far behind DDP on models that fit one GPU "

@@ -19,6 +19,7 @@ from seqify.pipe.executors.buffers import Buffers, partition_order, places
 from seqify.pipe.executors.capture import capture_in_order, saved_buffers, warm
 from seqify.pipe.executors.casts import Casts, find, lowered
 from seqify.pipe.executors.grad_views import GradViews
+from seqify.pipe.executors.layer_settings import named
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.executors.programs import (
     Flat,
@@ -87,6 +88,7 @@ class RankPrograms:
         self.watched = False
         self.marked = False  # the part writing the sums is marked (:func:`mark_writer`), once the programs are built
         self.layers = list(runner.layers.modules())
+        self.settings = named(self.layers)  # their plain attributes (a dropout's p): captured as they were
         self.state: tuple[object, ...] = ()  # what the user may change that the programs were built for (built_for)
 
     def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
@@ -97,8 +99,8 @@ class RankPrograms:
         micro-batch) actions as the schedule issues them) sizes the input and output-gradient buffers to
         what it keeps in flight (:mod:`~seqify.pipe.executors.buffers`); without it every micro-batch has its own."""
         self.views.release()
-        state = built_for(self.runner.layers.parameters(), self.layers)
-        if state != self.state:  # a parameter frozen, a layer's mode or a hook changed: refused or built again
+        state = built_for(self.runner.layers.parameters(), self.layers, self.settings)
+        if state != self.state:  # a parameter frozen, a mode, a hook or a setting changed: refused or built again
             self._check_trainable()
             self._check_hooks()
             self.state, self.sizes = state, []

@@ -32,4 +32,5 @@ def recording_hook(hook: Any) -> bool:
 
 def user_hooks(module: nn.Module) -> list[str]:
     """The hook dicts of ``module`` that hold a hook a flattening conversion would drop (recording hooks aside)."""
-    return [h for h in HOOK_DICTS if any(not recording_hook(f) for f in getattr(module, h, {}).values())]
+    return [h for h in HOOK_DICTS  # read once per replayed step: empty dicts cost one lookup each
+            if (hooks := getattr(module, h, None)) and any(not recording_hook(f) for f in hooks.values())]

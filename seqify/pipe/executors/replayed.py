@@ -13,6 +13,7 @@ import torch
 from seqify.errors import SeqifyError
 from seqify.pipe import tied
 from seqify.pipe.executors.build import build
+from seqify.pipe.executors.layer_settings import named
 from seqify.pipe.executors.options import ReplayOptions
 from seqify.pipe.executors.programs import Unreplayable
 from seqify.pipe.executors.replay import Replay
@@ -49,6 +50,7 @@ class Replayer:
         self.options = options or ReplayOptions()  # buffer sharing, casting once (see .options)
         self.placement = tuple(placement) if placement is not None else slots(devices)
         self.layers = [m for s in stages for m in s.layers.modules()]  # every module the programs call
+        self.settings = named(self.layers)  # their plain attributes (a dropout's p), read each step
         self.eager = False
         self.built: tuple[Any, Replay] | None = None
         self.error: str | None = None
@@ -74,8 +76,9 @@ class Replayer:
             # programs read parameters at fixed addresses: .to(), .half() or new Parameters rebuild them
             tuple(p.data_ptr() for p in self.parameters()),
             # so does a parameter frozen or unfrozen, a layer put in another mode (a BatchNorm frozen with .eval()
-            # while the rest trains) or a hook added (refused where programs would not run it)
-            built_for(self.parameters(), self.layers),
+            # while the rest trains), a hook added (refused where programs would not run it) or a layer's setting
+            # changed (a dropout's p: captured graphs keep the value they were captured with)
+            built_for(self.parameters(), self.layers, self.settings),
             # which inputs are one tensor (one buffer behind two slots)
             tuple(tuple(map(id, v)).index(id(t)) for v in batches if not isinstance(v, torch.Tensor) for t in v),
         )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from seqify.model.hooks import user_hooks
+from seqify.pipe.executors.layer_settings import Settings, values
 
 __all__ = ["built_for", "global_hooks", "hooked", "refusal", "suspended"]
 
@@ -45,12 +46,14 @@ def global_hooks() -> list[str]:
             for name in GLOBAL if getattr(module, name, None)]
 
 
-def built_for(params: Iterable[torch.Tensor], layers: Iterable[nn.Module]) -> tuple[object, ...]:
+def built_for(params: Iterable[torch.Tensor], layers: Iterable[nn.Module], settings: Settings = ()
+              ) -> tuple[object, ...]:
     """What a user may change between steps that programs are built for, in one pass: each parameter's
-    ``requires_grad`` and hooks, each layer's mode and hooks, and torch's global module hooks. Programs are built
-    again (or refused, :func:`refusal`) when it changes: captured graphs keep what they were captured with."""
+    ``requires_grad`` and hooks, each layer's mode and hooks, torch's global module hooks, and the layers' plain
+    ``settings`` (:mod:`.layer_settings`). Programs are built again (or refused, :func:`refusal`) when it
+    changes: captured graphs keep what they were captured with."""
     return (tuple((p.requires_grad, *hooked(p)) for p in params),
-            tuple((m.training, *user_hooks(m)) for m in layers), tuple(global_hooks()))
+            tuple((m.training, *user_hooks(m)) for m in layers), tuple(global_hooks()), values(settings))
 
 
 def refusal(layers: nn.Module, partition: int, capturing: bool, training: bool = True) -> tuple[str, bool] | None:

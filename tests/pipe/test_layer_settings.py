@@ -1,0 +1,105 @@
+"""A layer's plain setting changed between replayed steps (a BatchNorm's momentum, a dropout's p): the programs are
+built again with the new value, as the eager step reads it. A captured CUDA graph replays the kernels its layers
+launched at capture, with the values they read then, so without a rebuild the old momentum went on updating the
+running statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import seqify
+from seqify.pipe.executors.layer_settings import named, values
+
+
+def net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.0), nn.Linear(8, 8),
+                         nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def run(replay: bool, device: str = "cpu") -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[object]]:
+    """Four SGD steps of a 2-partition 1F1B pipeline; the BatchNorms' momentum 0.1, then 0.9 from the third step.
+    Returns the losses, each step's gradients and running statistics, and the programs each step ran."""
+    seq = seqify.convert(net().to(device))
+    cuda = device.startswith("cuda")
+    pipe = seqify.pipeline(seq, devices=[device, device], balance=[4, 4], chunks=2, checkpoint="never",
+                           schedule="1f1b", graphs=cuda and replay)
+    pipe._replay_eager = replay and not cuda
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    norms = [m for m in seq.modules() if isinstance(m, nn.BatchNorm1d)]
+    assert len(norms) == 2
+    torch.manual_seed(1)
+    x, target = torch.randn(8, 6, device=device), torch.randn(8, 3, device=device)
+    losses, states, built = [], [], []
+    for step in range(4):
+        for m in norms:
+            m.momentum = 0.1 if step < 2 else 0.9
+        opt.zero_grad(set_to_none=True)
+        losses.append(pipe.step(x, target, lambda y, t: F.mse_loss(y, t)).detach())
+        states.append([p.grad.clone() for p in pipe.parameters()] + [b.clone() for b in pipe.buffers()])
+        built.append(pipe._graphed[1] if pipe._graphed is not None else None)
+        opt.step()
+    assert not replay or (pipe.graph_error is None and (not cuda or pipe.graphs))
+    return losses, states, built
+
+
+def test_a_setting_changed_between_replayed_steps_builds_the_programs_again() -> None:
+    losses, states, built = run(True)
+    want, want_states, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, want))
+    for got, exp in zip(states, want_states):
+        assert all(torch.equal(a, b) for a, b in zip(got, exp))
+    assert built[0] is not None and built[0] is built[1] and built[2] is not built[1] and built[2] is built[3]
+
+
+def test_settings_are_a_layers_plain_public_attributes() -> None:
+    drop, norm = nn.Dropout(0.25), nn.BatchNorm1d(4, momentum=None)
+    norm.note = "kept"  # an attribute a user set is a setting too
+    container = nn.Sequential()
+    found = dict(named([drop, norm, nn.ReLU(inplace=False), container]))
+    assert found[drop] == ("p", "inplace")
+    assert set(found[norm]) == {"num_features", "eps", "momentum", "affine", "track_running_stats", "note"}
+    assert container not in found  # a container has no settings
+    before = values(list(found.items()))
+    drop.p = 0.5
+    assert values(list(found.items())) != before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_graphs_are_captured_again_for_a_new_momentum() -> None:
+    losses, states, built = run(True, "cuda:0")
+    want, want_states, _ = run(False, "cuda:0")
+    for a, b in zip(losses, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for got, exp in zip(states, want_states):
+        for a, b in zip(got, exp):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert built[2] is not built[1]
+
+
+def test_distributed_programs_are_built_again_for_a_new_setting() -> None:
+    import seqify.distributed as sd
+
+    def steps(graphs: bool) -> tuple[list[torch.Tensor], list[object]]:
+        model = net()
+        stage = sd.DistributedStage(seqify.convert(model), [4, 4], index=0, device=torch.device("cpu"), chunks=2,
+                                    schedule="interleaved", loops=2, checkpoint="never", graphs=graphs)
+        norms = [m for m in stage.modules() if isinstance(m, nn.BatchNorm1d)]
+        torch.manual_seed(1)
+        x, target = torch.randn(8, 6), torch.randn(8, 3)
+        built = []
+        for step in range(3):
+            for m in norms:
+                m.momentum = 0.1 if step < 2 else 0.9
+            stage.step(x, target, loss_fn=F.mse_loss)
+            built.append([prog.programs[0] for prog in stage._programs.values()] if graphs else None)
+        return [b.clone() for b in stage.buffers()], built
+
+    stats, built = steps(True)
+    want, _ = steps(False)
+    assert all(torch.equal(a, b) for a, b in zip(stats, want))
+    assert built[0] == built[1] and all(a is not b for a, b in zip(built[1], built[2]))

@@ -35,11 +35,20 @@ def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
     return (used[0] if isinstance(value, torch.Tensor) else tuple(used)), made
 
 
+def _hand_back(given: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    """The first partition's input gradients into the caller's inputs (each micro-batch a slice of them): through
+    autograd, so ``.grad`` adds up over micro-batches and steps as an eager backward's does."""
+    pairs = [(t, g) for t, g in zip(given, grads) if t.requires_grad and g is not None]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
 @dataclass
 class _Work:
     """One (partition, micro-batch) between its F and its last backward action."""
 
     x: list[torch.Tensor] = field(default_factory=list)  # leaves of the carried input
+    given: list[torch.Tensor] = field(default_factory=list)  # the first partition's: the caller's, as leaves take
     popped: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> leaves of the popped skip
     y: Any = None  # the carried output, or the micro-batch's weighted loss on the last partition
     stashed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> tensors of the stashed skip
@@ -118,6 +127,9 @@ class RankRun:
         s, w = self.s, _Work()
         if p == 0:
             x = self.micro[i]
+            if self.grad and any(t.requires_grad for t in leaves(x)):  # the caller's inputs want their gradient
+                w.given = leaves(x)
+                x, w.x = _as_leaves(x)
         else:
             x, w.x = self._take(self._get((ACTIVATION, p - 1, i), p - 1))
         skips: dict[Any, Any] = {}
@@ -177,6 +189,8 @@ class RankRun:
             w.outs, w.grads = outs, grads
         if p > 0:
             self._put((GRAD, p - 1, i), like_grads(w.x, [got.get(id(t)) for t in w.x]), p - 1)
+        elif w.given:
+            _hand_back(w.given, [got.get(id(t)) for t in w.x])
         for r in self.s.routes:
             if r.dst == p and w.popped[r.index]:
                 popped = w.popped[r.index]

@@ -230,10 +230,11 @@ class DistributedStage(Placed):
         refuse_meta(carried, "the pipeline's input", self.device,
                     model.input_names() if isinstance(model, Sequential) else None)
         values = (carried,) if isinstance(carried, torch.Tensor) else tuple(carried)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in values):  # each rank's micro-batches are its own
-            raise ScheduleError("stage.step(inputs) does not give the inputs a gradient: each rank's micro-batches "
-                                "are tensors of its own. Pass inputs that do not require grad (x.detach()); for "
-                                "input gradients train in one process, where seqify.pipeline's step gives them")
+        if self._programs and torch.is_grad_enabled() and any(t.requires_grad for t in values):
+            raise ScheduleError("stage.step(inputs) with graphs=True does not give the inputs a gradient: its "
+                                "programs copy each micro-batch into buffers of their own. Build the stage with "
+                                "graphs=False for input gradients, or pass inputs that do not require grad "
+                                "(x.detach())")
         moved = tuple(t.to(self.device) for t in values)
         carried = moved[0] if isinstance(carried, torch.Tensor) else moved
         return scatter(carried, self.chunks, model.input_names if isinstance(model, Sequential) else None)

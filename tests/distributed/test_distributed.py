@@ -103,6 +103,28 @@ def test_pipeline_over_processes_equals_one_process(
     assert last["output"] is not None and last["output"].shape[0] == 8
 
 
+@pytest.mark.parametrize(("name", "schedule", "loops"), [("resnet18", "1f1b", 1), ("unet", "zb-h1", 2)])
+def test_an_input_that_wants_a_gradient_gets_the_source_models(tmp_path: Path, name: str, schedule: str,
+                                                              loops: int) -> None:
+    """The rank of the first partition hands each micro-batch's input gradient back to the caller's input: the
+    gradient one process gives it on the same micro-batches (skips across ranks, a split backward too)."""
+    ranks(2, tmp_path, "--model", name, "--balance", "params", "--chunks", "4", "--schedule", schedule,
+          "--loops", str(loops), "--input-grad")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = worker.build(name).train()
+        x, y = worker.data(name, 8)
+        x.requires_grad_()
+        sum(worker.loss_fn(name)(model(a), b) * (len(a) / len(x))
+            for a, b in zip(x.tensor_split(4), y.tensor_split(4))).backward()
+    finally:
+        torch.set_num_threads(threads)
+    (first,) = [r for r in (torch.load(tmp_path / f"rank{k}.pt") for k in range(2)) if r["stage"] == 0]
+    assert first["input_grad"] is not None
+    torch.testing.assert_close(first["input_grad"], x.grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("graphs,loops", [(False, 1), (True, 1), (True, 2)])
 def test_data_parallel_replicas_of_a_pipeline(tmp_path: Path, graphs: bool, loops: int) -> None:
     """Two replicas of a two-rank pipeline average their gradients: eagerly after the step, and with fixed

@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default="", help="a saved PipeConfig giving the layout (the options above unused)")
     p.add_argument("--bf16", action="store_true", help="train() steps under bf16 autocast")
     p.add_argument("--lr", type=float, default=0.1, help="train()'s SGD learning rate")
+    p.add_argument("--input-grad", action="store_true", help="one step on an input that requires grad")
     args = p.parse_args(argv)
     if args.backend == "nccl":
         torch.backends.cudnn.allow_tf32 = False
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.backend == "nccl":
         x, y = x.to(stage.device), y.to(stage.device)
     shard = slice(stage.replica * args.batch // stage.replicas, (stage.replica + 1) * args.batch // stage.replicas)
-    loss = stage.step(x[shard] if stage.is_first else None, y[shard] if stage.is_last else None,
+    given = x[shard].detach().requires_grad_(args.input_grad)
+    loss = stage.step(given if stage.is_first else None, y[shard] if stage.is_last else None,
                       loss_fn=loss_fn(args.model))
     names = {id(p): n for n, p in model.named_parameters()}
     grads = {names[id(p)]: p.grad.detach().cpu().clone() for p in stage.partition.parameters() if p.grad is not None}
@@ -187,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     loss = None if loss is None else loss.cpu()
     out = None if out is None else out.cpu()
     torch.save({"loss": loss, "grads": grads, "replica": stage.replica, "stage": stage.index,
-                "balance": stage.balance, "output": out}, os.path.join(args.out, f"rank{rank}.pt"))
+                "balance": stage.balance, "output": out,
+                "input_grad": given.grad.cpu() if stage.is_first and given.grad is not None else None},
+               os.path.join(args.out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """Inputs that want a gradient (adversarial training): a replayed pipe.step copies its inputs into fixed buffers, so
 such a step runs eagerly and the input's ``.grad`` equals the eager step's (it was left None); under
-seqify.distributed, whose ranks take their micro-batches as tensors of their own, the step refuses such inputs."""
+seqify.distributed an eager step hands each micro-batch's input gradient back to the caller's input, and a step of
+fixed programs (``graphs=True``), which copies its inputs into buffers of their own, refuses such inputs."""
 
 from __future__ import annotations
 
@@ -56,15 +57,41 @@ def test_a_graphed_pipeline_gives_the_input_its_gradient() -> None:
     assert pipe.graphs and pipe.graph_error is None and pipe._replayer.built is not None
 
 
-def test_a_distributed_step_refuses_an_input_that_wants_a_gradient() -> None:
-    from helpers import dist_worker as worker
-
+def _stage(schedule: str, loops: int, checkpoint: str, graphs: bool = False) -> tuple[nn.Module, object]:
     import seqify.distributed as sd
 
-    model = worker.build("skippy").float().train()
-    stage = sd.DistributedStage(seqify.convert(model), [3, 3, 4, 4], index=0, device=torch.device("cpu"), chunks=4,
-                                schedule="interleaved", loops=4, checkpoint="never")
-    x, y = (t.float() if t.is_floating_point() else t for t in worker.data("skippy", 8, 0))
-    with pytest.raises(ScheduleError, match="does not give the inputs a gradient.*x.detach"):
-        stage.step(x.requires_grad_(), y, loss_fn=worker.loss_fn("skippy"))
-    assert stage.step(x.detach(), y, loss_fn=worker.loss_fn("skippy")) is not None
+    source = net()
+    model = seqify.convert(net())
+    balance = {1: [5], 2: [2, 3], 4: [1, 1, 1, 2]}[loops]
+    return source, sd.DistributedStage(model, balance, index=0, device=torch.device("cpu"), chunks=3,
+                                       schedule=schedule, loops=loops, checkpoint=checkpoint, graphs=graphs)
+
+
+@pytest.mark.parametrize("schedule,loops,checkpoint", [("gpipe", 1, "never"), ("gpipe", 2, "except_last"),
+                                                       ("interleaved", 4, "never"), ("zb-h1", 2, "never"),
+                                                       ("zb-h1", 2, "always")])
+def test_a_distributed_step_gives_the_input_its_gradient(schedule: str, loops: int, checkpoint: str) -> None:
+    """Each rank's first partition takes its micro-batches as leaves and hands their gradients back through
+    autograd: ``x.grad`` is the source's on the same micro-batches, and adds up over steps."""
+    source, stage = _stage(schedule, loops, checkpoint)
+    torch.manual_seed(1)
+    x = torch.randn(6, 6, requires_grad=True)
+    target = torch.randn(6, 3)
+    want = x.detach().clone().requires_grad_()
+    F.mse_loss(torch.cat([source(c) for c in want.tensor_split(3)]), target).backward()
+    stage.step(x, target, loss_fn=F.mse_loss)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, want.grad, rtol=1e-6, atol=1e-7)
+    once = x.grad.clone()
+    stage.step(x, target, loss_fn=F.mse_loss)  # accumulated, as an eager backward accumulates
+    torch.testing.assert_close(x.grad, 2 * once, rtol=1e-6, atol=1e-7)
+    for p, q in zip(source.parameters(), stage.parameters()):
+        assert q.grad is not None and p.grad is not None
+
+
+def test_a_distributed_step_with_programs_refuses_an_input_that_wants_a_gradient() -> None:
+    _, stage = _stage("interleaved", 4, "never", graphs=True)
+    x, target = torch.randn(6, 6), torch.randn(6, 3)
+    with pytest.raises(ScheduleError, match="graphs=True does not give the inputs a gradient.*graphs=False"):
+        stage.step(x.requires_grad_(), target, loss_fn=F.mse_loss)
+    assert stage.step(x.detach(), target, loss_fn=F.mse_loss) is not None

@@ -24,6 +24,7 @@ from seqify.pipe.microbatch import gather, scatter, sizes_of, split_like
 from seqify.pipe.partition_copies import PartitionCopies
 from seqify.pipe.partition_sums import PartitionSums
 from seqify.pipe.pipeline import Pipeline, resolve_devices
+from seqify.pipe.replica_layers import ReplicaLayers
 from seqify.pipe.replica_optimizers import OptimizerFactory, ReplicaOptimizers, built_on
 from seqify.pipe.replica_state import Statistics, copy_state, flattened_by_partition, share_gradients, sum_gradients
 from seqify.pipe.side_streams import SideStreams
@@ -79,6 +80,7 @@ class ReplicatedPipeline(nn.Module):
         self._parts = [flattened_by_partition(list(p.partitions)) for p in replicas]
         self._addresses = self._held()
         self._statistics = Statistics(self._statistics_modules())
+        self._layers = ReplicaLayers([p.partitions for p in replicas])  # the others follow the first's modes
         streams = SideStreams()
         self._sums = PartitionSums(streams)
         self._copies = PartitionCopies(streams)
@@ -307,6 +309,7 @@ class ReplicatedPipeline(nn.Module):
         loss of the whole batch, detached; the first replica's ``.grad`` holds the whole batch's gradients."""
         first = self.pipeline
         first._check_training()
+        self._layers.follow()
         how = reduction_of(loss_fn, reduction, denominator)
         factor = scale_of(loss_scale, first.devices[-1])
         refuse_meta(target, "target", first.devices[-1])
@@ -364,6 +367,7 @@ class ReplicatedPipeline(nn.Module):
         first = self.pipeline
         model = self.model
         carried = model.flatten_inputs(*args, **kwargs) if isinstance(model, Sequential) else args[0]
+        self._layers.follow()
         self._sync()
         if self.training and torch.is_grad_enabled():  # a backward may follow: the gradients are summed anew
             self._shared = None

@@ -80,7 +80,7 @@ class ReplicatedPipeline(nn.Module):
         self._parts = [flattened_by_partition(list(p.partitions)) for p in replicas]
         self._addresses = self._held()
         self._statistics = Statistics(self._statistics_modules())
-        self._layers = ReplicaLayers([p.partitions for p in replicas])  # the others follow the first's modes
+        self._layers = ReplicaLayers([p.model for p in replicas])  # the others follow the first's modes
         streams = SideStreams()
         self._sums = PartitionSums(streams)
         self._copies = PartitionCopies(streams)

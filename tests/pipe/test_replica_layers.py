@@ -63,3 +63,25 @@ def test_the_other_replicas_follow_modes_settings_and_freezing_of_the_model(repl
     for other in pipe.replicas[1:]:  # each copy follows the model
         norms = [m for m in other.modules() if isinstance(m, nn.BatchNorm1d)]
         assert [m.training for m in norms] == [False, True] and all(m.momentum == 0.9 for m in norms)
+
+
+def test_a_hook_on_the_model_alone_is_said_to_see_the_first_replicas_share() -> None:
+    pipe = seqify.pipeline(seqify.convert(net()), devices=["cpu"] * 2, replicas=2, chunks=1, checkpoint="never",
+                           balance=[7])
+    x, target = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    seen: list[int] = []
+    layer = next(m for m in pipe.model.modules() if isinstance(m, nn.Linear))
+    layer.register_forward_hook(lambda m, args, out: seen.append(len(out)))
+    with pytest.warns(UserWarning, match="only the first replica runs.*every replica's copy"):
+        pipe.step(x, target, F.mse_loss)
+    assert seen == [4]  # the first replica's share
+    for other in pipe.replicas[1:]:
+        copy_of = next(m for m in other.modules() if isinstance(m, nn.Linear))
+        copy_of.register_forward_hook(lambda m, args, out: seen.append(len(out)))
+    seen.clear()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.step(x, target, F.mse_loss)
+    assert sorted(seen) == [4, 4]

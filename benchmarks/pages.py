@@ -358,20 +358,9 @@ def _speedup_cell(found: dict[str, dict[str, Any]], row: str) -> str:
     return f"**{text}**" if r["samples_per_s"] == fastest else text
 
 
-def _llama_buckets_note() -> str:
-    """What the Llama's two-GPU automatic row in the README's second table counts, and the step's own memory."""
-    found = {r["row"]: r for r in rows(LAYOUTS_LLAMA_BUCKETS.files[0])}
-    hand, fsdp = found[LLAMA_PARTS], found["FSDP2"]
-    return (f"The Llama's automatic row on two GPUs counts the tuning in its peaks; the same layout by hand held "
-            f"{_held(hand):.1f} GiB in use and {max(hand['reserved_gib']):.1f} reserved (FSDP2 {_held(fsdp):.1f} and "
-            f"{max(fsdp['reserved_gib']):.1f}). In that run the tuner also added graphs' idle pool blocks to its "
-            "candidates' peaks, which the released one does not; it chose 4 partitions per replica where the "
-            "released one, in a run of its own, chose 2.")
-
-
-def _llama_one_run_note() -> str:
-    """What the Llama's two-GPU automatic row counts, and the same layout's step alone in that run."""
-    found = {r["row"]: r for r in rows(LAYOUTS_LLAMA_ONE_RUN.files[0])}
+def _hand_layout_note(source: Source) -> str:
+    """What a Llama two-GPU automatic row counts (its tuning), beside the same layout by hand in that run."""
+    found = {r["row"]: r for r in rows(source.files[0])}
     hand, fsdp = found[LLAMA_PARTS], found["FSDP2"]
     return (f"The Llama's automatic row on two GPUs counts its tuning in its peaks; in the same run the same layout "
             f"by hand held {_held(hand):.1f} GiB in use and {max(hand['reserved_gib']):.1f} reserved, at "
@@ -398,7 +387,7 @@ def layouts_headline() -> str:
         "the largest reserved. `stages x replicas`: the tuner's layout. Steps run back to back in every row. On two "
         "GPUs the tuner keeps the fastest layout that holds no more per GPU than DDP would; the four-GPU rows are an "
         "earlier run, whose tuner held a layout only to one GPU training the batch and to its own graphed data "
-        "parallelism, and hold more than DDP. " + _llama_one_run_note(),
+        "parallelism, and hold more than DDP. " + _hand_layout_note(LAYOUTS_LLAMA_ONE_RUN),
         "",
         f"*NVIDIA H200 GPUs on NVLink; torch {TORCH}; seqify {SEQIFY}; two GPUs {LAYOUTS_LLAMA_ONE_RUN.date}, four "
         f"{LAYOUTS4.date}.* The commands and raw files: [layouts](docs/benchmarks/layouts.md).",
@@ -991,7 +980,10 @@ def layouts_page() -> str:
         _layout_section("Two H200s, replicas in interleaved parts, weight gradients written by the backward",
                         LAYOUTS_LLAMA_FUSED, " DDP and FSDP2 ran in the next process on the same machine (below)."),
         _layout_section("Two H200s, DDP and FSDP2 beside them", LAYOUTS_LLAMA_FUSED_ANCHORS),
-        _layout_section("Two H200s, replicas in interleaved parts", LAYOUTS_LLAMA_BUCKETS, " " + _llama_buckets_note()),
+        _layout_section("Two H200s, replicas in interleaved parts", LAYOUTS_LLAMA_BUCKETS,
+                        " " + _hand_layout_note(LAYOUTS_LLAMA_BUCKETS) + " In that run the tuner also added graphs' "
+                        "idle pool blocks to its candidates' peaks, which the released one does not; it chose 4 "
+                        "partitions per replica where the released one, in a run of its own, chose 2."),
         _layout_section("Two H200s, the tuner's choice (one GPU beside it only)", LAYOUTS_LLAMA_AUTO),
         _layout_section("Two H200s, replicas in interleaved parts under torchrun", LAYOUTS_LLAMA_BUCKETS_TORCHRUN),
         _layout_section("Two H200s, before replicas ran their parts interleaved", LAYOUTS_LLAMA_BOUNDED),

@@ -48,7 +48,7 @@ class _Work:
     """One (partition, micro-batch) between its F and its last backward action."""
 
     x: list[torch.Tensor] = field(default_factory=list)  # leaves of the carried input
-    given: list[torch.Tensor] = field(default_factory=list)  # the first partition's: the caller's, as leaves take
+    given: list[torch.Tensor] = field(default_factory=list)  # first partition: the caller's inputs behind x
     popped: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> leaves of the popped skip
     y: Any = None  # the carried output, or the micro-batch's weighted loss on the last partition
     stashed: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> tensors of the stashed skip
@@ -79,6 +79,8 @@ class RankRun:
         self.stop = stop
         self.split = split
         self.grad = torch.is_grad_enabled()
+        # the caller's inputs want their gradient: the first partition takes them as leaves and hands theirs back
+        self.input_grads = self.grad and any(t.requires_grad for v in micro for t in leaves(v))
         self.work: dict[tuple[int, int], _Work] = {}
         self.local: dict[Key, Any] = {}  # values between two partitions of this rank
         self.losses: list[torch.Tensor] = []
@@ -127,7 +129,7 @@ class RankRun:
         s, w = self.s, _Work()
         if p == 0:
             x = self.micro[i]
-            if self.grad and any(t.requires_grad for t in leaves(x)):  # the caller's inputs want their gradient
+            if self.input_grads:
                 w.given = leaves(x)
                 x, w.x = _as_leaves(x)
         else:

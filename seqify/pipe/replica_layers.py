@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from seqify.model.hooks import user_hooks
-from seqify.pipe.executors.layer_settings import named, values
-from seqify.pipe.executors.user_hooks import hooked
+from seqify.pipe.executors.layer_settings import named
+from seqify.pipe.executors.user_hooks import built_for, hooked
 
 __all__ = ["ReplicaLayers"]
 
@@ -31,13 +31,13 @@ class ReplicaLayers:
         self.names = ([n or type(models[0]).__name__ for n, _ in models[0].named_modules()],
                       [n for n, _ in models[0].named_parameters()])
         self.settings = named(self.layers[0])
-        self.position = {id(m): k for k, m in enumerate(self.layers[0])}
+        at = {id(m): k for k, m in enumerate(self.layers[0])}
+        self.slots = [(at[id(m)], names) for m, names in self.settings]  # (layer position, its settings' names)
         self.state = self._state()  # the replicas are copies of the first when built
 
     def _state(self) -> tuple[object, ...]:
-        first = self.layers[0]
-        return (tuple((m.training, *user_hooks(m)) for m in first), values(self.settings),
-                tuple((p.requires_grad, *hooked(p)) for p in self.params[0]))
+        """The first's modes, settings, trainable parameters and hooks (what replayed programs are built for)."""
+        return built_for(self.params[0], self.layers[0], self.settings)
 
     def follow(self) -> None:
         """Give every other replica's layers the first's modes, settings and ``requires_grad`` where they
@@ -49,10 +49,9 @@ class ReplicaLayers:
         for layers, params in zip(self.layers[1:], self.params[1:]):
             for source, layer in zip(self.layers[0], layers):
                 layer.training = source.training
-            for source, names in self.settings:
-                layer = layers[self.position[id(source)]]
+            for k, names in self.slots:
                 for name in names:
-                    setattr(layer, name, getattr(source, name, None))
+                    setattr(layers[k], name, getattr(self.layers[0][k], name, None))
             for source_param, param in zip(self.params[0], params):
                 param.requires_grad_(source_param.requires_grad)
         self._warn_unshared_hooks()

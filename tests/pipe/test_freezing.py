@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
+from helpers import replay_steps
 from seqify.errors import GraphError
 
 
@@ -24,9 +25,7 @@ def grads(replay: bool, autocast: bool, device: str = "cpu") -> list[list[torch.
     frozen for the second and third."""
     seq = seqify.convert(net().to(device))
     cuda = device.startswith("cuda")
-    pipe = seqify.pipeline(seq, devices=[device, device], balance=[2, 3], chunks=2, checkpoint="never",
-                           schedule="1f1b", graphs=cuda and replay)
-    pipe._replay_eager = replay and not cuda
+    pipe = replay_steps.pipeline(seq, [2, 3], replay, device)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     weight = next(p for p in seq.parameters() if p.shape == (8, 8))
     torch.manual_seed(1)

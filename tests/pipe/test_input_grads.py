@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
+from helpers import replay_steps
 from seqify.errors import ScheduleError
 
 
@@ -21,10 +22,7 @@ def net() -> nn.Sequential:
 
 def run(replay: bool, schedule: str, device: str = "cpu") -> tuple[list[torch.Tensor], object]:
     """Two steps on an input that requires grad (its gradient after each), then one on a plain input."""
-    cuda = device.startswith("cuda")
-    pipe = seqify.pipeline(seqify.convert(net().to(device)), devices=[device, device], balance=[2, 3], chunks=2,
-                           checkpoint="never", schedule=schedule, graphs=cuda and replay)
-    pipe._replay_eager = replay and not cuda
+    pipe = replay_steps.pipeline(seqify.convert(net().to(device)), [2, 3], replay, device, schedule)
     torch.manual_seed(1)
     x = torch.randn(4, 6, device=device, requires_grad=True)
     target = torch.randn(4, 3, device=device)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
+from helpers import replay_steps
 from seqify.pipe.executors.layer_settings import named, values
 
 
@@ -24,34 +25,20 @@ def run(replay: bool, device: str = "cpu") -> tuple[list[torch.Tensor], list[lis
     """Four SGD steps of a 2-partition 1F1B pipeline; the BatchNorms' momentum 0.1, then 0.9 from the third step.
     Returns the losses, each step's gradients and running statistics, and the programs each step ran."""
     seq = seqify.convert(net().to(device))
-    cuda = device.startswith("cuda")
-    pipe = seqify.pipeline(seq, devices=[device, device], balance=[4, 4], chunks=2, checkpoint="never",
-                           schedule="1f1b", graphs=cuda and replay)
-    pipe._replay_eager = replay and not cuda
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     norms = [m for m in seq.modules() if isinstance(m, nn.BatchNorm1d)]
     assert len(norms) == 2
-    torch.manual_seed(1)
-    x, target = torch.randn(8, 6, device=device), torch.randn(8, 3, device=device)
-    losses, states, built = [], [], []
-    for step in range(4):
+
+    def momentum(step: int) -> None:
         for m in norms:
             m.momentum = 0.1 if step < 2 else 0.9
-        opt.zero_grad(set_to_none=True)
-        losses.append(pipe.step(x, target, lambda y, t: F.mse_loss(y, t)).detach())
-        states.append([p.grad.clone() for p in pipe.parameters()] + [b.clone() for b in pipe.buffers()])
-        built.append(pipe._graphed[1] if pipe._graphed is not None else None)
-        opt.step()
-    assert not replay or (pipe.graph_error is None and (not cuda or pipe.graphs))
-    return losses, states, built
+
+    return replay_steps.sgd_steps(replay_steps.pipeline(seq, [4, 4], replay, device), 4, momentum, replay, device)
 
 
 def test_a_setting_changed_between_replayed_steps_builds_the_programs_again() -> None:
-    losses, states, built = run(True)
-    want, want_states, _ = run(False)
-    assert all(torch.equal(a, b) for a, b in zip(losses, want))
-    for got, exp in zip(states, want_states):
-        assert all(torch.equal(a, b) for a, b in zip(got, exp))
+    got = run(True)
+    replay_steps.assert_like(got, run(False))
+    built = got[2]
     assert built[0] is not None and built[0] is built[1] and built[2] is not built[1] and built[2] is built[3]
 
 
@@ -71,14 +58,9 @@ def test_settings_are_a_layers_plain_public_attributes() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_graphs_are_captured_again_for_a_new_momentum() -> None:
-    losses, states, built = run(True, "cuda:0")
-    want, want_states, _ = run(False, "cuda:0")
-    for a, b in zip(losses, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for got, exp in zip(states, want_states):
-        for a, b in zip(got, exp):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert built[2] is not built[1]
+    got = run(True, "cuda:0")
+    replay_steps.assert_like(got, run(False, "cuda:0"), tol=1e-5)
+    assert got[2][2] is not got[2][1]
 
 
 def test_distributed_programs_are_built_again_for_a_new_setting() -> None:

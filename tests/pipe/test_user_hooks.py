@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqify
+from helpers import replay_steps
 from seqify.errors import GraphError
 from seqify.pipe.executors.user_hooks import refusal
 
@@ -34,10 +35,7 @@ def steps(replay: bool, autocast: bool, hook: str | None, *, hook_at: int = 0, c
     weight gets a hook (``"gradient"``: doubles its gradient; ``"accumulated"``: counts). Returns the losses,
     each step's gradients, the hook's calls, and the pipeline."""
     seq = seqify.convert(net().to(device))
-    cuda = device.startswith("cuda")
-    pipe = seqify.pipeline(seq, devices=[device, device], balance=[2, 3], chunks=2, checkpoint="never",
-                           schedule="1f1b", graphs=cuda and replay)
-    pipe._replay_eager = replay and not cuda
+    pipe = replay_steps.pipeline(seq, [2, 3], replay, device)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     _, weight = hooked_weight(seq)
     calls = [0]

@@ -1,10 +1,12 @@
-"""Where a seqify step's memory goes on one GPU: the 0.89 B Llama (or ``--tiny``) as one replica on one GPU, one
-micro-batch (main.py's ``1x1:gpipe:1`` layout), eager or with CUDA graphs, built and stepped under the caching
-allocator's history. Prints the peaks as main.py counts them (allocated, reserved, in use with graphs' pools) and,
+"""Where a seqify step's memory goes on one GPU: the 0.89 B Llama, the 7.2 B one cut to ``--layers``, or ResNet-101
+(or ``--tiny``) as one replica on one GPU, one micro-batch by default (main.py's ``1x1:gpipe:1`` layout), eager or
+with CUDA graphs (their pools in expandable segments unless ``--no-expandable-pools``), built and stepped under the
+caching allocator's history. Prints the peaks as main.py counts them (allocated, reserved, in use with graphs' pools) and,
 from the history, the live bytes at the peak of the default pool and of the graphs' private pools, by the Python
 lines that allocated them (an allocation with no Python line is the autograd engine's: a backward).
 
     python benchmarks/layouts/pool_memory.py --graphs --out graphs.json
+    python benchmarks/layouts/pool_memory.py --model resnet101 --per-gpu 128 --graphs --no-expandable-pools
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/layouts/pool_memory.py --graphs
 """
 
@@ -19,7 +21,7 @@ import sys
 from typing import Any
 
 import torch
-from main import GIB, cast, llama, peaks, reset
+from main import GIB, cast, llama, peaks, reset, resnet
 
 import seqify
 from seqify.pipe.executors.options import ReplayOptions
@@ -94,13 +96,14 @@ def at_peaks(snapshot: dict[str, Any], device: int, top: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["llama", "llama8b"], default="llama")
+    p.add_argument("--model", choices=["llama", "llama8b", "resnet101"], default="llama")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--chunks", type=int, default=1)
     p.add_argument("--loops", type=int, default=1, help="parts on the GPU (cut evenly by layer count)")
     p.add_argument("--graphs", action="store_true")
     p.add_argument("--no-cast-once", action="store_true", help="autocast casts each weight in each program")
+    p.add_argument("--no-expandable-pools", action="store_true", help="graphs' pools in fixed-size segments")
     p.add_argument("--per-gpu", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tiny", action="store_true")
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="a JSON file for the summary")
     p.add_argument("--snapshot", default=None, help="a pickle file for the allocator's whole history")
     args = p.parse_args(argv)
-    work = llama(args.tiny, "8b" if args.model == "llama8b" else "0.89b", args.layers)
+    work = (resnet(args.tiny) if args.model == "resnet101" else
+            llama(args.tiny, "8b" if args.model == "llama8b" else "0.89b", args.layers))
     dev = torch.device("cuda:0")
     torch.empty(0, device=dev)  # the allocator exists before its peaks are reset
     reset([dev])
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     with cast(work, dev):
         pipe = seqify.pipeline(seq, devices=[dev], replicas=1, chunks=args.chunks, schedule=args.schedule,
                                loops=args.loops, graphs=args.graphs, checkpoint="never", balance=even,
-                               replay_options=ReplayOptions(cast_once=not args.no_cast_once))
+                               replay_options=ReplayOptions(cast_once=not args.no_cast_once,
+                                                            expandable_pools=not args.no_expandable_pools))
     opt = work.optimizer(pipe.parameters())
     for k in range(args.steps):
         if k == args.steps - 1:
@@ -140,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.snapshot, "wb") as f:
             pickle.dump(snapshot, f)
     summary = dict(model=args.model, layers=args.layers, schedule=args.schedule, chunks=args.chunks,
-                   loops=args.loops, graphs=args.graphs, cast_once=not args.no_cast_once, per_gpu=args.per_gpu,
+                   loops=args.loops, graphs=args.graphs, cast_once=not args.no_cast_once,
+                   expandable_pools=not args.no_expandable_pools, per_gpu=args.per_gpu,
                    alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), torch=torch.__version__,
                    device=torch.cuda.get_device_name(0), last_step_peak_gib=allocated, last_step_reserved_gib=reserved,
                    last_step_in_use_gib=held, history=at_peaks(snapshot, 0, args.top))

@@ -291,7 +291,9 @@ def capture(programs: dict[int, RankPrograms], order: Sequence[tuple[str, int, i
         for row in built.values():
             for p in row:
                 p.outputs, p.in_grads = (), [None] * len(p.inputs)
-        capture_in_order([(kind, built[j][i]) for kind, j, i in order if j in programs], device, stream)
+        expandable = all(prog.options.expandable_pools for prog in programs.values())
+        capture_in_order([(kind, built[j][i]) for kind, j, i in order if j in programs], device, stream,
+                         expandable=expandable)
     finally:
         torch.cuda.current_stream(device).wait_stream(stream)
         with torch.no_grad():

@@ -44,13 +44,14 @@ def mark_first_writers(programs: list[list[Program]], schedule: Schedule) -> Non
 
 
 def reach(programs: list[list[Program]], wiring: Wiring, shared: frozenset[int], streams: Streams | None,
-          warmup: int, lanes: bool) -> Handoff:
+          warmup: int, lanes: bool, expandable: bool = True) -> Handoff:
     """Run each partition's backward once, last partition first, and learn which outputs a gradient
     reaches: an output whose consumer gets no gradient for it (autograd's unused input) gets no
     gradient buffer, so parameters that only feed it keep ``.grad`` as autograd would (None), not zeros.
     With ``streams``, then capture each device's programs as CUDA graphs, in one memory pool per device
     and in the order the schedule runs them there (its partitions interleaved as the schedule interleaves
-    them), so partitions sharing a GPU reuse each other's freed memory as eager execution would. Returns
+    them), so partitions sharing a GPU reuse each other's freed memory as eager execution would (the pools in
+    expandable segments with ``expandable``). Returns
     the handoff: per partition, the parameters some backward reached and their sums."""
     for j in reversed(range(len(programs))):
         row = programs[j]
@@ -71,7 +72,8 @@ def reach(programs: list[list[Program]], wiring: Wiring, shared: frozenset[int],
             for p in row:
                 p.outputs, p.in_grads = (), [None] * len(p.inputs)
         for device, acts in wiring.device_orders().items():
-            capture_in_order([(kind, programs[j][i]) for kind, j, i in acts], device, streams[device], lanes=lanes)
+            capture_in_order([(kind, programs[j][i]) for kind, j, i in acts], device, streams[device], lanes=lanes,
+                             expandable=expandable)
     for row in programs:
         if row[0].acc:
             torch._foreach_zero_(row[0].acc)
@@ -263,7 +265,7 @@ def _build(stages: Sequence[Stage], batches: list[tuple[torch.Tensor, ...]], car
         wiring = Wiring.of(stages, programs, made.routes, schedule)
         shared = frozenset(made.shared)
         lane = Lanes(wiring.devices) if lanes else None
-        handoff = reach(programs, wiring, shared, streams, warmup, lane is not None)
+        handoff = reach(programs, wiring, shared, streams, warmup, lane is not None, options.expandable_pools)
         return Replay(stages, programs, wiring, made.returns, transfer, handoff, shared,
                       [row[0].casts for row in programs], lane)
     finally:

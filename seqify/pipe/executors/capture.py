@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from seqify.pipe.executors.pool_segments import expandable_segments
 from seqify.pipe.executors.programs import Program
 
 __all__ = ["capture_in_order", "saved_buffers", "warm"]
@@ -36,7 +37,7 @@ def warm(programs: list[Program], device: torch.device, warmup: int, stream: tor
 
 
 def capture_in_order(order: Sequence[tuple[str, Program]], device: torch.device, stream: torch.cuda.Stream,
-                      lanes: bool = False) -> None:
+                      lanes: bool = False, expandable: bool = True) -> None:
     """Capture ``order``'s programs (("F" | "B" | "W", program), everything one device runs, in the
     order it runs it: one partition's programs or several partitions') as CUDA graphs sharing one
     memory pool, so memory is reused as eager execution would reuse it: a backward (a split one's W)
@@ -47,7 +48,10 @@ def capture_in_order(order: Sequence[tuple[str, Program]], device: torch.device,
 
     With ``lanes`` the backwards (B, W) take their memory from a pool of their own: a forward then only
     reuses memory some backward captured before it freed (so it must run after that backward, and may
-    run beside the later ones), and a backward never reuses a forward's (see :class:`Lanes`)."""
+    run beside the later ones), and a backward never reuses a forward's (see :class:`Lanes`).
+
+    With ``expandable`` the pools grow in expandable segments (:func:`.pool_segments.expandable_segments`), so
+    a pool holds little more than its most bytes alive at once."""
     pools = {"F": torch.cuda.graph_pool_handle()}
     pools["B"] = pools["W"] = torch.cuda.graph_pool_handle() if lanes else pools["F"]
 
@@ -57,7 +61,7 @@ def capture_in_order(order: Sequence[tuple[str, Program]], device: torch.device,
             part()
         return graph
 
-    with torch.cuda.device(device), torch.cuda.stream(stream):
+    with torch.cuda.device(device), torch.cuda.stream(stream), expandable_segments(expandable):
         forwards: dict[int, torch.cuda.CUDAGraph] = {}
         backwards: dict[int, torch.cuda.CUDAGraph | None] = {}
         for kind, p in order:

@@ -19,8 +19,12 @@ class ReplayOptions:
     per step (:mod:`.casts`); False lets every program cast its own (for comparing the two).
     ``fuse_grads``: the backward writes those cast linear weights' gradients into their float32 sums itself
     (:mod:`.fused_grads`: on CUDA a float32 product, not a rounded low-precision one widened after); False
-    returns them for the sums as other gradients are (for comparing the two)."""
+    returns them for the sums as other gradients are (for comparing the two).
+    ``expandable_pools``: CUDA graphs are captured into expandable segments, so their memory pools hold
+    little more than their most bytes alive at once (:mod:`.pool_segments`); False keeps the allocator's
+    fixed-size segments (for measuring what the pools' fragmentation costs)."""
 
     share_buffers: bool = True
     cast_once: bool = True
     fuse_grads: bool = True
+    expandable_pools: bool = True

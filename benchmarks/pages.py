@@ -219,6 +219,8 @@ LAYOUTS_LLAMA_FUSED_ANCHORS = _layouts("h200-llama-two-gpus-fused-anchors.jsonl"
                                        llama=True)
 LAYOUTS_RESNET_ONE_RUN = _layouts("h200-resnet-two-gpus-auto.jsonl", H200x2,
                                   "--gpus 2 --per-gpu 128 --steps 6 --warm 2 --auto", date="2026-11-29")
+LAYOUTS_RESNET_EXPANDABLE = _layouts("h200-resnet-two-gpus-expandable.jsonl", H200x2,
+                                     "--gpus 2 --per-gpu 128 --steps 6 --warm 2 --auto", date="2026-11-29")
 LAYOUTS_LLAMA_ONE_RUN = _layouts("h200-llama-two-gpus-fused-one-run.jsonl", H200x2,
                                  "--model llama --gpus 2 --per-gpu 4 --steps 6 --warm 2 --auto "
                                  "--layouts 1x2:interleaved:2:graphs:loops4", date="2026-11-29", llama=True)
@@ -267,7 +269,7 @@ SOURCES = (TWO_STREAMS, DDP2, DP4, BF16, INFER, UNET, SCALING, FAMILIES, FAMILIE
            LAYOUTS_LLAMA8B, LAYOUTS_LLAMA8B_HAND, LAYOUTS_EAGER, LAYOUTS_MICRO, LAYOUTS4_MEMORY, LAYOUTS_LLAMA_MICRO,
            LAYOUTS4_LLAMA8B_HAND, LAYOUTS_BOUNDED, LAYOUTS_LLAMA_BOUNDED, FAMILIES_BOUNDED, FAMILIES_BUCKETS,
            LAYOUTS_BOUNDED_AGAIN, LAYOUTS_LLAMA_BUCKETS, LAYOUTS_LLAMA_AUTO, LAYOUTS_LLAMA_BUCKETS_TORCHRUN,
-           LAYOUTS_LLAMA_FUSED, LAYOUTS_LLAMA_FUSED_ANCHORS, LAYOUTS_RESNET_ONE_RUN, LAYOUTS_LLAMA_ONE_RUN,
+           LAYOUTS_LLAMA_FUSED, LAYOUTS_LLAMA_FUSED_ANCHORS, LAYOUTS_RESNET_ONE_RUN, LAYOUTS_RESNET_EXPANDABLE, LAYOUTS_LLAMA_ONE_RUN,
            LAYOUTS_LLAMA8B_FUSED)
 
 
@@ -370,7 +372,7 @@ def _hand_layout_note(source: Source) -> str:
 
 def layouts_headline() -> str:
     """The README's second table: seqify's automatic choice among every layout beside DDP and FSDP2, per run."""
-    runs = [("ResNet-101, fp32, SGD, 128 per GPU", "2", LAYOUTS_RESNET_ONE_RUN),
+    runs = [("ResNet-101, fp32, SGD, 128 per GPU", "2", LAYOUTS_RESNET_EXPANDABLE),
             ("ResNet-101, fp32, SGD, 128 per GPU", "4", LAYOUTS4),
             ("Llama 0.89 B, bf16, SGD, 4 × 2048 tokens per GPU", "2", LAYOUTS_LLAMA_ONE_RUN),
             ("Llama 0.89 B, bf16, SGD, 4 × 2048 tokens per GPU", "4", LAYOUTS4_LLAMA_AUTO)]
@@ -935,7 +937,8 @@ def layouts_page() -> str:
         return f"{max(found[row]['reserved_gib']):.1f}"
 
     pipes4 = hand4["seqify 4 x 1 1f1b chunks 8 graphs"]
-    resnet1, llama1, big1 = named(LAYOUTS_RESNET_ONE_RUN), named(LAYOUTS_LLAMA_ONE_RUN), named(LAYOUTS_LLAMA8B_FUSED)
+    resnet1, llama1, big1 = named(LAYOUTS_RESNET_EXPANDABLE), named(LAYOUTS_LLAMA_ONE_RUN), named(LAYOUTS_LLAMA8B_FUSED)
+    fixed2 = named(LAYOUTS_RESNET_ONE_RUN)
     return page(
         "Layouts: pipelines times replicas, beside DDP",
         "**Method.** One run per table on one machine, one row after another: one GPU on its share of the batch; "
@@ -963,7 +966,10 @@ def layouts_page() -> str:
         "since record what each row starts with. Ratios compare rows of one table only; "
         "H100 and H200 tables are separate runs on separate machines.",
         "## ResNet-101, fp32, SGD, 128 samples per GPU",
-        _layout_section("Two H200s, the tuner beside DDP", LAYOUTS_RESNET_ONE_RUN),
+        _layout_section("Two H200s, the tuner beside DDP", LAYOUTS_RESNET_EXPANDABLE,
+                        " CUDA graphs' pools grow in expandable segments, as they do by default "
+                        "([design note](../design/replay.md), \"Memory pools\")."),
+        _layout_section("Two H200s, the tuner beside DDP, graphs' pools in fixed-size segments", LAYOUTS_RESNET_ONE_RUN),
         _layout_section("Two H200s", LAYOUTS_BOUNDED),
         _layout_section("Two H200s, again", LAYOUTS_BOUNDED_AGAIN, " The same choice as the run above, timed in a run "
                         "of its own (that run's tuner also added graphs' idle pool blocks to its candidates' peaks)."),
@@ -1035,8 +1041,9 @@ def layouts_page() -> str:
         f"against FSDP2's {held(big4, 'FSDP2')} allocated ({reserved(big4, zb8)} reserved against "
         f"{reserved(big4, 'FSDP2')}). Every GPU is busy through the whole step: `benchmarks/layouts/gaps.py` "
         "finds no idle gap of 0.2 ms or more on four H100s.",
-        f"**Where seqify loses.** ResNet-101 on two GPUs: the tuner's choice runs at DDP's speed, not ahead of it "
-        f"({vs(resnet1, 'DDP')}×, {vs(bound2, 'DDP')}× and {vs(again2, 'DDP')}× in three runs), though in less memory. "
+        f"**Where seqify loses.** ResNet-101 on two GPUs: the margin over DDP is one run's ({vs(resnet1, 'DDP')}×); "
+        "before CUDA graphs' pools grew in expandable segments the tuner's choice ran at DDP's speed, not ahead of it "
+        f"({vs(fixed2, 'DDP')}×, {vs(bound2, 'DDP')}× and {vs(again2, 'DDP')}× in three runs), though in less memory. "
         f"The 7.2 B Llama's graphed step keeps {held(big1, auto)} GiB in use on its fullest GPU, CUDA graphs' pools "
         f"counted ({reserved(big1, auto)} reserved), more than FSDP2's {max(big1['FSDP2']['peak_gib']):.1f} "
         f"allocated and {reserved(big1, 'FSDP2')} reserved: for a model one GPU cannot hold the tuner keeps the "
@@ -1044,7 +1051,8 @@ def layouts_page() -> str:
         "Holding DDP's memory costs speed: graphed replicas at one micro-batch per GPU "
         "keep a whole step's activations in CUDA graphs' pools, apart from the allocator's cache, and hold more than "
         f"DDP (the earlier choice for ResNet-101: {held(h200_2, auto)} GiB in use against {held(h200_2, 'DDP')}), so "
-        "the tuner now passes over them. The four-GPU automatic rows are the earlier tuner's and hold more than DDP. "
+        "the tuner now passes over them; in expandable segments they still hold a little more than eager data "
+        "parallelism (the gradient sums and input buffers a replay writes to). The four-GPU automatic rows are the earlier tuner's and hold more than DDP. "
         "Without graphs, replicas in one process run "
         f"at DDP's memory but can fall behind it ({vs(eager2, 'DDP', 'seqify 1 x 2 gpipe chunks 1')}× on ResNet-101 "
         "by hand; the host issues every GPU's kernels). "

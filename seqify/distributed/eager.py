@@ -17,7 +17,7 @@ from seqify.pipe.split_backward import Later, accumulate, input_grads, weight_gr
 from seqify.schedule.actions import Action
 from seqify.schedule.interpreter import interpret
 
-__all__ = ["RankRun"]
+__all__ = ["RankRun", "hand_back"]
 
 #: micro-batch i's output -> its loss, already weighed (seqify.pipe.losses.Weigher)
 Loss = Callable[[Any, int], torch.Tensor]
@@ -35,7 +35,7 @@ def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
     return (used[0] if isinstance(value, torch.Tensor) else tuple(used)), made
 
 
-def _hand_back(given: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+def hand_back(given: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
     """The first partition's input gradients into the caller's inputs (each micro-batch a slice of them): through
     autograd, so ``.grad`` adds up over micro-batches and steps as an eager backward's does."""
     pairs = [(t, g) for t, g in zip(given, grads) if t.requires_grad and g is not None]
@@ -192,7 +192,7 @@ class RankRun:
         if p > 0:
             self._put((GRAD, p - 1, i), like_grads(w.x, [got.get(id(t)) for t in w.x]), p - 1)
         elif w.given:
-            _hand_back(w.given, [got.get(id(t)) for t in w.x])
+            hand_back(w.given, [got.get(id(t)) for t in w.x])
         for r in self.s.routes:
             if r.dst == p and w.popped[r.index]:
                 popped = w.popped[r.index]

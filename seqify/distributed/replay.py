@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from seqify.distributed.eager import RankRun
+from seqify.distributed.eager import RankRun, hand_back
 from seqify.distributed.link import ACTIVATION, GRAD, SKIP, SKIP_GRAD, Link, grads_for, leaves, like_grads
 from seqify.distributed.rank import RankStage
 from seqify.errors import GraphError
@@ -78,6 +78,7 @@ class RankPrograms:
         self.stop = 0
         self.split = False
         self.autocast: torch.dtype | None = None  # the autocast dtype the programs were built under (None: off)
+        self.input_grads = False  # whether the programs differentiate their inputs on the first partition
         self.programs: list[Program | None] = []
         self.captured = False
         self.place: list[int] = []  # micro-batch -> its buffer set (see begin)
@@ -92,20 +93,25 @@ class RankPrograms:
         self.state: tuple[object, ...] = ()  # what the user may change that the programs were built for (built_for)
 
     def begin(self, sizes: list[int], stop: int = 0, split: bool = False,
-              order: Sequence[tuple[str, int]] | None = None, autocast: torch.dtype | None = None) -> None:
+              order: Sequence[tuple[str, int]] | None = None, autocast: torch.dtype | None = None,
+              input_grads: bool = False) -> None:
         """Start a step of these micro-batch sizes, checkpointing micro-batches below ``stop``, with B and W
-        apart when ``split``, under ``autocast`` (its dtype; None: off): new shapes (or a new ``stop``,
-        ``split`` or autocast) build new programs. ``order`` (this partition's ('F' | 'B' | 'W',
-        micro-batch) actions as the schedule issues them) sizes the input and output-gradient buffers to
-        what it keeps in flight (:mod:`~seqify.pipe.executors.buffers`); without it every micro-batch has its own."""
+        apart when ``split``, under ``autocast`` (its dtype; None: off), the inputs differentiated where
+        ``input_grads`` (the first partition, when the caller's inputs want a gradient): new shapes (or a new
+        ``stop``, ``split``, autocast or ``input_grads``) build new programs. ``order`` (this partition's
+        ('F' | 'B' | 'W', micro-batch) actions as the schedule issues them) sizes the input and output-gradient
+        buffers to what it keeps in flight (:mod:`~seqify.pipe.executors.buffers`); without it every micro-batch
+        has its own."""
         self.views.release()
         state = built_for(self.runner.layers.parameters(), self.layers, self.settings)
         if state != self.state:  # a parameter frozen, a mode, a hook or a setting changed: refused or built again
             self._check_trainable()
             self._check_hooks()
             self.state, self.sizes = state, []
-        if sizes != self.sizes or stop != self.stop or split != self.split or autocast != self.autocast:
+        if (sizes != self.sizes or stop != self.stop or split != self.split or autocast != self.autocast
+                or input_grads != self.input_grads):
             self.sizes, self.stop, self.split, self.autocast, self.captured = list(sizes), stop, split, autocast, False
+            self.input_grads = input_grads
             self.programs = [None] * len(sizes)
             self.place = places(order) if order is not None and self.options.share_buffers else list(range(len(sizes)))
             self.ins, self.outs = Buffers(self.device), Buffers(self.device)
@@ -320,6 +326,7 @@ class _Fixed:
     """One (partition, micro-batch) between its forward and backward program."""
 
     x: list[torch.Tensor] = field(default_factory=list)  # the carried input as received
+    given: list[torch.Tensor] = field(default_factory=list)  # first partition: the caller's inputs, to differentiate
     popped: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # route -> the popped skip as received
     y: Any = None  # the carried output (fixed tensors), or the micro-batch's weighted loss on the last partition
     out: list[torch.Tensor] = field(default_factory=list)  # last partition: the leaves the loss starts from
@@ -353,13 +360,14 @@ class ProgramRun(RankRun, Hooks):
         s, w = self.s, _Fixed()
         x = self.micro[i] if p == 0 else self._get((ACTIVATION, p - 1, i), p - 1)
         w.x = leaves(x) if p > 0 else []
+        w.given = leaves(x) if p == 0 and self.input_grads else []
         skips: dict[Any, Any] = {}
         for r in s.routes:
             if r.dst == p:
                 skips[s.skip_key(r)] = self._get((SKIP, r.index, i), r.src)
                 w.popped[r.index] = leaves(skips[s.skip_key(r)])
         try:
-            y, stashed = s._programs[p].forward(i, x, skips, needs_grad=p > 0)
+            y, stashed = s._programs[p].forward(i, x, skips, needs_grad=p > 0 or self.input_grads)
         except GraphError as e:  # say which rank, too
             raise GraphError(f"{s.me}: {e}") from e
         self._send(p, i, y, stashed, w.stashed)
@@ -384,6 +392,8 @@ class ProgramRun(RankRun, Hooks):
         in_grads = s._programs[p].backward(i, grads)
         if p > 0:
             self._put((GRAD, p - 1, i), like_grads(w.x, in_grads[:len(w.x)]), p - 1)
+        elif w.given:  # copies: the programs' gradient outputs are written again by the next micro-batch
+            hand_back(w.given, [g.clone() if g is not None else None for g in in_grads[:len(w.given)]])
         at = len(w.x)
         for r in s.routes:
             if r.dst == p and w.popped[r.index]:
@@ -405,12 +415,13 @@ def program_step(stage: RankStage, link: Link, micro: list[Any], sizes: list[int
     kind = stage.device.type
     on = torch.is_autocast_enabled(kind)
     dtype = torch.get_autocast_dtype(kind)
-    for p, prog in stage._programs.items():
-        prog.begin(sizes, stop, plan.split, partition_order(plan, p), autocast=dtype if on else None)
-    # every program built in an earlier step (same sizes, same everything): this step sends what that one did
-    link.steady = all(prog.programs and all(q is not None for q in prog.programs) for prog in stage._programs.values())
     actions = plan.per_device()[stage.index]
     run = ProgramRun(stage, link, micro, sizes, loss, stop, plan.split, last_gradients(actions))
+    for p, prog in stage._programs.items():
+        prog.begin(sizes, stop, plan.split, partition_order(plan, p), autocast=dtype if on else None,
+                   input_grads=p == 0 and run.input_grads)
+    # every program built in an earlier step (same sizes, same everything): this step sends what that one did
+    link.steady = all(prog.programs and all(q is not None for q in prog.programs) for prog in stage._programs.values())
     # The caller's autocast without its cache of weight casts, as CUDA graphs need (torch's
     # make_graphed_callables asks for cache_enabled=False): each program casts its weights itself, inside
     # its graphs; the in-process executor builds its programs the same way (pipeline.replayed)

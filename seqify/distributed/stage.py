@@ -19,7 +19,7 @@ from seqify.distributed.link import Books, Link, directions, leaves, peer
 from seqify.distributed.materialize import BufferInit, converted, materialize
 from seqify.distributed.rank import Route, crossing_routes
 from seqify.distributed.replay import RankPrograms, program_step
-from seqify.errors import BalanceError, BoundaryError, DeviceError, ScheduleError
+from seqify.errors import BalanceError, BoundaryError, DeviceError
 from seqify.model.sequential import Sequential
 from seqify.model.stash_sizes import size_skips
 from seqify.pipe import tied
@@ -230,11 +230,6 @@ class DistributedStage(Placed):
         refuse_meta(carried, "the pipeline's input", self.device,
                     model.input_names() if isinstance(model, Sequential) else None)
         values = (carried,) if isinstance(carried, torch.Tensor) else tuple(carried)
-        if self._programs and torch.is_grad_enabled() and any(t.requires_grad for t in values):
-            raise ScheduleError("stage.step(inputs) with graphs=True does not give the inputs a gradient: its "
-                                "programs copy each micro-batch into buffers of their own. Build the stage with "
-                                "graphs=False for input gradients, or pass inputs that do not require grad "
-                                "(x.detach())")
         moved = tuple(t.to(self.device) for t in values)
         carried = moved[0] if isinstance(carried, torch.Tensor) else moved
         return scatter(carried, self.chunks, model.input_names if isinstance(model, Sequential) else None)

@@ -103,13 +103,16 @@ def test_pipeline_over_processes_equals_one_process(
     assert last["output"] is not None and last["output"].shape[0] == 8
 
 
-@pytest.mark.parametrize(("name", "schedule", "loops"), [("resnet18", "1f1b", 1), ("unet", "zb-h1", 2)])
+@pytest.mark.parametrize(("name", "schedule", "loops", "graphs"), [("resnet18", "1f1b", 1, False),
+                                                                    ("unet", "zb-h1", 2, False),
+                                                                    ("unet", "zb-h1", 2, True)])
 def test_an_input_that_wants_a_gradient_gets_the_source_models(tmp_path: Path, name: str, schedule: str,
-                                                              loops: int) -> None:
+                                                              loops: int, graphs: bool) -> None:
     """The rank of the first partition hands each micro-batch's input gradient back to the caller's input: the
-    gradient one process gives it on the same micro-batches (skips across ranks, a split backward too)."""
+    gradient one process gives it on the same micro-batches (skips across ranks, a split backward too; with
+    ``graphs``, from fixed programs)."""
     ranks(2, tmp_path, "--model", name, "--balance", "params", "--chunks", "4", "--schedule", schedule,
-          "--loops", str(loops), "--input-grad")
+          "--loops", str(loops), "--input-grad", *(["--graphs"] if graphs else []))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -1,7 +1,7 @@
 """Inputs that want a gradient (adversarial training): a replayed pipe.step copies its inputs into fixed buffers, so
 such a step runs eagerly and the input's ``.grad`` equals the eager step's (it was left None); under
-seqify.distributed an eager step hands each micro-batch's input gradient back to the caller's input, and a step of
-fixed programs (``graphs=True``), which copies its inputs into buffers of their own, refuses such inputs."""
+seqify.distributed each micro-batch's input gradient is handed back to the caller's input, by an eager step and by
+a step of fixed programs (``graphs=True``), whose first partition then differentiates its input buffers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from torch import nn
 
 import seqify
 from helpers import replay_steps
-from seqify.errors import ScheduleError
 
 
 def net() -> nn.Sequential:
@@ -55,23 +54,27 @@ def test_a_graphed_pipeline_gives_the_input_its_gradient() -> None:
     assert pipe.graphs and pipe.graph_error is None and pipe._replayer.built is not None
 
 
-def _stage(schedule: str, loops: int, checkpoint: str, graphs: bool = False) -> tuple[nn.Module, object]:
+def _stage(schedule: str, loops: int, checkpoint: str, graphs: bool = False, device: str = "cpu"
+           ) -> tuple[nn.Module, object]:
     import seqify.distributed as sd
 
     source = net()
     model = seqify.convert(net())
     balance = {1: [5], 2: [2, 3], 4: [1, 1, 1, 2]}[loops]
-    return source, sd.DistributedStage(model, balance, index=0, device=torch.device("cpu"), chunks=3,
+    return source, sd.DistributedStage(model, balance, index=0, device=torch.device(device), chunks=3,
                                        schedule=schedule, loops=loops, checkpoint=checkpoint, graphs=graphs)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("schedule,loops,checkpoint", [("gpipe", 1, "never"), ("gpipe", 2, "except_last"),
                                                        ("interleaved", 4, "never"), ("zb-h1", 2, "never"),
                                                        ("zb-h1", 2, "always")])
-def test_a_distributed_step_gives_the_input_its_gradient(schedule: str, loops: int, checkpoint: str) -> None:
-    """Each rank's first partition takes its micro-batches as leaves and hands their gradients back through
-    autograd: ``x.grad`` is the source's on the same micro-batches, and adds up over steps."""
-    source, stage = _stage(schedule, loops, checkpoint)
+def test_a_distributed_step_gives_the_input_its_gradient(schedule: str, loops: int, checkpoint: str,
+                                                         graphs: bool) -> None:
+    """Each rank's first partition hands its micro-batches' gradients back through autograd (eagerly, or from
+    fixed programs differentiating their input buffers): ``x.grad`` is the source's on the same micro-batches,
+    and adds up over steps."""
+    source, stage = _stage(schedule, loops, checkpoint, graphs)
     torch.manual_seed(1)
     x = torch.randn(6, 6, requires_grad=True)
     target = torch.randn(6, 3)
@@ -87,9 +90,41 @@ def test_a_distributed_step_gives_the_input_its_gradient(schedule: str, loops: i
         assert q.grad is not None and p.grad is not None
 
 
-def test_a_distributed_step_with_programs_refuses_an_input_that_wants_a_gradient() -> None:
-    _, stage = _stage("interleaved", 4, "never", graphs=True)
-    x, target = torch.randn(6, 6), torch.randn(6, 3)
-    with pytest.raises(ScheduleError, match="graphs=True does not give the inputs a gradient.*graphs=False"):
-        stage.step(x.requires_grad_(), target, loss_fn=F.mse_loss)
-    assert stage.step(x.detach(), target, loss_fn=F.mse_loss) is not None
+def test_distributed_programs_are_built_again_when_the_inputs_stop_or_start_wanting_a_gradient() -> None:
+    """Programs built for plain inputs, then for inputs wanting a gradient, then plain again: each step's ``x.grad``
+    and parameter gradients are the eager stage's, and a plain step leaves ``x.grad`` as it was."""
+    replayed, eager = _switching_steps(True, "cpu"), _switching_steps(False, "cpu")
+    assert [g is None for g in replayed] == [g is None for g in eager]
+    assert replayed[0] is None and replayed[len(replayed) // 5] is not None
+    for a, b in zip(replayed, eager, strict=True):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_captured_rank_gives_the_input_its_gradient() -> None:
+    """The same on a GPU, where the rank's programs are captured as CUDA graphs and replayed."""
+    replayed, eager = _switching_steps(True, "cuda:0"), _switching_steps(False, "cuda:0")
+    assert [g is None for g in replayed] == [g is None for g in eager]
+    for a, b in zip(replayed, eager, strict=True):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _switching_steps(graphs: bool, device: str) -> list[torch.Tensor | None]:
+    """Five steps of a single-rank stage whose inputs want a gradient, or not, in turn: after each, the input's
+    gradient and the parameters'."""
+    _, stage = _stage("interleaved", 4, "never", graphs=graphs, device=device)
+    torch.manual_seed(1)
+    x, target = torch.randn(6, 6, device=device), torch.randn(6, 3, device=device)
+    found: list[torch.Tensor | None] = []
+    for wants in (False, True, True, False, True):
+        given = x.clone().requires_grad_(wants)
+        stage.step(given, target, loss_fn=F.mse_loss)
+        found += [given.grad] + [p.grad.clone() for p in stage.parameters()]
+        stage.zero_grad(set_to_none=True)
+    if graphs:  # the last step ran the first partition's programs built for inputs wanting a gradient
+        first = stage._programs[0]
+        assert first.input_grads and all(p is not None for p in first.programs)
+    return found

@@ -51,8 +51,8 @@ def reach(programs: list[list[Program]], wiring: Wiring, shared: frozenset[int],
     With ``streams``, then capture each device's programs as CUDA graphs, in one memory pool per device
     and in the order the schedule runs them there (its partitions interleaved as the schedule interleaves
     them), so partitions sharing a GPU reuse each other's freed memory as eager execution would (the pools in
-    expandable segments with ``expandable``). Returns
-    the handoff: per partition, the parameters some backward reached and their sums."""
+    expandable segments with ``expandable``). Returns the handoff: per partition, the parameters some backward
+    reached and their sums."""
     for j in reversed(range(len(programs))):
         row = programs[j]
         _unreached(programs, wiring, j)

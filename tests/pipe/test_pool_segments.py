@@ -83,6 +83,22 @@ def test_nothing_changes_where_torch_cannot_change_them_at_runtime(monkeypatch: 
         pass
 
 
+def test_without_a_runtime_reader_the_environments_settings_are_kept(allocator: Allocator,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch that can change the settings at runtime but not read them back: the environment says what they are."""
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    with expandable_segments():
+        pass
+    assert allocator.changes == ["max_split_size_mb:64,expandable_segments:True",
+                                 "max_split_size_mb:64,expandable_segments:False"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with expandable_segments():
+        pass
+    assert len(allocator.changes) == 2
+
+
 def test_this_torch_changes_them_and_reads_them_back() -> None:
     """Against the real allocator settings (they parse without a GPU): on, then off, the user's kept."""
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)

@@ -203,6 +203,7 @@ def _layouts(file: str, device: str, args: str, date: str = "2026-11-28", llama:
 
 LLAMA_2 = "--model llama --gpus 2 --per-gpu 4 --steps 4 --warm 2"
 LLAMA_4 = "--model llama --gpus 4 --per-gpu 4 --steps 4 --warm 2"
+RESNET_2_AUTO = "--gpus 2 --per-gpu 128 --steps 6 --warm 2 --auto"
 LAYOUTS = _layouts("h200-two-gpus.jsonl", H200x2, "--gpus 2 --auto --torchrun")
 LAYOUTS_BOUNDED = _layouts("h200-two-gpus-bounded.jsonl", H200x2, "--gpus 2 --auto")
 LAYOUTS_LLAMA_BOUNDED = _layouts("h200-llama-two-gpus-bounded.jsonl", H200x2,
@@ -217,12 +218,12 @@ LAYOUTS_LLAMA_FUSED = _layouts("h200-llama-two-gpus-fused.jsonl", H200x2,
 LAYOUTS_LLAMA_FUSED_ANCHORS = _layouts("h200-llama-two-gpus-fused-anchors.jsonl", H200x2,
                                        "--model llama --gpus 2 --per-gpu 4 --steps 6 --warm 2", date="2026-11-29",
                                        llama=True)
-LAYOUTS_RESNET_ONE_RUN = _layouts("h200-resnet-two-gpus-auto.jsonl", H200x2,
-                                  "--gpus 2 --per-gpu 128 --steps 6 --warm 2 --auto", date="2026-11-29")
-LAYOUTS_RESNET_EXPANDABLE = _layouts("h200-resnet-two-gpus-expandable.jsonl", H200x2,
-                                     "--gpus 2 --per-gpu 128 --steps 6 --warm 2 --auto", date="2026-11-29")
-LAYOUTS_RESNET_EXPANDABLE_AGAIN = _layouts("h200-resnet-two-gpus-expandable-again.jsonl", H200x2,
-                                           "--gpus 2 --per-gpu 128 --steps 6 --warm 2 --auto", date="2026-11-29")
+LAYOUTS_RESNET_ONE_RUN = _layouts("h200-resnet-two-gpus-auto.jsonl", H200x2, RESNET_2_AUTO,
+                                   date="2026-11-29")
+LAYOUTS_RESNET_EXPANDABLE = _layouts("h200-resnet-two-gpus-expandable.jsonl", H200x2, RESNET_2_AUTO,
+                                      date="2026-11-29")
+LAYOUTS_RESNET_EXPANDABLE_AGAIN = _layouts("h200-resnet-two-gpus-expandable-again.jsonl", H200x2, RESNET_2_AUTO,
+                                            date="2026-11-29")
 LAYOUTS_LLAMA_ONE_RUN = _layouts("h200-llama-two-gpus-fused-one-run.jsonl", H200x2,
                                  "--model llama --gpus 2 --per-gpu 4 --steps 6 --warm 2 --auto "
                                  "--layouts 1x2:interleaved:2:graphs:loops4", date="2026-11-29", llama=True)

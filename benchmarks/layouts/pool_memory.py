@@ -1,9 +1,10 @@
-"""Where a seqify step's memory goes on one GPU: the 0.89 B Llama, the 7.2 B one cut to ``--layers``, or ResNet-101
-(or ``--tiny``) as one replica on one GPU, one micro-batch by default (main.py's ``1x1:gpipe:1`` layout), eager or
-with CUDA graphs (their pools in expandable segments unless ``--no-expandable-pools``), built and stepped under the
-caching allocator's history. Prints the peaks as main.py counts them (allocated, reserved, in use with graphs' pools) and,
-from the history, the live bytes at the peak of the default pool and of the graphs' private pools, by the Python
-lines that allocated them (an allocation with no Python line is the autograd engine's: a backward).
+"""Where a seqify step's memory goes on one GPU: the 0.89 B Llama, the 7.2 B one cut to ``--layers``, or
+ResNet-101 (or ``--tiny``) as one replica on one GPU, one micro-batch by default (main.py's ``1x1:gpipe:1``
+layout), eager or with CUDA graphs (their pools in expandable segments unless ``--no-expandable-pools``), built
+and stepped under the caching allocator's history. Prints the peaks as main.py counts them (allocated, reserved,
+in use with graphs' pools) and, from the history, the live bytes at the peak of the default pool and of the
+graphs' private pools, by the Python lines that allocated them (an allocation with no Python line is the autograd
+engine's: a backward).
 
     python benchmarks/layouts/pool_memory.py --graphs --out graphs.json
     python benchmarks/layouts/pool_memory.py --model resnet101 --per-gpu 128 --graphs --no-expandable-pools

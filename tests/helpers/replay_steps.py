@@ -44,6 +44,22 @@ def sgd_steps(pipe: Pipeline, count: int, before: Callable[[int], None], replay:
     return losses, states, built
 
 
+def norm_steps(model: nn.Module, balance: Sequence[int], replay: bool, device: str,
+               change: Callable[[nn.BatchNorm1d, int], None], norms: int = 2
+               ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[object]]:
+    """Four :func:`sgd_steps` of ``model`` converted and cut at ``balance``, ``change(norm, step)`` applied to each
+    of its ``norms`` BatchNorms before each step."""
+    seq = seqify.convert(model.to(device))
+    found = [m for m in seq.modules() if isinstance(m, nn.BatchNorm1d)]
+    assert len(found) == norms
+
+    def before(step: int) -> None:
+        for m in found:
+            change(m, step)
+
+    return sgd_steps(pipeline(seq, balance, replay, device), 4, before, replay, device)
+
+
 def assert_like(got: tuple[list[torch.Tensor], list[list[torch.Tensor]], list[object]],
                 want: tuple[list[torch.Tensor], list[list[torch.Tensor]], list[object]], tol: float = 0.0) -> None:
     """Two runs of :func:`sgd_steps` gave the same losses, gradients and buffers: bit-equal, or within ``tol``

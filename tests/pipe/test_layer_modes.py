@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-import seqify
 from helpers import replay_steps
 
 
@@ -22,15 +21,7 @@ def net() -> nn.Sequential:
 def run(replay: bool, device: str = "cpu") -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[object]]:
     """Four SGD steps of a 2-partition 1F1B pipeline; both BatchNorms in eval mode for the third and fourth.
     Returns the losses, each step's gradients and running statistics, and the programs each step ran."""
-    seq = seqify.convert(net().to(device))
-    norms = [m for m in seq.modules() if isinstance(m, nn.BatchNorm1d)]
-    assert len(norms) == 2
-
-    def freeze(step: int) -> None:
-        for m in norms:
-            m.train(step < 2)
-
-    return replay_steps.sgd_steps(replay_steps.pipeline(seq, [3, 4], replay, device), 4, freeze, replay, device)
+    return replay_steps.norm_steps(net(), [3, 4], replay, device, lambda m, step: m.train(step < 2))
 
 
 def test_a_layer_frozen_between_replayed_steps_runs_in_its_new_mode() -> None:

@@ -24,15 +24,10 @@ def net() -> nn.Sequential:
 def run(replay: bool, device: str = "cpu") -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[object]]:
     """Four SGD steps of a 2-partition 1F1B pipeline; the BatchNorms' momentum 0.1, then 0.9 from the third step.
     Returns the losses, each step's gradients and running statistics, and the programs each step ran."""
-    seq = seqify.convert(net().to(device))
-    norms = [m for m in seq.modules() if isinstance(m, nn.BatchNorm1d)]
-    assert len(norms) == 2
+    def momentum(m: nn.BatchNorm1d, step: int) -> None:
+        m.momentum = 0.1 if step < 2 else 0.9
 
-    def momentum(step: int) -> None:
-        for m in norms:
-            m.momentum = 0.1 if step < 2 else 0.9
-
-    return replay_steps.sgd_steps(replay_steps.pipeline(seq, [4, 4], replay, device), 4, momentum, replay, device)
+    return replay_steps.norm_steps(net(), [4, 4], replay, device, momentum)
 
 
 def test_a_setting_changed_between_replayed_steps_builds_the_programs_again() -> None:
